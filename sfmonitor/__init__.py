@@ -1,0 +1,24 @@
+"""sfmonitor: keep PyTorch training runs alive.
+
+    monitor = sfmonitor.attach(model, optimizer, scaler=scaler)
+    loss = monitor.combine({"vision": l_v, "text": l_t, "fusion": l_f},
+                           weights={"vision": 0.4, "text": 0.3, "fusion": 0.3})
+
+See DESIGN.md / docs/ for the public contract. Importing this package imports neither wandb
+nor tensorboard.
+"""
+from .config import MonitorConfig
+from .events import ConfigError, Event, NonFiniteError, StopTraining
+from .monitor import Monitor, attach
+
+__version__ = "0.1.0"
+
+
+def lr_find(*args, **kwargs):
+    """LR range test; see ``sfmonitor.tools.lr_find.lr_find``."""
+    from .tools.lr_find import lr_find as _lr_find
+    return _lr_find(*args, **kwargs)
+
+
+__all__ = ["Monitor", "MonitorConfig", "Event", "ConfigError", "NonFiniteError", "StopTraining",
+           "attach", "lr_find", "__version__"]

@@ -1,0 +1,532 @@
+"""The Monitor: attach to any model and optimizer, watch every optimizer step, rescue the run.
+
+Read ``Monitor._run_pipeline`` first: it is the whole per-step story, in this fixed order,
+
+    1. stats      gather the step's statistics as tensors, read them to the host ONCE
+    2. detectors  turn numbers into findings (they never touch the model)
+    3. policy     turn findings into decisions (escalation, cooldowns, budgets)
+    4. actions    the only code that changes training (skip, clip, reweight, lr drop, rollback...)
+    5. sinks      every finding becomes an event with the actions it caused; metrics are logged
+
+It runs where the *unscaled* gradients are ready and the update has not landed yet: in the
+optimizer's step pre-hook, or, with a GradScaler, inside ``scaler.step`` right after ``unscale_``
+(the scaler may skip ``optimizer.step`` and then no optimizer hook fires). ``_after_update`` runs in
+the step post-hook (or after the scaler skipped) and measures what the update did.
+
+Skipping a step: the pipeline hides every gradient (``p.grad = None``) before the optimizer runs.
+torch.optim optimizers leave parameters without a gradient untouched (no state update, no step
+counter), so parameters and optimizer state stay bit-identical; the gradients are put back after.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from collections import Counter
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from . import stats as S
+from .config import MonitorConfig
+from .events import (CLIP, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM, SKIP_STEP, STOP,
+                     ConfigError, Decision, Event, Finding, NonFiniteError, StopTraining)
+from .sinks import SinkRouter, make_sink
+from .sinks.console import ConsoleSink
+
+OTHER = "other"  # the group of parameters held by the root module or named by no group
+
+
+def resolve_groups(model: nn.Module, groups: Mapping[str, Any] | None = None
+                   ) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Split the model's parameters into named groups.
+
+    None: one group per top-level child module; parameters held by the root go to "other"; a tied
+    weight belongs to the module ``named_parameters()`` lists first. A dict maps a group name to an
+    ``nn.Module``, an iterable of Parameters, or a parameter-name prefix; parameters named by no
+    group go to "other"; a parameter in two groups is an error.
+    """
+    named = list(model.named_parameters())  # de-duplicates tied weights: first name wins
+    out: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    if groups is None:
+        children = {name for name, _ in model.named_children()}
+        for name, p in named:
+            head = name.split(".", 1)[0]
+            out.setdefault(head if head in children and "." in name else OTHER, []).append((name, p))
+        return out
+    if not isinstance(groups, Mapping):
+        raise ConfigError(f"groups: expected None or a dict {{name: module | parameters | prefix}}, "
+                          f"got {type(groups).__name__}")
+    by_id = {id(p): name for name, p in named}
+    owner: dict[int, str] = {}
+    for gname, spec in groups.items():
+        if isinstance(spec, nn.Module):
+            members = [id(p) for p in spec.parameters()]
+        elif isinstance(spec, str):
+            members = [id(p) for n, p in named if n == spec or n.startswith(spec.rstrip(".") + ".")]
+            if not members:
+                raise ConfigError(f"groups[{gname!r}]: prefix {spec!r} matches no parameter of the model")
+        else:
+            try:
+                members = [id(p) for p in spec]
+            except TypeError:
+                raise ConfigError(f"groups[{gname!r}]: expected an nn.Module, an iterable of "
+                                  f"Parameters or a name prefix, got {type(spec).__name__}") from None
+        for pid in members:
+            if pid not in by_id:
+                raise ConfigError(f"groups[{gname!r}] holds a parameter that is not in the model")
+            if pid in owner and owner[pid] != gname:
+                raise ConfigError(f"parameter {by_id[pid]!r} is in two groups: "
+                                  f"{owner[pid]!r} and {gname!r}")
+            owner[pid] = gname
+    for gname in groups:
+        out[gname] = []
+    for name, p in named:
+        out.setdefault(owner.get(id(p), OTHER), []).append((name, p))
+    return {g: ps for g, ps in out.items() if ps}
+
+
+class _LossAccumulator:
+    """Loss components recorded by ``combine()`` over the micro-batches of one optimizer step."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.total: torch.Tensor | None = None
+        self.count = 0
+        self.weights: dict[str, float] = {}
+
+    def add(self, components: Mapping[str, torch.Tensor], total: torch.Tensor,
+            weights: Mapping[str, float]) -> None:
+        for k, v in components.items():
+            v = v.detach().float()
+            self.sums[k] = v if k not in self.sums else self.sums[k] + v
+        t = total.detach().float()
+        self.total = t if self.total is None else self.total + t
+        self.count += 1
+        self.weights = dict(weights)
+
+    def tensors(self, pairs: list[list[str]]) -> dict[str, torch.Tensor | float]:
+        if not self.count:
+            return {}
+        out: dict[str, torch.Tensor | float] = {S.LOSS_TOTAL: self.total / self.count}
+        for k, v in self.sums.items():
+            if k != "total":
+                out[S.LOSS.format(k)] = v / self.count
+        if len(self.sums) > 1:
+            for k, w in self.weights.items():
+                out[S.LOSS_WEIGHT.format(k)] = float(w)
+            for a, b in S.pair_keys(self.sums, pairs):
+                out[S.LOSS_RATIO.format(a, b)] = S.ratio(self.sums[a] / self.count, self.sums[b] / self.count)
+        return out
+
+
+class Monitor:
+    """Watches a model and optimizer each optimizer step; see the module docstring.
+
+    Args:
+        config: a MonitorConfig, a dict, a path to a YAML file, or None for the defaults.
+        run_dir: folder for metrics.jsonl, events.jsonl, checkpoints/, bundles/. None: a new
+            folder under ./sfmonitor_runs/ is made on first write.
+        sinks: sink names ("jsonl", "console", "tensorboard", "wandb") or Sink objects.
+            Default: ["jsonl"] plus one console line per event (``config.console``).
+    """
+
+    def __init__(self, config: MonitorConfig | dict | str | os.PathLike | None = None,
+                 run_dir: str | os.PathLike | None = None, sinks: Iterable[Any] | None = None):
+        self.config = MonitorConfig.from_any(config)
+        self.run_dir = os.fspath(run_dir) if run_dir is not None else None
+        self._sink_specs = list(sinks) if sinks is not None else ["jsonl"]
+        if isinstance(sinks, (str, bytes)):
+            raise ConfigError("sinks: expected a list of sink names or objects, e.g. ['jsonl']")
+        self.events: list[Event] = []
+        self.step = 0
+        self.should_stop = False
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler = None
+        self.groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        self._router: SinkRouter | None = None
+        self._hooks: list[Any] = []
+        self._undo: list[Any] = []  # callables that restore whatever attach() replaced
+        self._losses = _LossAccumulator()
+        self._base_weights: dict[str, float] = {}
+        self._weights: dict[str, float] = {}  # current (possibly rescued) loss weights
+        self._grad_ratio_tensors: dict[str, torch.Tensor] = {}
+        self._stats: dict[str, float] = {}
+        self._pending: dict[str, torch.Tensor] = {}  # after-update tensors of the last step
+        self._pending_step: int | None = None
+        self._amp_skipped = 0
+        self._pipeline_done = False  # the pipeline already ran for the step in flight
+        self._skipping = False
+        self._hidden_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._before_params: list[torch.Tensor] | None = None
+        self._stepped = False
+        self._batches_to_skip = 0
+        self._counts: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------------------------------
+    # attach / detach
+    # ------------------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None,
+               groups: Mapping[str, Any] | None = None) -> "Monitor":
+        if self.model is not None:
+            raise RuntimeError("this Monitor is already attached; call detach() first")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach: model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"attach: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError("attach: LBFGS treats a missing gradient as zero, so a skipped step "
+                            "could not be kept bit-identical; use a first-order optimizer")
+        self.groups = resolve_groups(model, groups)
+        self.model, self.optimizer = model, optimizer
+        self._group_names = list(self.groups)
+        self._params = [p for ps in self.groups.values() for _, p in ps]
+        self._param_names = [n for ps in self.groups.values() for n, _ in ps]
+        self._param_group = [gi for gi, ps in enumerate(self.groups.values()) for _ in ps]
+        self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
+        self._hooks.append(optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
+        self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_post_step))
+        if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
+            self.scaler = scaler
+            self._wrap_scaler_step(scaler)
+        sinks = [make_sink(s) for s in self._sink_specs]
+        if self.config.console and not any(isinstance(s, ConsoleSink) for s in sinks):
+            sinks.append(ConsoleSink())
+        self._router = SinkRouter(sinks)
+        self._router.open(self._ensure_run_dir(), self.config.to_dict())
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook and restore what attach() replaced. Safe to call twice."""
+        if self.model is None:
+            return
+        with contextlib.suppress(Exception):
+            self._finish_pending()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        if self._router is not None:
+            self._router.flush()
+            self._router.close()
+        self.model = self.optimizer = self.scaler = None
+
+    close = detach
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def _ensure_run_dir(self) -> str:
+        if self.run_dir is None:
+            self.run_dir = os.path.join("sfmonitor_runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+        return self.run_dir
+
+    def _wrap_scaler_step(self, scaler: Any) -> None:
+        """The one patch: GradScaler.step may skip optimizer.step, so no optimizer hook would fire.
+
+        The wrapper unscales first (as scaler.step would), runs the pipeline on the unscaled
+        gradients, then calls the original; ``detach()`` puts the original back.
+        """
+        original = scaler.step
+        monitor = self
+
+        def step(optimizer, *args, **kwargs):
+            if optimizer is not monitor.optimizer or monitor.model is None:
+                return original(optimizer, *args, **kwargs)
+            from torch.amp.grad_scaler import OptState
+            if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+                scaler.unscale_(optimizer)
+            monitor._run_pipeline()
+            monitor._stepped = False
+            try:
+                return original(optimizer, *args, **kwargs)
+            finally:
+                if not monitor._stepped:  # the scaler found inf/NaN and skipped optimizer.step
+                    monitor._after_update()
+
+        scaler.step = step
+        self._undo.append(lambda: scaler.__dict__.pop("step", None))
+
+    # ------------------------------------------------------------------------------------------
+    # user API
+    # ------------------------------------------------------------------------------------------
+    def combine(self, losses: Mapping[str, torch.Tensor] | torch.Tensor,
+                weights: Mapping[str, float] | None = None) -> torch.Tensor:
+        """The weighted total of the loss components with the *current* weights; records them.
+
+        ``weights`` are the base weights (default 1 each); a reweight rescue changes the current
+        ones, and ``loss_weight/<c>`` shows them. Call once per micro-batch.
+        """
+        if isinstance(losses, torch.Tensor):
+            self._losses.add({}, losses, {})
+            return losses
+        if not isinstance(losses, Mapping) or not losses:
+            raise TypeError("combine: expected a non-empty dict {name: loss tensor} or a tensor")
+        weights = dict(weights) if weights is not None else {k: 1.0 for k in losses}
+        missing = set(losses) - set(weights)
+        if missing:
+            raise ConfigError(f"combine: no weight for loss component(s) {sorted(missing)}; "
+                              f"weights has {sorted(weights)}")
+        if weights != self._base_weights:  # new or changed base weights: rescues start over
+            self._base_weights = {k: float(weights[k]) for k in losses}
+            self._weights = dict(self._base_weights)
+        total = sum(self._weights[k] * v for k, v in losses.items())
+        if self._losses.count == 0 and self._grad_ratio_due():
+            self._grad_ratio_tensors = self._component_grad_stats(losses)
+        self._losses.add(losses, total, self._weights)
+        return total
+
+    def _grad_ratio_due(self) -> bool:
+        every = self.config.stats.grad_ratio_every
+        return bool(every) and self.model is not None and self.step % every == 0 and torch.is_grad_enabled()
+
+    def _component_grad_stats(self, losses: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """grad_ratio/<a>/<b> and grad_cos/<a>/<b> on the parameters both components reach.
+
+        One extra backward per component (autograd.grad, graph retained), on the first
+        micro-batch of every ``grad_ratio_every``-th step; ``.grad`` is not touched.
+        """
+        pairs = S.pair_keys([k for k, v in losses.items() if v.requires_grad], self.config.stats.loss_ratio_pairs)
+        if not pairs:
+            return {}
+        if self.config.stats.grad_ratio_groups:
+            params = [p for g in self.config.stats.grad_ratio_groups for _, p in self.groups.get(g, [])]
+        else:
+            params = [p for p in self._params if p.requires_grad]
+        comps = sorted({c for pair in pairs for c in pair})
+        grads = {c: torch.autograd.grad(losses[c], params, retain_graph=True, allow_unused=True) for c in comps}
+        out = {}
+        for a, b in pairs:
+            r = S.shared_grad_stats(grads[a], grads[b])
+            if r is not None:
+                out[S.GRAD_RATIO.format(a, b)], out[S.GRAD_COS.format(a, b)] = r
+        return out
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The last optimizer step's statistics. Reading it right after a step forces the read of
+        that step's update ratio (a host sync the monitor would otherwise do on the next step)."""
+        self._finish_pending()
+        return dict(self._stats)
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Yield the loader's batches, leaving out those a rollback asked to skip."""
+        for batch in loader:
+            if self._batches_to_skip > 0:
+                self._batches_to_skip -= 1
+                continue
+            yield batch
+
+    # ------------------------------------------------------------------------------------------
+    # hooks
+    # ------------------------------------------------------------------------------------------
+    def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
+        if self.scaler is None:  # with a scaler the pipeline already ran inside scaler.step
+            self._run_pipeline()
+        self._stepped = True
+
+    def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
+        self._after_update()
+
+    # ------------------------------------------------------------------------------------------
+    # the per-step pipeline
+    # ------------------------------------------------------------------------------------------
+    def _run_pipeline(self) -> None:
+        """Everything the monitor does before an update lands, in this fixed order."""
+        step = self.step
+        grads = [p.grad for p in self._params]
+
+        # 1. stats: every number of this step as a tensor, then ONE host read.
+        tensors, per_param = self._collect_tensors(grads)
+        prev_update = {f"_prev/{k}": v for k, v in self._pending.items()}
+        values = S.read_all({**tensors, **prev_update})  # the step's single host synchronisation
+        self._complete_previous({k[len("_prev/"):]: values.pop(k) for k in prev_update})
+        stats = {k: v for k, v in values.items() if not k.startswith("_")}
+
+        # 2. detectors: non-finite loss/grad/param first (core), then the configured detectors.
+        findings = self._nonfinite_findings(step, values, per_param)
+
+        # 3. policy and 4. actions: a non-finite gradient never reaches the weights.
+        taken: dict[int, list[str]] = {}
+        for i, f in enumerate(findings):
+            if f.data.get("skipped_by") == "grad_scaler":
+                taken[i] = []
+                continue
+            if self.config.strict:
+                event = Event(step, f.kind, f.message, dict(f.data), [])
+                self._emit(event)
+                raise NonFiniteError(f"step {step}: {f.message}", event)
+            self._skip_current_step()
+            taken[i] = [SKIP_STEP]
+
+        # 5. sinks: one event per finding, with the actions it caused.
+        for i, f in enumerate(findings):
+            self._emit(Event(step, f.kind, f.message, dict(f.data), taken.get(i, [])))
+        self._stats = stats
+        self._pipeline_done = True
+
+    def _collect_tensors(self, grads: list[torch.Tensor | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """All statistics of the step as 0-d tensors (or Python numbers); nothing is read here."""
+        out: dict[str, Any] = {}
+        out.update(self._losses.tensors(self.config.stats.loss_ratio_pairs))
+        present = [(i, g) for i, g in enumerate(grads) if g is not None]
+        grad_norms = S.norms([g for _, g in present])
+        gidx = [self._param_group[i] for i, _ in present]
+        per_group = S.group_norms(grad_norms, gidx, len(self._group_names))
+        out[S.GRAD_NORM_TOTAL] = per_group.square().sum().sqrt()
+        for gi, g in enumerate(self._group_names):
+            out[S.GRAD_NORM.format(g)] = per_group[gi]
+        param_norms = S.norms([p.detach() for p in self._params])
+        per_group_p = S.group_norms(param_norms, self._param_group, len(self._group_names))
+        for gi, g in enumerate(self._group_names):
+            out[S.PARAM_NORM.format(g)] = per_group_p[gi]
+        for i, pg in enumerate(self.optimizer.param_groups):
+            lr = pg["lr"]
+            out[S.LR.format(i)] = lr if isinstance(lr, torch.Tensor) else float(lr)
+        out.update(self._grad_ratio_tensors)
+        if self.scaler is not None:
+            scale = self.scaler._scale
+            out[S.AMP_LOSS_SCALE] = scale if scale is not None else float(self.scaler.get_scale())
+            out[S.AMP_SKIPPED] = float(self._amp_skipped)
+            found = self.scaler._per_optimizer_states[id(self.optimizer)].get("found_inf_per_device", {})
+            if found:
+                out["_amp_found_inf"] = sum(v.to(next(iter(found.values())).device) for v in found.values())
+        # Which gradients / parameters are non-finite: first index, count (resolved at the read).
+        bad_grad = ~torch.isfinite(grad_norms)
+        out["_grad_first_bad"] = S.first_true(bad_grad)
+        out["_grad_bad_count"] = bad_grad.sum()
+        bad_param = ~torch.isfinite(param_norms)
+        out["_param_first_bad"] = S.first_true(bad_param)
+        out["_param_bad_count"] = bad_param.sum()
+        per_param = {"grad_index": [i for i, _ in present]}
+        if self.config.stats.update_ratio_every and self.step % self.config.stats.update_ratio_every == 0:
+            self._before_params = [p.detach().clone() for p in self._params]
+            self._before_norms = per_group_p
+        return out, per_param
+
+    def _nonfinite_findings(self, step: int, v: dict[str, float], per_param: dict[str, Any]) -> list[Finding]:
+        findings: list[Finding] = []
+        scaler_skips = v.get("_amp_found_inf", 0.0) > 0
+        loss = v.get(S.LOSS_TOTAL)
+        if loss is not None and not S.finite(loss):
+            comps = {k[5:]: x for k, x in v.items() if k.startswith("loss/") and k != S.LOSS_TOTAL}
+            bad = [c for c, x in comps.items() if not S.finite(x)]
+            findings.append(Finding(NONFINITE_LOSS,
+                                    f"loss is {loss}" + (f" (non-finite components: {', '.join(bad)})" if bad else ""),
+                                    {"loss": loss, "components": comps, "nonfinite_components": bad}))
+        if v["_grad_bad_count"] > 0:
+            idx = per_param["grad_index"][int(v["_grad_first_bad"])]
+            name = self._param_names[idx]
+            n_bad = int(v["_grad_bad_count"])
+            data = {"param": name, "group": self._name_to_group[name], "count": n_bad,
+                    "grad_norm": v[S.GRAD_NORM_TOTAL]}
+            msg = (f"non-finite gradient in {name} (group {data['group']}); "
+                   f"{n_bad} parameter(s) with non-finite gradients")
+            if scaler_skips and not findings:
+                # Finite loss, overflowing scaled gradients: ordinary dynamic loss scaling.
+                data["skipped_by"] = "grad_scaler"
+                scale = v.get(S.AMP_LOSS_SCALE)
+                msg += f"; the GradScaler skips this step and lowers its scale from {scale:g}"
+            findings.append(Finding(NONFINITE_GRAD, msg, data, where=name))
+        elif scaler_skips and not findings:
+            findings.append(Finding(NONFINITE_GRAD, "the GradScaler found inf/NaN gradients and skips this step",
+                                    {"skipped_by": "grad_scaler"}))
+        if v["_param_bad_count"] > 0:
+            name = self._param_names[int(v["_param_first_bad"])]
+            findings.append(Finding(NONFINITE_PARAM, f"non-finite parameter {name} (group {self._name_to_group[name]})",
+                                    {"param": name, "group": self._name_to_group[name],
+                                     "count": int(v["_param_bad_count"])}, where=name))
+        return findings
+
+    def _skip_current_step(self) -> None:
+        """Hide every gradient so the optimizer leaves parameters and state untouched."""
+        if self._skipping:
+            return
+        self._skipping = True
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                self._hidden_grads.append((p, p.grad))
+                p.grad = None
+
+    def _after_update(self) -> None:
+        """After the optimizer ran (or was skipped): restore hidden grads, measure the update."""
+        if not self._pipeline_done:
+            return
+        skipped = self._skipping or not self._stepped
+        for p, g in self._hidden_grads:
+            p.grad = g
+        self._hidden_grads.clear()
+        if self.scaler is not None and not self._stepped:
+            self._amp_skipped += 1
+        if self._before_params is not None:
+            if not skipped:
+                upd = S.update_norms(self._before_params, [p.detach() for p in self._params])
+                per_group = S.group_norms(upd, self._param_group, len(self._group_names))
+                for gi, g in enumerate(self._group_names):
+                    self._pending[S.UPDATE_RATIO.format(g)] = per_group[gi] / self._before_norms[gi].clamp_min(1e-12)
+            else:
+                for g in self._group_names:
+                    self._pending[S.UPDATE_RATIO.format(g)] = torch.zeros(())
+            self._before_params = None
+        self._pending_step = self.step
+        if not self._pending:
+            self._complete_previous({})
+        # Reset per-step state; the step counter counts skipped steps too.
+        self._losses = _LossAccumulator()
+        self._grad_ratio_tensors = {}
+        self._skipping = False
+        self._stepped = False
+        self._pipeline_done = False
+        self.step += 1
+
+    def _finish_pending(self) -> None:
+        """Read the pending after-update tensors now (used by ``stats`` and ``detach``)."""
+        if self._pending_step is not None:
+            self._complete_previous(S.read_all(self._pending))
+
+    def _complete_previous(self, values: dict[str, float]) -> None:
+        """The last step's record is complete: add its update ratios and send it to the sinks."""
+        if self._pending_step is None:
+            return
+        self._stats.update(values)
+        step = self._pending_step
+        self._pending = {}
+        self._pending_step = None
+        if self._router is not None:
+            self._router.log_metrics(step, dict(self._stats))
+
+    def _emit(self, event: Event) -> None:
+        self.events.append(event)
+        self._counts[event.kind] += 1
+        if self._router is not None:
+            self._router.log_event(event)
+
+    # ------------------------------------------------------------------------------------------
+    # state
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "base_weights": dict(self._base_weights),
+                "weights": dict(self._weights), "amp_skipped": self._amp_skipped,
+                "batches_to_skip": self._batches_to_skip, "should_stop": self.should_stop}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.step = int(sd["step"])
+        self._base_weights = dict(sd["base_weights"])
+        self._weights = dict(sd["weights"])
+        self._amp_skipped = int(sd["amp_skipped"])
+        self._batches_to_skip = int(sd["batches_to_skip"])
+        self.should_stop = bool(sd["should_stop"])
+
+
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None,
+           groups: Mapping[str, Any] | None = None, **monitor_kwargs: Any) -> Monitor:
+    """Shortcut: ``Monitor(**monitor_kwargs).attach(model, optimizer, scaler=scaler, groups=groups)``."""
+    return Monitor(**monitor_kwargs).attach(model, optimizer, scaler=scaler, groups=groups)

@@ -1,0 +1,128 @@
+"""Statistics collectors. Everything here returns 0-d tensors; nothing reads them to the host.
+
+The monitor gathers every tensor of a step into one dict and calls ``read_all`` once: that is the
+step's single host synchronisation. Per-parameter norms come from fused ``torch._foreach_norm``.
+
+Metric keys (DESIGN.md), built by the functions below:
+
+=============================  ==============================================================
+key                            meaning
+=============================  ==============================================================
+``loss/total``                 weighted total of ``combine()``, mean over the step's micro-batches
+``loss/<c>``                   loss component ``c``, mean over micro-batches
+``loss_weight/<c>``            weight of ``c`` used this step (after any reweighting)
+``loss_ratio/<a>/<b>``         ``(L_a + 1e-6) / (L_b + 1e-6)`` (the report's rule)
+``grad_norm/total``            L2 norm of all (unscaled) gradients
+``grad_norm/<group>``          L2 norm of the group's gradients
+``param_norm/<group>``         L2 norm of the group's parameters before the update
+``update_ratio/<group>``       ``||theta_after - theta_before|| / ||theta_before||`` over the step
+``grad_ratio/<a>/<b>``         ``||dL_a/dtheta|| / ||dL_b/dtheta||`` on parameters shared by a and b
+``grad_cos/<a>/<b>``           cosine between ``dL_a/dtheta`` and ``dL_b/dtheta`` on those parameters
+``amp/loss_scale``             the GradScaler's scale when the step was taken
+``amp/skipped_steps``          steps the GradScaler skipped so far
+``lr/<i>``                     learning rate of param group ``i`` used for the step
+``act_absmax/<module>``        max |activation| seen in the module (overflow watch)
+=============================  ==============================================================
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+LOSS_TOTAL = "loss/total"
+LOSS = "loss/{}"
+LOSS_WEIGHT = "loss_weight/{}"
+LOSS_RATIO = "loss_ratio/{}/{}"
+GRAD_NORM_TOTAL = "grad_norm/total"
+GRAD_NORM = "grad_norm/{}"
+PARAM_NORM = "param_norm/{}"
+UPDATE_RATIO = "update_ratio/{}"
+GRAD_RATIO = "grad_ratio/{}/{}"
+GRAD_COS = "grad_cos/{}/{}"
+AMP_LOSS_SCALE = "amp/loss_scale"
+AMP_SKIPPED = "amp/skipped_steps"
+LR = "lr/{}"
+ACT_ABSMAX = "act_absmax/{}"
+
+RATIO_EPS = 1e-6  # the report's epsilon in r = (L_v + 1e-6) / (L_f + 1e-6)
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms as one fp32 vector (fused; empty input gives an empty vector)."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.stack([n.float() for n in torch._foreach_norm(list(tensors))])
+
+
+def group_norms(per_tensor: torch.Tensor, group_index: Sequence[int], n_groups: int) -> torch.Tensor:
+    """Combine per-tensor norms into per-group norms: sqrt(sum of squares) for each group."""
+    sq = torch.zeros(n_groups, dtype=per_tensor.dtype, device=per_tensor.device)
+    if per_tensor.numel():
+        idx = torch.as_tensor(group_index, device=per_tensor.device)
+        sq.index_add_(0, idx, per_tensor.square())
+    return sq.sqrt()
+
+
+def first_true(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the first True in a 1-d bool mask, or -1 when none, as a 0-d tensor (no sync)."""
+    n = mask.numel()
+    if n == 0:
+        return torch.tensor(-1)
+    positions = torch.arange(n, device=mask.device)
+    first = torch.where(mask, positions, torch.full_like(positions, n)).min()
+    return torch.where(first == n, torch.full_like(first, -1), first)
+
+
+def update_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor ||after - before|| (fused)."""
+    if not before:
+        return torch.zeros(0)
+    diffs = torch._foreach_sub(list(after), list(before))
+    return norms(diffs)
+
+
+def ratio(a: torch.Tensor, b: torch.Tensor, eps: float = RATIO_EPS) -> torch.Tensor:
+    return (a + eps) / (b + eps)
+
+
+def shared_grad_stats(grads_a: Sequence[torch.Tensor | None],
+                      grads_b: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(||g_a|| / ||g_b||, cos(g_a, g_b)) over the parameters that both components reach."""
+    pairs = [(a, b) for a, b in zip(grads_a, grads_b) if a is not None and b is not None]
+    if not pairs:
+        return None
+    ga = [a.float() for a, _ in pairs]
+    gb = [b.float() for _, b in pairs]
+    na = norms(ga).square().sum().sqrt()
+    nb = norms(gb).square().sum().sqrt()
+    dot = torch.stack([(x * y).sum() for x, y in zip(ga, gb)]).sum()
+    return ratio(na, nb), dot / (na * nb).clamp_min(1e-30)
+
+
+def read_all(named: Mapping[str, torch.Tensor | float | int]) -> dict[str, float]:
+    """The one host read of a step: every 0-d tensor to a Python float in a single transfer
+    per device (tensors are stacked where they live, then read with one ``tolist()``)."""
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in named.items():
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(k)
+    out: dict[str, float] = {}
+    for device, ks in by_device.items():
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        values = torch.stack([named[k].detach().reshape(()).to(dtype) for k in ks]).tolist()
+        out.update(zip(ks, values))  # ^ the host synchronisation
+    return {k: out[k] if k in out else float(v) for k, v in named.items()}
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def pair_keys(components: Iterable[str], pairs: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
+    """The configured pairs, or every pair (a, b), a before b in the order components came."""
+    comps = list(components)
+    if pairs:
+        return [(a, b) for a, b in pairs if a in comps and b in comps]
+    return [(a, b) for i, a in enumerate(comps) for b in comps[i + 1:]]
