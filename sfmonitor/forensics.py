@@ -1,0 +1,513 @@
+"""Anomaly forensics: input statistics, the per-step batch recorder, anomaly bundles.
+
+The report's playbook, automated: when NaN appears, *save the state at once*, *print per-modality
+input statistics* (text mean/std, image min/max) and *disable loss components one at a time*
+(``sfmonitor replay --ablate`` does the last, from a bundle written here).
+
+* ``input_stats(args, kwargs)``: statistics of every tensor input of the model's forward, computed
+  only on an anomaly, with one host read.
+* ``BatchRecorder``: keeps *references* (no copies) to the root model's forward inputs of the
+  current optimizer step -- every micro-batch -- and the RNG state at the step's first forward.
+* ``write_bundle`` / ``load_bundle``: ``run_dir/bundles/<step>-<kind>/`` written atomically (temp dir,
+  then rename), size-capped, loaded with ``torch.load(weights_only=True)`` only.
+
+Bundle layout::
+
+    manifest.json   format, step, kind, files kept, what was dropped and why, factory, loss weights
+    model.pt        model state_dict before the update        optimizer.pt  optimizer state_dict
+    batch.pt        [{"args": [...], "kwargs": {...}, "autocast": "float16" | None}, ...]
+    rng.pt          torch / cuda / python / numpy RNG states (tensors and plain values only)
+    stats.json  event.json  config.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .config import Section, option
+from .events import ConfigError, SFMonitorError, jsonable
+
+__all__ = ["BundleConfig", "BundleError", "BatchRecorder", "BundleTracker", "input_stats",
+           "batch_input_stats", "capture_rng_state", "restore_rng_state", "write_bundle",
+           "load_bundle", "BUNDLE_FORMAT", "REFERENCE_FACTORY"]
+
+BUNDLE_FORMAT = 1
+MANIFEST = "manifest.json"
+REFERENCE_FACTORY = "reference_model.model:build_model"
+_TENSOR_FILES = ("model", "optimizer", "batch", "rng")   # kept in this priority order
+_JSON_FILES = ("stats", "event", "config")
+
+
+class BundleError(SFMonitorError, ValueError):
+    """A bundle is missing, malformed, or holds something other than tensors and plain values."""
+
+
+@dataclass
+class BundleConfig(Section):
+    """Anomaly bundles: everything needed to replay the step that went wrong."""
+
+    enabled: bool = option(True, "write a bundle on anomalies (the playbook: save the state at once)")
+    dir: str = option("bundles", "folder under run_dir that holds the bundles")
+    max_mb: float = option(64.0, "size cap of one bundle in MiB; the batch, then the optimizer state, "
+                                 "are left out (and the event says so) when they do not fit", lo=0.0)
+    first_only: bool = option(True, "only the first anomaly of each event kind writes a bundle")
+    on_demand: bool = option(True, "allow writing a bundle on request (monitor API) at any step, "
+                                   "whatever first_only says")
+    kinds: list[str] = option([], "event kinds that write a bundle; empty: every anomaly kind")
+
+    def validate(self) -> None:
+        if not self.dir or os.path.isabs(self.dir) or ".." in self.dir.replace("\\", "/").split("/"):
+            raise ConfigError(f"{self._prefix}dir: expected a relative folder name inside run_dir, "
+                              f"got {self.dir!r}")
+
+
+class BundleTracker:
+    """Which kinds already wrote a bundle (``first_only``); has state_dict for resume."""
+
+    def __init__(self, config: BundleConfig | None = None) -> None:
+        self.config = config or BundleConfig()
+        self.written: dict[str, int] = {}        # kind -> step of its bundle
+
+    def should_write(self, kind: str, *, on_demand: bool = False) -> bool:
+        cfg = self.config
+        if not cfg.enabled:
+            return False
+        if on_demand:
+            return cfg.on_demand
+        if cfg.kinds and kind not in cfg.kinds:
+            return False
+        return not (cfg.first_only and kind in self.written)
+
+    def mark(self, kind: str, step: int) -> None:
+        self.written.setdefault(kind, int(step))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"written": dict(self.written)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.written = {str(k): int(v) for k, v in dict(sd.get("written", {})).items()}
+
+
+# --------------------------------------------------------------------------------------------
+# input statistics
+# --------------------------------------------------------------------------------------------
+
+def _named_tensors(obj: Any, prefix: str, depth: int = 0):
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif depth < 4 and isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _named_tensors(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _named_tensors(v, f"{prefix}.{i}" if prefix else str(i), depth + 1)
+
+
+def _pad_lengths(t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """(pad value, per-row lengths) when a 2-D integer tensor is right-padded with one value.
+
+    Obvious means: the value in the last column of the row with the most trailing repeats is the
+    pad value, and at least one row ends with it while another does not or ends earlier.
+    """
+    if t.dim() != 2 or t.shape[1] < 2 or t.shape[0] < 1:
+        return None
+    last = t[:, -1]
+    pad = int(torch.mode(last).values) if last.numel() > 1 else int(last[0])
+    is_pad = t == pad
+    # trailing run: positions j where every column from j to the end is pad
+    trailing = torch.flip(torch.cumprod(torch.flip(is_pad, [1]).to(torch.int8), dim=1), [1]).bool()
+    lengths = t.shape[1] - trailing.sum(dim=1)
+    if not bool(trailing[:, -1].any()) or int(lengths.min()) == int(lengths.max()):
+        return None
+    return pad, lengths
+
+
+def input_stats(args: Any = (), kwargs: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Per tensor input (named ``arg0``, ``images``, ``batch.text``...): shape, dtype and numbers.
+
+    Floating: mean, std, min, max, absmax, nonfinite (count). Integer/bool: min, max, mean, std
+    and, for a right-padded 2-D integer tensor or a 2-D bool mask, ``lengths_min/max/mean`` (and
+    ``pad``). Computed with one host read; call it on anomalies only.
+    """
+    named = list(_named_tensors(list(args), "arg")) if args else []
+    named = [(n.replace("arg.", "arg", 1), t) for n, t in named]
+    if kwargs:
+        named += list(_named_tensors(dict(kwargs), ""))
+    out: dict[str, dict[str, Any]] = {}
+    keys: list[tuple[str, str]] = []
+    vals: list[torch.Tensor] = []
+
+    def put(name: str, key: str, v: torch.Tensor) -> None:
+        keys.append((name, key))
+        vals.append(v.detach().reshape(()).to(device="cpu", dtype=torch.float64))
+
+    with torch.no_grad():
+        for name, t in named:
+            info: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            out[name] = info
+            if t.numel() == 0 or t.is_complex():
+                continue
+            if t.is_floating_point():
+                x = t.detach().double()
+                fin = torch.isfinite(x)
+                xf = torch.where(fin, x, torch.zeros((), dtype=x.dtype, device=x.device))
+                n = fin.sum()
+                mean = xf.sum() / n.clamp(min=1)
+                var = (torch.where(fin, (x - mean) ** 2, torch.zeros_like(x))).sum() / (n - 1).clamp(min=1)
+                big = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+                put(name, "mean", mean)
+                put(name, "std", var.sqrt())
+                put(name, "min", torch.where(fin, x, big).amin())
+                put(name, "max", torch.where(fin, x, -big).amax())
+                put(name, "absmax", xf.abs().amax())
+                put(name, "nonfinite", (~fin).sum())
+            else:
+                x = t.detach()
+                xd = x.double()
+                put(name, "min", xd.amin())
+                put(name, "max", xd.amax())
+                put(name, "mean", xd.mean())
+                put(name, "std", xd.std() if x.numel() > 1 else torch.zeros(()))
+                lengths = None
+                if x.dtype == torch.bool and x.dim() == 2:
+                    lengths = x.sum(dim=1)
+                elif x.dim() == 2:
+                    found = _pad_lengths(x)
+                    if found is not None:
+                        info["pad"], lengths = found[0], found[1]
+                if lengths is not None:
+                    lf = lengths.double()
+                    put(name, "lengths_min", lf.amin())
+                    put(name, "lengths_max", lf.amax())
+                    put(name, "lengths_mean", lf.mean())
+    if vals:
+        numbers = torch.stack(vals).tolist()            # the one host read
+        for (name, key), v in zip(keys, numbers):
+            integral = key in ("nonfinite",) or (key.startswith("lengths_") and key != "lengths_mean")
+            out[name][key] = int(v) if integral else float(v)
+    return out
+
+
+def batch_input_stats(batches: Iterable[dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
+    """``input_stats`` of each recorded micro-batch (``BatchRecorder.batches``)."""
+    return [input_stats(b.get("args", ()), b.get("kwargs", {})) for b in batches]
+
+
+# --------------------------------------------------------------------------------------------
+# RNG state
+# --------------------------------------------------------------------------------------------
+
+def capture_rng_state() -> dict[str, Any]:
+    """torch, cuda, python and numpy RNG states as tensors and plain values (weights_only safe)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _py_state_to_plain(random.getstate())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
+                          "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    except Exception:  # numpy missing or a legacy state layout: torch/python states still restore
+        pass
+    return state
+
+
+def _py_state_to_plain(st: tuple) -> list:
+    version, internal, gauss = st
+    return [int(version), torch.tensor(internal, dtype=torch.int64), gauss]
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of ``capture_rng_state`` (missing parts are left alone)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((int(version), tuple(int(v) for v in internal.tolist()), gauss))
+    if "numpy" in state:
+        import numpy as np
+        s = state["numpy"]
+        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"],
+                             s["gauss"]))
+
+
+# --------------------------------------------------------------------------------------------
+# batch recorder
+# --------------------------------------------------------------------------------------------
+
+def _detach_refs(obj: Any, depth: int = 0) -> Any:
+    """Same structure, tensors detached (a view: no copy, no autograd graph kept alive)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if depth >= 6:
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_detach_refs(o, depth + 1) for o in obj)
+    if isinstance(obj, list):
+        return [_detach_refs(o, depth + 1) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _detach_refs(v, depth + 1) for k, v in obj.items()}
+    return obj
+
+
+class BatchRecorder:
+    """References to the root model's forward inputs for the current optimizer step.
+
+    ``attach(model)`` registers a forward pre-hook (with kwargs) on the root; every forward run with
+    autograd enabled appends ``{"args", "kwargs", "autocast"}`` (tensors detached, not copied).
+    ``clear()`` at each step start. The RNG state is captured at the step's first forward
+    (``capture_rng``), so a replay draws the same dropout masks.
+    """
+
+    def __init__(self, *, capture_rng: bool = True) -> None:
+        self.capture_rng = capture_rng
+        self.batches: list[dict[str, Any]] = []
+        self.rng_state: dict[str, Any] | None = None
+        self._handle = None
+
+    def attach(self, model: nn.Module) -> "BatchRecorder":
+        if self._handle is not None:
+            raise RuntimeError("BatchRecorder is already attached; call detach() first")
+        self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        return self
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.clear()
+
+    def clear(self) -> None:
+        self.batches = []
+        self.rng_state = None
+
+    def _pre(self, module, args, kwargs):
+        if not torch.is_grad_enabled():
+            return None
+        if not self.batches and self.capture_rng:
+            self.rng_state = capture_rng_state()
+        dev = next((t.device.type for _, t in _named_tensors([args, kwargs], "")), "cpu")
+        amp = _dtype_str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+        self.batches.append({"args": _detach_refs(tuple(args)), "kwargs": _detach_refs(dict(kwargs)),
+                             "autocast": amp, "device": dev})
+        return None
+
+
+def _dtype_str(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+# --------------------------------------------------------------------------------------------
+# bundles
+# --------------------------------------------------------------------------------------------
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_plain(obj: Any, where: str, depth: int = 0) -> None:
+    """Raise BundleError unless obj holds only tensors, numbers, strings, lists, tuples, dicts."""
+    if isinstance(obj, torch.Tensor) or isinstance(obj, _PLAIN):
+        return
+    if depth > 12:
+        raise BundleError(f"{where}: nested too deeply")
+    if isinstance(obj, (list, tuple)):
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            raise BundleError(f"{where}: a namedtuple ({type(obj).__name__}) cannot be loaded with "
+                              f"weights_only=True")
+        for i, o in enumerate(obj):
+            _check_plain(o, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, _PLAIN):
+                raise BundleError(f"{where}: key {k!r} is not a plain value")
+            _check_plain(v, f"{where}[{k!r}]", depth + 1)
+        return
+    raise BundleError(f"{where}: holds a {type(obj).__module__}.{type(obj).__qualname__}, not a tensor "
+                      f"or plain value")
+
+
+def _compact(obj: Any) -> Any:
+    """Clone tensor views whose storage is larger than the view (torch.save writes whole storages)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
+            return obj.detach().clone()
+        return obj.detach()
+    if isinstance(obj, tuple):
+        return tuple(_compact(o) for o in obj)
+    if isinstance(obj, list):
+        return [_compact(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _compact(v) for k, v in obj.items()}
+    return obj
+
+
+def _unique_dir(root: str, name: str) -> str:
+    path = os.path.join(root, name)
+    i = 2
+    while os.path.exists(path):
+        path = os.path.join(root, f"{name}-{i}")
+        i += 1
+    return path
+
+
+def write_bundle(run_dir: str | os.PathLike, step: int, kind: str, *, model_state: dict[str, Any],
+                 optimizer_state: dict[str, Any] | None = None, batch: list[dict[str, Any]] | None = None,
+                 stats: dict[str, float] | None = None, event: dict[str, Any] | None = None,
+                 rng_state: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+                 model_factory: str | None = None, model_kwargs: dict[str, Any] | None = None,
+                 loss_weights: dict[str, float] | None = None, max_bytes: int | None = 64 * 2 ** 20,
+                 dir_name: str = "bundles") -> str:
+    """Write ``run_dir/<dir_name>/<step>-<kind>/`` atomically; return its path.
+
+    ``model_state`` is kept whatever the cap (a bundle without it replays nothing); then the batch,
+    the optimizer state and the RNG state are kept in that order while the total stays under
+    ``max_bytes``; what is left out is listed in the manifest with the reason
+    (``batch_dropped``/``batch_dropped_reason`` for the batch). A batch holding anything but tensors
+    and plain values is left out too (it could not be loaded with weights_only=True).
+    ``model_factory`` ("module:function") and ``model_kwargs`` (JSON values) let replay rebuild the
+    model; ``loss_weights`` are the weights ``combine`` used at that step.
+    """
+    if not isinstance(kind, str) or not kind or "/" in kind or kind.startswith("."):
+        raise ValueError(f"write_bundle: kind must be a plain name, got {kind!r}")
+    if model_factory is not None and (":" not in model_factory or model_factory.count(":") != 1):
+        raise ValueError(f"write_bundle: model_factory must be 'module:function', got {model_factory!r}")
+    if model_kwargs is not None:
+        try:
+            json.dumps(model_kwargs, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"write_bundle: model_kwargs must be JSON values: {e}") from e
+    _check_plain(model_state, "model_state")
+    if optimizer_state is not None:
+        _check_plain(optimizer_state, "optimizer_state")
+    root = os.path.join(os.fspath(run_dir), dir_name)
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp-{int(step)}-{kind}-{os.getpid()}-{time.monotonic_ns()}")
+    os.makedirs(tmp)
+    try:
+        manifest: dict[str, Any] = {
+            "format": BUNDLE_FORMAT, "step": int(step), "kind": kind, "created": time.time(),
+            "torch": torch.__version__, "model_factory": model_factory, "model_kwargs": model_kwargs or {},
+            "loss_weights": {str(k): float(v) for k, v in (loss_weights or {}).items()},
+            "max_bytes": max_bytes, "files": {}, "dropped": {},
+            "batch_dropped": False, "batch_dropped_reason": None,
+            "autocast": next((b.get("autocast") for b in (batch or []) if b.get("autocast")), None),
+            "micro_batches": len(batch) if batch is not None else 0,
+        }
+        cap = float("inf") if max_bytes is None else int(max_bytes)
+        total = 0
+        for name in _JSON_FILES:
+            value = {"stats": stats, "event": event, "config": config}[name]
+            if value is None:
+                continue
+            path = os.path.join(tmp, name + ".json")
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(jsonable(value), fh, indent=1, sort_keys=True)
+            manifest["files"][name] = name + ".json"
+            total += os.path.getsize(path)
+        pieces = {"model": model_state, "batch": batch, "optimizer": optimizer_state, "rng": rng_state}
+        for name in ("model", "batch", "optimizer", "rng"):
+            value = pieces[name]
+            if value is None:
+                continue
+            if name in ("batch", "rng"):
+                try:
+                    _check_plain(value, name)
+                except BundleError as e:
+                    manifest["dropped"][name] = f"not loadable with weights_only=True: {e}"
+                    continue
+                value = _compact(value)
+            path = os.path.join(tmp, name + ".pt")
+            torch.save(value, path)
+            size = os.path.getsize(path)
+            if name != "model" and total + size > cap:
+                os.remove(path)
+                manifest["dropped"][name] = (f"{size} bytes would bring the bundle to {total + size} "
+                                             f"bytes, over the cap of {int(cap)} bytes")
+                continue
+            total += size
+            manifest["files"][name] = name + ".pt"
+        if "model" in manifest["files"] and total > cap:
+            manifest["over_cap"] = f"the model state alone takes the bundle to {total} bytes (cap {int(cap)})"
+        if "batch" in manifest["dropped"]:
+            manifest["batch_dropped"] = True
+            manifest["batch_dropped_reason"] = manifest["dropped"]["batch"]
+        manifest["bytes"] = total
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as fh:
+            json.dump(jsonable(manifest), fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        final = _unique_dir(root, f"{int(step)}-{kind}")
+        os.rename(tmp, final)
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_bundle(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a bundle with ``torch.load(weights_only=True)`` only.
+
+    Returns {"path", "manifest", "model_state", "optimizer_state", "batch", "rng_state", "stats",
+    "event", "config"} (None for what the bundle left out). A file holding a pickled callable or any
+    other non-tensor object raises BundleError naming the file.
+    """
+    path = os.fspath(path)
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        raise BundleError(f"{path!r} is not an anomaly bundle: {MANIFEST} is missing")
+    try:
+        with open(mpath, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{mpath}: cannot read the manifest: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{mpath}: unknown bundle format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}"
+                          f" (this sfmonitor reads format {BUNDLE_FORMAT})")
+    files = manifest.get("files") or {}
+    out: dict[str, Any] = {"path": path, "manifest": manifest}
+    keys = {"model": "model_state", "optimizer": "optimizer_state", "batch": "batch", "rng": "rng_state"}
+    for name, key in keys.items():
+        fname = files.get(name)
+        out[key] = _load_tensor_file(path, fname) if fname else None
+    for name in _JSON_FILES:
+        fname = files.get(name)
+        if not fname:
+            out[name] = None
+            continue
+        with open(_inside(path, fname), encoding="utf-8") as fh:
+            out[name] = json.load(fh)
+    if out["model_state"] is None:
+        raise BundleError(f"{path!r}: the bundle holds no model state")
+    return out
+
+
+def _inside(path: str, fname: str) -> str:
+    if not isinstance(fname, str) or os.path.basename(fname) != fname or fname.startswith("."):
+        raise BundleError(f"{path!r}: manifest names a file outside the bundle: {fname!r}")
+    return os.path.join(path, fname)
+
+
+def _load_tensor_file(path: str, fname: str) -> Any:
+    fpath = _inside(path, fname)
+    try:
+        value = torch.load(fpath, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BundleError(f"refusing {fpath}: it holds a pickled object that is not a tensor or plain "
+                          f"value (bundles load with weights_only=True only): {first}") from e
+    except (OSError, RuntimeError, EOFError) as e:
+        raise BundleError(f"cannot load {fpath}: {e}") from e
+    _check_plain(value, fname)
+    return value
