@@ -1,0 +1,264 @@
+"""Atomic checkpoints and in-memory snapshots of the last good training state.
+
+- ``save_checkpoint(path, state)``: written to a temporary file in the same folder, flushed and
+  fsync'ed, then ``os.replace``'d over ``path`` (atomic on POSIX and Windows), then the folder is
+  fsync'ed. A crash at any moment leaves either the previous file or the new one, never a torn one.
+- ``load_checkpoint(path)``: ``torch.load(weights_only=True)``; a file holding a pickled callable or
+  any object that is not a tensor / number / string / container is refused with ``CheckpointError``.
+- ``capture_state`` / ``restore_state``: CPU copies of model, optimizer, GradScaler and RNG states
+  (torch, CUDA, numpy, python), made only of plain tensors, numbers, strings, dicts and lists, so
+  they survive ``weights_only=True``.
+- ``SnapshotRing``: keeps the last few in-memory snapshots, one every N optimizer steps (default 50,
+  the upper bound the issue sets), for ``rollback``.
+
+Snapshot labels: a snapshot labelled ``k`` holds the state after ``k`` optimizer steps, i.e. the
+state the (0-based) step ``k`` starts from. Take it in the optimizer step post-hook of step
+``k - 1`` with ``label=k``; ``latest_before(s)`` then returns a state that step ``s``'s update has
+not touched.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import random
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .events import SFMonitorError
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "capture_state",
+           "restore_state", "SnapshotRing", "DEFAULT_SNAPSHOT_EVERY", "DEFAULT_SNAPSHOT_KEEP"]
+
+DEFAULT_SNAPSHOT_EVERY = 50  # issue 4: "an in-memory CPU snapshot taken every N steps (default <= 50)"
+DEFAULT_SNAPSHOT_KEEP = 3    # our choice: three CPU copies of model + optimizer is affordable for small models
+
+# Keys of a captured state.
+MODEL, OPTIMIZER, SCALER, RNG, EXTRA = "model", "optimizer", "scaler", "rng", "extra"
+
+
+class CheckpointError(SFMonitorError, RuntimeError):
+    """A checkpoint cannot be written, read, or holds something that is not plain data."""
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic save / safe load
+# --------------------------------------------------------------------------------------------
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. Windows: folders cannot be opened; os.replace is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically (temp file in the same folder, fsync, os.replace).
+
+    Returns the final path. The temporary file is removed if writing fails.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(dict(state), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a checkpoint with ``torch.load(weights_only=True)``.
+
+    Raises ``CheckpointError`` naming the file if it is missing, torn, or holds a pickled object
+    that is not plain data (a callable, a class instance...): such a file could run code on load.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} refused: it holds a pickled object that is not a tensor, "
+            f"number, string, list or dict, and sfmonitor loads checkpoints with weights_only=True "
+            f"(loading it could run arbitrary code). Details: {str(e).splitlines()[0]}") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read (truncated or not a "
+                              f"torch checkpoint): {e}") from e
+
+
+# --------------------------------------------------------------------------------------------
+# Capture / restore
+# --------------------------------------------------------------------------------------------
+
+def _cpu_copy(value: Any) -> Any:
+    """A deep copy whose tensors are detached CPU clones (dicts, lists and tuples kept)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cpu_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_cpu_copy(v) for v in value)
+    return value
+
+
+def _tensor_copy(value: Any) -> Any:
+    """A deep copy with cloned tensors (same device), so that restoring never aliases a snapshot."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: _tensor_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tensor_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_tensor_copy(v) for v in value)
+    return value
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": str(np_state[0]), "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                  "cached_gaussian": float(np_state[4])},
+        "python": {"version": int(py_version), "internal": torch.tensor(py_internal, dtype=torch.int64),
+                   "gauss_next": py_gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]),
+                         int(n["has_gauss"]), float(n["cached_gaussian"])))
+    p = state["python"]
+    random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()), p["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                  scaler: Any = None, extra: Mapping[str, Any] | None = None,
+                  rng: bool = True) -> dict[str, Any]:
+    """CPU copies of everything needed to resume bit-exactly: model (parameters and buffers),
+    optimizer (state and param groups), GradScaler, RNG states, and ``extra`` (plain data only).
+    """
+    state: dict[str, Any] = {MODEL: _cpu_copy(model.state_dict())}
+    if optimizer is not None:
+        state[OPTIMIZER] = _cpu_copy(optimizer.state_dict())
+    if scaler is not None:
+        state[SCALER] = _cpu_copy(scaler.state_dict())
+    if rng:
+        state[RNG] = _rng_state()
+    if extra is not None:
+        state[EXTRA] = _cpu_copy(dict(extra))
+    return state
+
+
+def restore_state(state: Mapping[str, Any], model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
+                  rng: bool = True, keep_hyperparams: bool = True) -> None:
+    """Put ``state`` (from ``capture_state`` or ``load_checkpoint``) back into the live objects.
+
+    The snapshot is never aliased: tensors are cloned before the optimizer takes them, so a later
+    restore of the same snapshot is still exact. With ``keep_hyperparams`` (default) the optimizer's
+    current param-group hyperparameters (lr, weight decay, ...) are kept: the run's step counter and
+    the user's LR scheduler do not go back in time, only weights and optimizer state do.
+    """
+    model.load_state_dict(state[MODEL])
+    if optimizer is not None and OPTIMIZER in state:
+        saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        optimizer.load_state_dict(_tensor_copy(state[OPTIMIZER]))
+        if keep_hyperparams:
+            for group, saved in zip(optimizer.param_groups, saved_groups):
+                group.update(saved)
+    if scaler is not None and state.get(SCALER):
+        scaler.load_state_dict(state[SCALER])
+    if rng and RNG in state:
+        _set_rng_state(state[RNG])
+
+
+# --------------------------------------------------------------------------------------------
+# In-memory snapshots
+# --------------------------------------------------------------------------------------------
+
+class SnapshotRing:
+    """The last ``keep`` CPU snapshots, one every ``every`` optimizer steps.
+
+    ``maybe_take(label, ...)`` snapshots when ``label % every == 0``; ``latest_before(step)`` is the
+    newest snapshot with ``label <= step``; ``discard_after(label)`` drops newer ones (after a
+    rollback they belong to the abandoned trajectory).
+    """
+
+    def __init__(self, every: int = DEFAULT_SNAPSHOT_EVERY, keep: int = DEFAULT_SNAPSHOT_KEEP):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"SnapshotRing.every must be an integer >= 1, got {every!r}")
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"SnapshotRing.keep must be an integer >= 1, got {keep!r}")
+        self.every = every
+        self.keep = keep
+        self._ring: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=keep)
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    @property
+    def labels(self) -> list[int]:
+        return [label for label, _ in self._ring]
+
+    def take(self, label: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             scaler: Any = None, extra: Mapping[str, Any] | None = None) -> None:
+        """Snapshot now under ``label`` (replaces an existing snapshot with the same label)."""
+        if self._ring and self._ring[-1][0] >= label:
+            self.discard_after(label - 1)
+        self._ring.append((int(label), capture_state(model, optimizer, scaler, extra)))
+
+    def maybe_take(self, label: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                   scaler: Any = None, extra: Mapping[str, Any] | None = None) -> bool:
+        """Snapshot if ``label`` is a multiple of ``every``; returns whether it did."""
+        if label % self.every:
+            return False
+        self.take(label, model, optimizer, scaler, extra)
+        return True
+
+    def latest_before(self, step: int) -> tuple[int, dict[str, Any]] | None:
+        """(label, state) of the newest snapshot with ``label <= step``, or None."""
+        for label, state in reversed(self._ring):
+            if label <= step:
+                return label, state
+        return None
+
+    def discard_after(self, label: int) -> None:
+        """Drop every snapshot with a label greater than ``label``."""
+        while self._ring and self._ring[-1][0] > label:
+            self._ring.pop()
+
+    def clear(self) -> None:
+        self._ring.clear()

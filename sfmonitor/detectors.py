@@ -1,0 +1,608 @@
+"""Detectors: read one step's statistics (plain floats) and return findings. They never touch the
+model, the optimizer or the loss; only ``actions.py`` does.
+
+Every detector has ``kind`` (an event kind), ``after_update`` (True: it judges an update that
+already landed, and the monitor calls it with the previous step's complete statistics),
+``check(step, stats) -> list[Finding]``, ``observe_eval(step, metrics, chance) -> list[Finding]``
+(evaluation-driven detectors), and ``state_dict()`` / ``load_state_dict()`` holding only plain
+numbers, lists and dicts.
+
+Windows are ``collections.deque(maxlen=...)``. A non-finite value never enters a window, and
+neither does a spike: the value that crossed the threshold is clamped to the threshold before it
+is added (as ZClip does), so a run that genuinely moves to a new level is followed, slowly, while
+a spike cannot inflate the statistics that judge the next step.
+
+Statistic keys read (see DESIGN.md): ``loss/total``, ``loss/<c>``, ``grad_norm/total``,
+``grad_norm/<group>``, ``update_ratio/<group>``, ``loss_ratio/<a>/<b>``, ``grad_ratio/<a>/<b>``,
+``amp/loss_scale``.
+"""
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .config import Section, option
+from .events import (ACCURACY_COLLAPSE, GRAD_RATIO_IMBALANCE, GRAD_SPIKE, LOSS_RATIO_IMBALANCE,
+                     LOSS_SCALE_FLOOR, LOSS_SPIKE, PLATEAU, UPDATE_RATIO_SPIKE, ConfigError, Finding)
+
+__all__ = [
+    "DetectorsConfig", "LossSpikeConfig", "GradSpikeConfig", "UpdateRatioSpikeConfig",
+    "RatioImbalanceConfig", "LossScaleFloorConfig", "AccuracyCollapseConfig", "PlateauConfig",
+    "Detector", "LossSpike", "GradSpike", "UpdateRatioSpike", "LossRatioImbalance",
+    "GradRatioImbalance", "LossScaleFloor", "AccuracyCollapse", "Plateau", "build_detectors",
+]
+
+# Statistic keys and prefixes read here.
+LOSS_PREFIX = "loss/"
+LOSS_TOTAL = "loss/total"
+GRAD_NORM_PREFIX = "grad_norm/"
+GRAD_NORM_TOTAL = "grad_norm/total"
+UPDATE_RATIO_PREFIX = "update_ratio/"
+LOSS_RATIO_PREFIX = "loss_ratio/"
+GRAD_RATIO_PREFIX = "grad_ratio/"
+LOSS_SCALE = "amp/loss_scale"
+
+MAD_TO_SIGMA = 1.4826  # sigma of a normal distribution = 1.4826 * median absolute deviation
+RATIO_EPS = 1e-6       # the report's epsilon in r = (L_v + 1e-6) / (L_f + 1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class LossSpikeConfig(Section):
+    """Loss spike: log(loss) far above its robust rolling level (median and MAD of a window)."""
+
+    enabled: bool = option(True, "watch loss/total")
+    components: bool = option(True, "also watch each component loss/<c> given to combine()")
+    window: int = option(128, "rolling window in steps (OLMo-core stability monitor: 128 steps)", lo=8)
+    z: float = option(6.0, "fire above median + z * sigma of log(loss) (OLMo-core: 6 sigma)", lo=0, lo_open=True)
+    warmup: int = option(25, "finite values collected before the first check (ZClip: 25 warm-up steps)", lo=2)
+    min_sigma: float = option(0.01, "floor on sigma of log(loss): a jump under z*min_sigma (6%) is never "
+                                     "a spike, however flat the curve (our choice)", lo=0)
+
+    def validate(self) -> None:
+        if self.warmup > self.window:
+            raise ConfigError(f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
+                              f"({self.window}); allowed: [2, window]")
+
+
+@dataclass
+class GradSpikeConfig(Section):
+    """Gradient spike: ZClip-style EMA z-score of log(grad_norm/total)."""
+
+    enabled: bool = option(True, "watch grad_norm/total")
+    groups: bool = option(False, "also watch each grad_norm/<group>")
+    alpha: float = option(0.97, "EMA decay of mean and variance (ZClip: alpha = 0.97)", lo=0, hi=1, lo_open=True)
+    z: float = option(6.0, "fire above z EMA standard deviations. ZClip's z = 2.5 is a clipping "
+                           "threshold applied every step (actions.clip.zclip_z); as an alarm it would "
+                           "fire on ~0.6% of healthy steps, so the alarm uses OLMo-core's 6 sigma", lo=0, lo_open=True)
+    warmup: int = option(25, "finite values averaged before the first check (ZClip: 25 warm-up steps)", lo=2)
+    min_sigma: float = option(0.01, "floor on the EMA sigma of log(grad norm) (our choice)", lo=0)
+
+
+@dataclass
+class UpdateRatioSpikeConfig(Section):
+    """Update spike: update_ratio/<group> = |dtheta|/|theta| far above its rolling median."""
+
+    enabled: bool = option(True, "watch update_ratio/<group> (judged one step later: after_update)")
+    window: int = option(128, "rolling window in steps (as the loss window, OLMo-core: 128)", lo=8)
+    factor: float = option(10.0, "fire above factor * rolling median (our choice: an order of magnitude)", lo=1, lo_open=True)
+    ceiling: float = option(1000.0, "fire above this ratio whatever the history (the report: a ratio "
+                                    "above 1000 marks a gradient explosion)", lo=0, lo_open=True)
+    warmup: int = option(25, "values collected before the relative test (ZClip: 25 warm-up steps)", lo=2)
+
+    def validate(self) -> None:
+        if self.warmup > self.window:
+            raise ConfigError(f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
+                              f"({self.window}); allowed: [2, window]")
+
+
+def _default_pairs() -> list[list[str]]:
+    return [["vision", "fusion"]]
+
+
+@dataclass
+class RatioImbalanceConfig(Section):
+    """A ratio a/b of two loss components (or of their gradients on shared parameters) above a
+    threshold. Fires when the ratio crosses the threshold, again every ``refire_every`` steps while
+    it stays above, and re-arms once the ratio falls under ``rearm_below * threshold``."""
+
+    enabled: bool = option(True, "watch the configured pairs")
+    pairs: list[list[str]] = option(_default_pairs(), "component pairs [a, b] watched as a/b "
+                                                      "(the report: vision over fusion)")
+    threshold: float = option(2.0, "fire when a/b exceeds this (the report: L_v/L_f > 2, and trap 2: "
+                                   "|dL_v/dtheta| > 2 |dL_f/dtheta|)", lo=1, lo_open=True)
+    patience: int = option(1, "consecutive observations above the threshold before firing", lo=1)
+    refire_every: int = option(100, "steps between findings while the imbalance persists (our choice)", lo=1)
+    rearm_below: float = option(0.9, "re-arm once a/b < rearm_below * threshold (hysteresis)", lo=0, hi=1, lo_open=True)
+
+    def validate(self) -> None:
+        for i, pair in enumerate(self.pairs):
+            if len(pair) != 2 or pair[0] == pair[1] or not all(pair):
+                raise ConfigError(f"{self._prefix}pairs[{i}]: expected two different component "
+                                  f"names, got {pair!r}")
+
+
+@dataclass
+class LossScaleFloorConfig(Section):
+    """The GradScaler's scale reached the floor: fp16 gradients keep overflowing."""
+
+    enabled: bool = option(True, "watch amp/loss_scale")
+    min_loss_scale: float = option(512.0, "floor (the report's mixed-precision settings: min_loss_scale 512)", lo=0, lo_open=True)
+
+
+@dataclass
+class AccuracyCollapseConfig(Section):
+    """Validation accuracy back at chance after having been clearly above it (the report's sign of
+    gradient explosion)."""
+
+    enabled: bool = option(True, "watch the accuracy given to observe_eval()")
+    metric: str = option("accuracy", "metric name in observe_eval(metrics)")
+    chance: float | None = option(None, "chance level when observe_eval() gives none (None: skip the check)")
+    above_margin: float = option(0.1, "'clearly above chance': accuracy >= chance + this, in the "
+                                      "metric's own units (our choice)", lo=0, lo_open=True)
+    collapse_margin: float = option(0.02, "'at chance': accuracy <= chance + this (our choice)", lo=0)
+
+    def validate(self) -> None:
+        if self.collapse_margin >= self.above_margin:
+            raise ConfigError(f"{self._prefix}collapse_margin: {self.collapse_margin} must be below "
+                              f"{self._prefix}above_margin ({self.above_margin})")
+
+
+@dataclass
+class PlateauConfig(Section):
+    """Improved early stopping (the report): after ``patience`` validations without improvement,
+    a plateau finding (occurrence 1: drop the LR); after ``grace`` more without improvement, a second
+    one (occurrence 2: stop). An improvement resets both."""
+
+    enabled: bool = option(True, "watch the metric given to observe_eval()")
+    metric: str = option("loss", "metric name in observe_eval(metrics)")
+    mode: str = option("min", "'min': lower is better; 'max': higher is better", choices=("min", "max"))
+    patience: int = option(3, "validations without improvement before the LR drop (the report: 3)", lo=1)
+    grace: int = option(2, "further validations (the report: 2 more epochs) before stopping", lo=1)
+    min_delta: float = option(0.0, "an improvement must beat the best by more than this", lo=0)
+
+
+@dataclass
+class DetectorsConfig(Section):
+    """Every detector, one sub-section each."""
+
+    loss_spike: LossSpikeConfig = option(LossSpikeConfig(), "loss spike detector")
+    grad_spike: GradSpikeConfig = option(GradSpikeConfig(), "gradient-norm spike detector")
+    update_ratio_spike: UpdateRatioSpikeConfig = option(UpdateRatioSpikeConfig(), "update-ratio spike detector")
+    loss_ratio_imbalance: RatioImbalanceConfig = option(RatioImbalanceConfig(), "loss ratio a/b detector")
+    grad_ratio_imbalance: RatioImbalanceConfig = option(RatioImbalanceConfig(), "gradient ratio a/b detector")
+    loss_scale_floor: LossScaleFloorConfig = option(LossScaleFloorConfig(), "GradScaler floor detector")
+    accuracy_collapse: AccuracyCollapseConfig = option(AccuracyCollapseConfig(), "accuracy-at-chance detector")
+    plateau: PlateauConfig = option(PlateauConfig(), "plateau (improved early stopping) detector")
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _median_mad(values: list[float]) -> tuple[float, float]:
+    med = _median(values)
+    return med, _median([abs(v - med) for v in values])
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+# --------------------------------------------------------------------------------------------
+# Detectors
+# --------------------------------------------------------------------------------------------
+
+class Detector:
+    """Base detector: finds nothing. Subclasses set ``kind`` and override what they watch."""
+
+    kind: str = ""
+    after_update: bool = False
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        """Findings for optimizer step ``step`` from its statistics."""
+        return []
+
+    def observe_eval(self, step: int, metrics: Mapping[str, float], chance: float | None = None) -> list[Finding]:
+        """Findings from a validation result taken at optimizer step ``step``."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class LossSpike(Detector):
+    """log(loss) above median + z * max(1.4826 * MAD, min_sigma) of the last ``window`` finite values.
+
+    Watches ``loss/total`` and, with ``components``, every ``loss/<c>``. Losses <= 0 are ignored
+    (their log is undefined). One finding per key that spikes.
+    """
+
+    kind = LOSS_SPIKE
+
+    def __init__(self, config: LossSpikeConfig | None = None):
+        self.config = config or LossSpikeConfig()
+        self.windows: dict[str, collections.deque[float]] = {}
+
+    def _keys(self, stats: Mapping[str, float]) -> list[str]:
+        if not self.config.components:
+            return [LOSS_TOTAL] if LOSS_TOTAL in stats else []
+        return [k for k in stats if k.startswith(LOSS_PREFIX)]
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        out = []
+        for key in self._keys(stats):
+            value = stats[key]
+            if not _finite(value) or value <= 0:
+                continue  # never enters the window; non-finite losses are the core's business
+            x = math.log(value)
+            w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
+            if len(w) >= cfg.warmup:
+                med, mad = _median_mad(list(w))
+                sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma)
+                z = (x - med) / sigma
+                if z > cfg.z:
+                    limit = med + cfg.z * sigma
+                    w.append(limit)  # clamped: the spike cannot inflate the window
+                    where = key[len(LOSS_PREFIX):]
+                    out.append(Finding(
+                        kind=self.kind, where=where,
+                        message=(f"{key} = {_fmt(value)} is {z:.1f} sigma above its rolling median "
+                                 f"{_fmt(math.exp(med))} (threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"),
+                        data={"key": key, "value": value, "median": math.exp(med),
+                              "threshold_value": math.exp(limit), "z": z, "z_threshold": cfg.z,
+                              "sigma_log": sigma, "step": step}))
+                    continue
+            w.append(x)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": {k: list(w) for k, w in self.windows.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.windows = {k: collections.deque((float(v) for v in w), maxlen=self.config.window)
+                        for k, w in state.get("windows", {}).items()}
+
+
+class GradSpike(Detector):
+    """ZClip-style z-score of log(grad norm) against an EMA of its mean and variance.
+
+    Warm-up: the first ``warmup`` finite values set the mean and variance (ZClip). A spike updates
+    the EMA with the clamped value ``mean + z * sigma`` (ZClip). The finding's data carries the EMA
+    mean and sigma (log space) so that ``clip`` in ``zclip`` mode can clip to ZClip's own threshold.
+    """
+
+    kind = GRAD_SPIKE
+
+    def __init__(self, config: GradSpikeConfig | None = None):
+        self.config = config or GradSpikeConfig()
+        self.ema: dict[str, list[float]] = {}        # key -> [mean, var]
+        self.warm: dict[str, list[float]] = {}       # key -> values seen during warm-up
+
+    def _keys(self, stats: Mapping[str, float]) -> list[str]:
+        if not self.config.groups:
+            return [GRAD_NORM_TOTAL] if GRAD_NORM_TOTAL in stats else []
+        return [k for k in stats if k.startswith(GRAD_NORM_PREFIX)]
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        out = []
+        for key in self._keys(stats):
+            value = stats[key]
+            if not _finite(value) or value <= 0:
+                continue
+            x = math.log(value)
+            if key not in self.ema:
+                warm = self.warm.setdefault(key, [])
+                warm.append(x)
+                if len(warm) >= cfg.warmup:
+                    mean = sum(warm) / len(warm)
+                    var = sum((v - mean) ** 2 for v in warm) / len(warm)
+                    self.ema[key] = [mean, var]
+                    del self.warm[key]
+                continue
+            mean, var = self.ema[key]
+            sigma = max(math.sqrt(var), cfg.min_sigma)
+            z = (x - mean) / sigma
+            if z > cfg.z:
+                limit = mean + cfg.z * sigma
+                out.append(Finding(
+                    kind=self.kind, where=key[len(GRAD_NORM_PREFIX):],
+                    message=(f"{key} = {_fmt(value)} is {z:.1f} sigma above its EMA {_fmt(math.exp(mean))} "
+                             f"(threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"),
+                    data={"key": key, "value": value, "ema_mean": math.exp(mean),
+                          "threshold_value": math.exp(limit), "z": z, "z_threshold": cfg.z,
+                          "mean_log": mean, "sigma_log": sigma, "step": step}))
+                x = limit
+            mean = cfg.alpha * mean + (1 - cfg.alpha) * x
+            var = cfg.alpha * var + (1 - cfg.alpha) * (x - mean) ** 2
+            self.ema[key] = [mean, var]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": {k: list(v) for k, v in self.ema.items()},
+                "warm": {k: list(v) for k, v in self.warm.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.ema = {k: [float(a) for a in v] for k, v in state.get("ema", {}).items()}
+        self.warm = {k: [float(a) for a in v] for k, v in state.get("warm", {}).items()}
+
+
+class UpdateRatioSpike(Detector):
+    """update_ratio/<group> above ``factor`` x its rolling median, or above ``ceiling``.
+
+    ``after_update``: the monitor calls ``check(prev_step, prev_stats)``; the update already landed,
+    so findings have ``before_update=False`` and ``data["step"]`` names the step whose update spiked.
+    """
+
+    kind = UPDATE_RATIO_SPIKE
+    after_update = True
+
+    def __init__(self, config: UpdateRatioSpikeConfig | None = None):
+        self.config = config or UpdateRatioSpikeConfig()
+        self.windows: dict[str, collections.deque[float]] = {}
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        out = []
+        for key, value in stats.items():
+            if not key.startswith(UPDATE_RATIO_PREFIX) or not _finite(value) or value <= 0:
+                continue
+            w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
+            med = _median(list(w)) if len(w) >= cfg.warmup else None
+            rel_limit = cfg.factor * med if med is not None else math.inf
+            limit = min(rel_limit, cfg.ceiling)
+            if value > limit:
+                group = key[len(UPDATE_RATIO_PREFIX):]
+                why = (f"{cfg.factor:g} x its rolling median {_fmt(med)}" if rel_limit <= cfg.ceiling
+                       else f"the ceiling {cfg.ceiling:g}")
+                out.append(Finding(
+                    kind=self.kind, where=group, before_update=False,
+                    message=f"{key} = {_fmt(value)} at step {step} is above {why} (limit {_fmt(limit)})",
+                    data={"key": key, "value": value, "median": med, "factor": cfg.factor,
+                          "ceiling": cfg.ceiling, "threshold_value": limit, "step": step}))
+                if math.isfinite(rel_limit):
+                    w.append(rel_limit)  # clamped
+                continue
+            w.append(value)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": {k: list(w) for k, w in self.windows.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.windows = {k: collections.deque((float(v) for v in w), maxlen=self.config.window)
+                        for k, w in state.get("windows", {}).items()}
+
+
+class _RatioImbalance(Detector):
+    """Shared logic of the loss- and gradient-ratio detectors (edge-triggered with hysteresis)."""
+
+    prefix = ""
+    what = ""
+
+    def __init__(self, config: RatioImbalanceConfig | None = None):
+        self.config = config or RatioImbalanceConfig()
+        self.over: dict[str, int] = {}        # pair key -> consecutive observations above threshold
+        self.last_fire: dict[str, int] = {}   # pair key -> step of the last finding while armed-off
+
+    def _ratio(self, a: str, b: str, stats: Mapping[str, float]) -> float | None:
+        return stats.get(f"{self.prefix}{a}/{b}")
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        out = []
+        for a, b in cfg.pairs:
+            key = f"{self.prefix}{a}/{b}"
+            r = self._ratio(a, b, stats)
+            if r is None or not _finite(r):
+                continue
+            if r <= cfg.threshold:
+                self.over[key] = 0
+                if r < cfg.rearm_below * cfg.threshold:
+                    self.last_fire.pop(key, None)
+                continue
+            self.over[key] = self.over.get(key, 0) + 1
+            if self.over[key] < cfg.patience:
+                continue
+            last = self.last_fire.get(key)
+            if last is not None and step - last < cfg.refire_every:
+                continue
+            self.last_fire[key] = step
+            out.append(Finding(
+                kind=self.kind, where=f"{a}/{b}",
+                message=f"{self.what} {a}/{b} = {r:.3g} exceeds {cfg.threshold:g}",
+                data={"key": key, "a": a, "b": b, "ratio": r, "threshold": cfg.threshold, "step": step}))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"over": dict(self.over), "last_fire": dict(self.last_fire)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.over = {k: int(v) for k, v in state.get("over", {}).items()}
+        self.last_fire = {k: int(v) for k, v in state.get("last_fire", {}).items()}
+
+
+class LossRatioImbalance(_RatioImbalance):
+    """loss_ratio/<a>/<b> above 2 (the report's reweighting trigger). Falls back to
+    (loss/<a> + 1e-6) / (loss/<b> + 1e-6) when the ratio key is absent."""
+
+    kind = LOSS_RATIO_IMBALANCE
+    prefix = LOSS_RATIO_PREFIX
+    what = "loss ratio"
+
+    def _ratio(self, a: str, b: str, stats: Mapping[str, float]) -> float | None:
+        r = stats.get(f"{self.prefix}{a}/{b}")
+        if r is None:
+            la, lb = stats.get(LOSS_PREFIX + a), stats.get(LOSS_PREFIX + b)
+            if _finite(la) and _finite(lb):
+                r = (la + RATIO_EPS) / (lb + RATIO_EPS)
+        return r
+
+
+class GradRatioImbalance(_RatioImbalance):
+    """grad_ratio/<a>/<b> above 2 on shared parameters (the report's trap 2: conflicting gradients,
+    NaN followed with 87% probability). The key exists only on the steps the stats stage measures it."""
+
+    kind = GRAD_RATIO_IMBALANCE
+    prefix = GRAD_RATIO_PREFIX
+    what = "gradient-norm ratio"
+
+
+class LossScaleFloor(Detector):
+    """amp/loss_scale <= min_loss_scale; fires once, re-arms when the scale is back above."""
+
+    kind = LOSS_SCALE_FLOOR
+
+    def __init__(self, config: LossScaleFloorConfig | None = None):
+        self.config = config or LossScaleFloorConfig()
+        self.armed = True
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        scale = stats.get(LOSS_SCALE)
+        if not _finite(scale):
+            return []
+        floor = self.config.min_loss_scale
+        if scale > floor:
+            self.armed = True
+            return []
+        if not self.armed:
+            return []
+        self.armed = False
+        return [Finding(kind=self.kind, where="scaler",
+                        message=f"GradScaler scale {scale:g} reached the floor min_loss_scale = {floor:g}: "
+                                f"fp16 gradients keep overflowing",
+                        data={"key": LOSS_SCALE, "value": scale, "min_loss_scale": floor, "step": step})]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"armed": self.armed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.armed = bool(state.get("armed", True))
+
+
+class AccuracyCollapse(Detector):
+    """Validation accuracy at chance (<= chance + collapse_margin) after it had been clearly above
+    (>= chance + above_margin). Fires once per collapse; re-arms when clearly above again."""
+
+    kind = ACCURACY_COLLAPSE
+
+    def __init__(self, config: AccuracyCollapseConfig | None = None):
+        self.config = config or AccuracyCollapseConfig()
+        self.best: float | None = None
+        self.armed = False  # becomes True once accuracy was clearly above chance
+
+    def observe_eval(self, step: int, metrics: Mapping[str, float], chance: float | None = None) -> list[Finding]:
+        cfg = self.config
+        chance = cfg.chance if chance is None else chance
+        acc = metrics.get(cfg.metric)
+        if chance is None or acc is None:
+            return []
+        if not _finite(acc):
+            acc_for_test = -math.inf  # NaN accuracy: the model outputs garbage, i.e. collapsed
+        else:
+            acc_for_test = acc
+            self.best = acc if self.best is None else max(self.best, acc)
+        if acc_for_test >= chance + cfg.above_margin:
+            self.armed = True
+            return []
+        if self.armed and acc_for_test <= chance + cfg.collapse_margin:
+            self.armed = False
+            return [Finding(kind=self.kind, where=cfg.metric,
+                            message=f"validation {cfg.metric} {acc} is back at chance {chance:g} "
+                                    f"(best so far {self.best})",
+                            data={"metric": cfg.metric, "value": acc, "chance": chance,
+                                  "best": self.best, "collapse_margin": cfg.collapse_margin, "step": step})]
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "armed": self.armed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best = state.get("best")
+        self.armed = bool(state.get("armed", False))
+
+
+class Plateau(Detector):
+    """No improvement of the eval metric for ``patience`` validations (finding with
+    ``data["occurrence"] = 1``), then for ``grace`` more (``occurrence = 2``). The policy uses the
+    occurrence as the ladder position (default: 1 -> lr_drop, 2 -> stop)."""
+
+    kind = PLATEAU
+
+    def __init__(self, config: PlateauConfig | None = None):
+        self.config = config or PlateauConfig()
+        self.best: float | None = None
+        self.stale = 0
+        self.stage = 0  # 0: watching; 1: LR dropped, in the grace period; 2: told to stop
+
+    def _improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        d = self.config.min_delta
+        return value < self.best - d if self.config.mode == "min" else value > self.best + d
+
+    def observe_eval(self, step: int, metrics: Mapping[str, float], chance: float | None = None) -> list[Finding]:
+        cfg = self.config
+        value = metrics.get(cfg.metric)
+        if value is None:
+            return []
+        if _finite(value) and self._improved(value):
+            self.best, self.stale, self.stage = float(value), 0, 0
+            return []
+        self.stale += 1  # a non-finite metric counts as no improvement and never becomes the best
+        if self.stage == 0 and self.stale >= cfg.patience:
+            self.stage, self.stale = 1, 0
+            n, occurrence, what = cfg.patience, 1, "drop the learning rate"
+        elif self.stage == 1 and self.stale >= cfg.grace:
+            self.stage = 2
+            n, occurrence, what = cfg.grace, 2, "stop"
+        else:
+            return []
+        return [Finding(kind=self.kind, where=cfg.metric,
+                        message=f"validation {cfg.metric} {value} has not improved on {self.best} for "
+                                f"{n} validations: {what}",
+                        data={"metric": cfg.metric, "value": value, "best": self.best, "validations": n,
+                              "occurrence": occurrence, "step": step})]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "stale": self.stale, "stage": self.stage}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best = state.get("best")
+        self.stale = int(state.get("stale", 0))
+        self.stage = int(state.get("stage", 0))
+
+
+def build_detectors(config: DetectorsConfig | None = None) -> list[Detector]:
+    """The enabled detectors, in a fixed order."""
+    cfg = config or DetectorsConfig()
+    built: list[Detector] = []
+    for section, cls in ((cfg.loss_spike, LossSpike), (cfg.grad_spike, GradSpike),
+                         (cfg.update_ratio_spike, UpdateRatioSpike),
+                         (cfg.loss_ratio_imbalance, LossRatioImbalance),
+                         (cfg.grad_ratio_imbalance, GradRatioImbalance),
+                         (cfg.loss_scale_floor, LossScaleFloor),
+                         (cfg.accuracy_collapse, AccuracyCollapse), (cfg.plateau, Plateau)):
+        if section.enabled:
+            built.append(cls(section))
+    return built
