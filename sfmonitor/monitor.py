@@ -183,10 +183,14 @@ class Monitor:
         self.groups = resolve_groups(model, groups)
         self.model, self.optimizer = model, optimizer
         self._group_names = list(self.groups)
-        self._params = [p for ps in self.groups.values() for _, p in ps]
-        self._param_names = [n for ps in self.groups.values() for n, _ in ps]
-        self._param_group = [gi for gi, ps in enumerate(self.groups.values()) for _ in ps]
+        # Parameters in named_parameters() order, so "the first offending parameter" is the
+        # first one a user (or `sfmonitor replay`) would find walking the model.
         self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
+        group_index = {g: i for i, g in enumerate(self._group_names)}
+        ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group]
+        self._params = [p for _, p in ordered]
+        self._param_names = [n for n, _ in ordered]
+        self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
         self._hooks.append(optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
         self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_post_step))
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():

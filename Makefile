@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine:
+#   make test   install (torch 2.13.0 CPU first, then the project) and run the test suite
+#   make demo   install, then train the reference trap config without and with the monitor
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(VENV)/bin/pip
+
+.PHONY: install test demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[all,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# pytest exits 5 when it collects no test: that is a failure here, never a silent pass.
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+demo: install
+	$(PY) -m reference_model.demo
+
+bench: install
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/stability.py
+
+clean:
+	rm -rf $(VENV) runs sfmonitor_runs .pytest_cache
