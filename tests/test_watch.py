@@ -1,0 +1,284 @@
+"""Activation overflow watch and precision fallback on a toy fp16 attention (CPU autocast).
+
+CPU autocast keeps softmax in fp16, so the unscaled q @ k^T written inline in ``Fusion.forward``
+truly overflows 65504 (the report's first trap). Sizes are tiny: fp16 on CPU is slow.
+"""
+import pytest
+import torch
+from torch import nn
+
+from sfmonitor.events import ACTIVATION_OVERFLOW, ConfigError, PRECISION_FALLBACK
+from sfmonitor.watch import (ACT_ABSMAX_PREFIX, FIRST_NONFINITE_KEY, ActivationWatch, WatchConfig,
+                             precision_fallback)
+
+
+class Fusion(nn.Module):
+    """Attention with the logits computed inline (no module of their own), unscaled."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+
+    def forward(self, x):                       # x: (B, T, d)
+        q, k = self.q(x), self.k(x)
+        att = (q @ k.transpose(-1, -2)).softmax(dim=-1)   # (B, T, T), fp16 under autocast
+        return att @ x                                    # bounded by max|x|
+
+
+class Toy(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.enc = nn.Linear(d, d)
+        self.fusion = Fusion(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.fusion(self.enc(x))).float().mean()
+
+
+SCALES = [2 ** (k / 2) for k in range(21)]   # inputs growing step by step: logits x2 a step
+
+
+def _step(model, watch, step, x):
+    watch.reset(step)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    stats = {k: float(v) for k, v in watch.pending().items()}   # the single host read
+    return out, stats, watch.findings(step, stats)
+
+
+def _run(model, watch, x):
+    first_warn = first_inf = None
+    names = {}
+    for step, s in enumerate(SCALES):
+        out, stats, found = _step(model, watch, step, x * s)
+        for f in found:
+            assert f.kind == ACTIVATION_OVERFLOW
+            if f.data["nonfinite"] and first_inf is None:
+                first_inf, names["inf"] = step, f.data["module"]
+            if not f.data["nonfinite"] and first_warn is None:
+                first_warn, names["warn"] = step, f
+        if not torch.isfinite(out) and first_inf is None:
+            first_inf = step
+    return first_warn, first_inf, names
+
+
+def _model_and_input():
+    torch.manual_seed(0)
+    model = Toy()
+    x = torch.randn(2, 4, 8)
+    return model, x
+
+
+def test_warns_before_first_inf_and_names_the_module():
+    model, x = _model_and_input()
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
+    assert watch.module_names == ["enc", "fusion", "fusion.q", "fusion.k", "head"]
+    first_warn, first_inf, names = _run(model, watch, x)
+    assert first_inf is not None, "the toy must overflow at the largest scale"
+    assert first_warn is not None and first_warn < first_inf
+    warn = names["warn"]
+    assert warn.data["module"] == "fusion" and warn.where == "fusion"
+    assert warn.data["dtype"] == "float16" and warn.data["limit"] == 65504.0
+    assert 0.5 * 65504 <= warn.data["absmax"] < 65504
+    assert names["inf"] == "fusion"          # first in forward order; head is NaN too, after it
+    watch.detach()
+
+
+def test_inline_logits_are_what_warns():
+    """Module outputs alone (att @ x is bounded) never warn: the inline capture is the promise."""
+    model, x = _model_and_input()
+    watch = ActivationWatch(WatchConfig(stride=1, inline=False)).attach(model)
+    first_warn, first_inf, _ = _run(model, watch, x)
+    assert first_inf is not None
+    assert first_warn is None or first_warn >= first_inf
+    watch.detach()
+
+
+def test_first_nonfinite_data_and_key():
+    model, x = _model_and_input()
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
+    out, stats, found = _step(model, watch, 7, x * 1024)
+    assert not torch.isfinite(out)
+    assert stats[FIRST_NONFINITE_KEY] == watch._order.index("fusion")
+    bad = [f for f in found if f.data["nonfinite"]]
+    assert len(bad) == 1 and bad[0].data["module"] == "fusion"
+    assert bad[0].data["recommend"] == PRECISION_FALLBACK
+    assert "head" in bad[0].data["nonfinite_modules"]
+    assert "step 7" in bad[0].message and "fusion" in bad[0].message
+    watch.detach()
+
+
+def test_nested_attribution_and_keys():
+    model, x = _model_and_input()
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
+    _, stats, _ = _step(model, watch, 0, x * 64)
+    # q/k projections are recorded under their own names; the inline logits go to `fusion`.
+    assert stats[ACT_ABSMAX_PREFIX + "fusion"] > 10 * stats[ACT_ABSMAX_PREFIX + "fusion.q"]
+    assert set(stats) == {ACT_ABSMAX_PREFIX + n for n in watch.module_names} | {FIRST_NONFINITE_KEY}
+    assert stats[FIRST_NONFINITE_KEY] == -1
+    watch.detach()
+
+
+def test_stride_and_sample_next():
+    model, x = _model_and_input()
+    watch = ActivationWatch(WatchConfig(stride=3)).attach(model)
+    sampled = []
+    for step in range(6):
+        watch.reset(step)
+        model(x)
+        sampled.append(bool(watch.pending()))
+    assert sampled == [True, False, False, True, False, False]
+    watch.sample_next()
+    watch.reset(7)
+    model(x)
+    assert watch.pending()
+    watch.reset(8)
+    model(x)
+    assert watch.pending() == {}
+    watch.detach()
+
+
+def test_no_grad_forwards_are_not_recorded():
+    model, x = _model_and_input()
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
+    with torch.no_grad():
+        model(x)
+    assert watch.pending() == {}
+    watch.detach()
+
+
+def test_persist_recommends_fallback_and_resets():
+    model, x = _model_and_input()
+    watch = ActivationWatch(WatchConfig(stride=1, persist=2)).attach(model)
+    scale = next(s for s in (200, 256, 300) if _step(model, watch, 0, x * s)[2])
+    watch._streak.clear()
+    recs = []
+    for step, s in enumerate([scale, scale, 1, scale]):
+        _, _, found = _step(model, watch, step, x * s)
+        f = [f for f in found if f.data["module"] == "fusion"]
+        recs.append((f[0].data["consecutive"], f[0].data["recommend"]) if f else None)
+    assert recs == [(1, None), (2, PRECISION_FALLBACK), None, (1, None)]
+    sd = watch.state_dict()
+    other = ActivationWatch(WatchConfig(stride=1, persist=2))
+    other.load_state_dict(sd)
+    assert other.state_dict() == sd and sd["streak"]["fusion"] == 1
+    watch.detach()
+
+
+def test_exception_in_forward_leaves_no_mode_pushed():
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Linear(4, 4)
+
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fusion = Boom()
+
+        def forward(self, x):
+            return self.fusion(x)
+
+    model = Outer()
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
+    watch.reset(0)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(2, 4))
+    assert torch._C._len_torch_function_stack() == 0
+    assert watch._stack == []
+    watch.detach()
+
+
+def test_detach_restores_original_behaviour_exactly():
+    model, x = _model_and_input()
+    hooks_before = [(n, dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()]
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref = model(x * 16)
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
+    watch.reset(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        watched = model(x * 16)
+    assert torch.equal(watched, ref)                  # observing changes nothing
+    watch.detach()
+    assert [(n, dict(m._forward_hooks), dict(m._forward_pre_hooks))
+            for n, m in model.named_modules()] == hooks_before
+    assert torch._C._len_torch_function_stack() == 0
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(model(x * 16), ref)
+
+
+def test_precision_fallback_gives_finite_outputs_and_remove_undoes_it():
+    model, x = _model_and_input()
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref_small = model(x * 4)
+        assert not torch.isfinite(model(x * 1024))
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
+    handle = precision_fallback(model, "fusion")
+    assert handle.active and handle.module_name == "fusion"
+    for step, s in enumerate(SCALES):                 # the same inputs as the overflow test
+        watch.reset(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            fused = model.fusion(model.enc(x * s))
+            out = model(x * s)
+        assert torch.isfinite(out), f"scale {s}"
+        assert fused.dtype == torch.float16           # cast back to the caller's autocast dtype
+        stats = {k: float(v) for k, v in watch.pending().items()}
+        assert watch._dtypes["fusion"] == torch.float32   # the logits now live in fp32
+        assert not [f for f in watch.findings(step, stats) if f.data["nonfinite"]]
+    handle.remove()
+    handle.remove()                                   # safe twice
+    assert not handle.active
+    watch.detach()
+    assert not model.fusion._forward_hooks and not model.fusion._forward_pre_hooks
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(model(x * 4), ref_small)
+        assert not torch.isfinite(model(x * 1024))
+
+
+def test_precision_fallback_without_autocast_keeps_dtype_and_gradients_flow():
+    model, x = _model_and_input()
+    ref = model(x)
+    handle = precision_fallback(model, "fusion")
+    out = model(x)
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+    out.backward()
+    assert model.fusion.q.weight.grad is not None
+    handle.remove()
+
+
+def test_precision_fallback_bad_input():
+    model, _ = _model_and_input()
+    with pytest.raises(ValueError, match="no module named 'nope'"):
+        precision_fallback(model, "nope")
+    model.fusion.half()
+    with pytest.raises(ValueError, match="low-precision parameters"):
+        precision_fallback(model, "fusion")
+
+
+def test_config_validation():
+    assert WatchConfig().stride >= 1
+    with pytest.raises(ConfigError, match="stride"):
+        WatchConfig(stride=0)
+    with pytest.raises(ConfigError, match="warn_fraction"):
+        WatchConfig(warn_fraction=1.5)
+    with pytest.raises(ConfigError, match=r"watch.modules\[0\]"):
+        WatchConfig.from_dict({"modules": ["re:("]}, prefix="watch.")
+    with pytest.raises(ConfigError, match="unknown config key watch.strid"):
+        WatchConfig.from_dict({"strid": 2}, prefix="watch.")
+
+
+def test_selection_by_pattern_and_class():
+    model, _ = _model_and_input()
+    w = ActivationWatch(WatchConfig(modules=["re:^fus"], classes=[]))
+    assert w.select(model) == ["fusion", "fusion.q", "fusion.k"]
+    w = ActivationWatch(WatchConfig(modules=[], classes=["Fusion"]))
+    assert w.select(model) == ["fusion"]
+    mha = nn.Module()
+    mha.block = nn.MultiheadAttention(8, 2)
+    assert "block" in ActivationWatch().select(mha)
+    assert ActivationWatch(WatchConfig(enabled=False)).attach(model).attached is False
