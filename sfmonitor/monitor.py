@@ -33,6 +33,7 @@ from . import stats as S
 from .config import MonitorConfig
 from .events import (CLIP, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM, SKIP_STEP, STOP,
                      ConfigError, Decision, Event, Finding, NonFiniteError, StopTraining)
+from .integrations.distributed import unwrap
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
 
@@ -48,6 +49,7 @@ def resolve_groups(model: nn.Module, groups: Mapping[str, Any] | None = None
     ``nn.Module``, an iterable of Parameters, or a parameter-name prefix; parameters named by no
     group go to "other"; a parameter in two groups is an error.
     """
+    model = unwrap(model)  # DDP / DataParallel: group by the wrapped model's own names
     named = list(model.named_parameters())  # de-duplicates tied weights: first name wins
     out: dict[str, list[tuple[str, nn.Parameter]]] = {}
     if groups is None:
@@ -187,7 +189,7 @@ class Monitor:
         # first one a user (or `sfmonitor replay`) would find walking the model.
         self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
         group_index = {g: i for i, g in enumerate(self._group_names)}
-        ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group]
+        ordered = [(n, p) for n, p in unwrap(model).named_parameters() if n in self._name_to_group]
         self._params = [p for _, p in ordered]
         self._param_names = [n for n, _ in ordered]
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
@@ -350,9 +352,9 @@ class Monitor:
 
         # 1. stats: every number of this step as a tensor, then ONE host read.
         tensors, per_param = self._collect_tensors(grads)
-        prev_update = {f"_prev/{k}": v for k, v in self._pending.items()}
+        prev_update = {f"prev:{k}": v for k, v in self._pending.items()}
         values = S.read_all({**tensors, **prev_update})  # the step's single host synchronisation
-        self._complete_previous({k[len("_prev/"):]: values.pop(k) for k in prev_update})
+        self._complete_previous({k[len("prev:"):]: values.pop(k) for k in prev_update})
         stats = {k: v for k, v in values.items() if not k.startswith("_")}
 
         # 2. detectors: non-finite loss/grad/param first (core), then the configured detectors.
@@ -405,10 +407,10 @@ class Monitor:
                 out["_amp_found_inf"] = sum(v.to(next(iter(found.values())).device) for v in found.values())
         # Which gradients / parameters are non-finite: first index, count (resolved at the read).
         bad_grad = ~torch.isfinite(grad_norms)
-        out["_grad_first_bad"] = S.first_true(bad_grad)
+        out["_local/grad_first_bad"] = S.first_true(bad_grad)
         out["_grad_bad_count"] = bad_grad.sum()
         bad_param = ~torch.isfinite(param_norms)
-        out["_param_first_bad"] = S.first_true(bad_param)
+        out["_local/param_first_bad"] = S.first_true(bad_param)
         out["_param_bad_count"] = bad_param.sum()
         per_param = {"grad_index": [i for i, _ in present]}
         if self.config.stats.update_ratio_every and self.step % self.config.stats.update_ratio_every == 0:
@@ -427,7 +429,7 @@ class Monitor:
                                     f"loss is {loss}" + (f" (non-finite components: {', '.join(bad)})" if bad else ""),
                                     {"loss": loss, "components": comps, "nonfinite_components": bad}))
         if v["_grad_bad_count"] > 0:
-            idx = per_param["grad_index"][int(v["_grad_first_bad"])]
+            idx = per_param["grad_index"][int(v["_local/grad_first_bad"])]
             name = self._param_names[idx]
             n_bad = int(v["_grad_bad_count"])
             data = {"param": name, "group": self._name_to_group[name], "count": n_bad,
@@ -444,7 +446,7 @@ class Monitor:
             findings.append(Finding(NONFINITE_GRAD, "the GradScaler found inf/NaN gradients and skips this step",
                                     {"skipped_by": "grad_scaler"}))
         if v["_param_bad_count"] > 0:
-            name = self._param_names[int(v["_param_first_bad"])]
+            name = self._param_names[int(v["_local/param_first_bad"])]
             findings.append(Finding(NONFINITE_PARAM, f"non-finite parameter {name} (group {self._name_to_group[name]})",
                                     {"param": name, "group": self._name_to_group[name],
                                      "count": int(v["_param_bad_count"])}, where=name))

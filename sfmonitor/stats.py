@@ -102,18 +102,27 @@ def shared_grad_stats(grads_a: Sequence[torch.Tensor | None],
 
 
 def read_all(named: Mapping[str, torch.Tensor | float | int]) -> dict[str, float]:
-    """The one host read of a step: every 0-d tensor to a Python float in a single transfer
-    per device (tensors are stacked where they live, then read with one ``tolist()``)."""
+    """The one host read of a step: every value to a Python float in a single transfer per
+    device (tensors are stacked where they live, then read with one ``tolist()``).
+
+    Under torch.distributed the stacked vector is first all-reduced (``integrations.distributed``):
+    public statistics are averaged over ranks, private ``_``-keys summed, ``_local/`` keys kept, so
+    every rank reads the same numbers and takes the same decision.
+    """
+    from .integrations.distributed import agree
     by_device: dict[torch.device, list[str]] = {}
     for k, v in named.items():
-        if isinstance(v, torch.Tensor):
-            by_device.setdefault(v.device, []).append(k)
+        by_device.setdefault(v.device if isinstance(v, torch.Tensor) else torch.device("cpu"), []).append(k)
     out: dict[str, float] = {}
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        values = torch.stack([named[k].detach().reshape(()).to(dtype) for k in ks]).tolist()
-        out.update(zip(ks, values))  # ^ the host synchronisation
-    return {k: out[k] if k in out else float(v) for k, v in named.items()}
+        vec = torch.stack([named[k].detach().reshape(()).to(dtype) if isinstance(named[k], torch.Tensor)
+                           else torch.tensor(float(named[k]), dtype=dtype, device=device) for k in ks])
+        mean_mask = torch.tensor([not k.startswith("_") for k in ks], device=device)
+        local_mask = torch.tensor([k.startswith("_local/") for k in ks], device=device)
+        values = agree(vec, mean_mask, local_mask).tolist()  # the host synchronisation
+        out.update(zip(ks, values))
+    return {k: out[k] for k in named}
 
 
 def finite(x: float) -> bool:

@@ -234,7 +234,7 @@ def test_gradient_accumulation_records_the_mean(tmp_path):
         losses = model(*batch())
         loss = mon.combine(losses, weights=WEIGHTS)
         (loss / 4).backward()
-        vals.append({k: float(v) for k, v in losses.items()} | {"total": float(loss)})
+        vals.append({k: float(v.detach()) for k, v in losses.items()} | {"total": float(loss.detach())})
     opt.step()
     opt.zero_grad()
     st = mon.stats

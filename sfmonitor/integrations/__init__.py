@@ -1,0 +1,1 @@
+"""Integrations: torch.distributed agreement (distributed.py), Lightning and transformers callbacks."""

@@ -1,0 +1,51 @@
+"""Under torch.distributed (gloo, 2 ranks on 127.0.0.1) every rank takes the same decision."""
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import sfmonitor
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[],
+                           config={"console": False})
+    g = torch.Generator().manual_seed(100 + rank)
+    for step in range(4):
+        x = torch.randn(5, 4, generator=g)
+        loss = model(x).pow(2).mean()
+        if step == 2 and rank == 1:  # only rank 1 sees a non-finite loss (finite gradients)
+            loss = loss + torch.tensor(float("nan"))
+        mon.combine(loss).backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.save({"events": [(e.step, e.kind, e.actions) for e in mon.events], "params": flat,
+                "groups": list(mon.groups), "loss": mon.stats["loss/total"]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    mon.detach()
+    dist.destroy_process_group()
+
+
+def test_every_rank_takes_the_same_decision_in_the_same_step(tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["events"] == r1["events"] == [(2, "nonfinite_loss", ["skip_step"])]
+    assert torch.equal(r0["params"], r1["params"])
+    assert r0["groups"] == ["0", "2"]  # grouped by the wrapped model's names, not "module"
+    assert r0["loss"] == r1["loss"]  # the mean over ranks
