@@ -115,8 +115,8 @@ def _named_tensors(obj: Any, prefix: str, depth: int = 0):
 def _pad_lengths(t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     """(pad value, per-row lengths) when a 2-D integer tensor is right-padded with one value.
 
-    Obvious means: the value in the last column of the row with the most trailing repeats is the
-    pad value, and at least one row ends with it while another does not or ends earlier.
+    Obvious means: the most common value of the last column, found only in trailing runs, one of
+    them at least 2 long, with lengths that differ between rows.
     """
     if t.dim() != 2 or t.shape[1] < 2 or t.shape[0] < 1:
         return None
@@ -125,8 +125,12 @@ def _pad_lengths(t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     is_pad = t == pad
     # trailing run: positions j where every column from j to the end is pad
     trailing = torch.flip(torch.cumprod(torch.flip(is_pad, [1]).to(torch.int8), dim=1), [1]).bool()
-    lengths = t.shape[1] - trailing.sum(dim=1)
-    if not bool(trailing[:, -1].any()) or int(lengths.min()) == int(lengths.max()):
+    runs = trailing.sum(dim=1)
+    lengths = t.shape[1] - runs
+    # obvious: some row has a run of >= 2 pads, lengths differ, and the pad value occurs nowhere
+    # but in the trailing runs (a token id that also appears inside the text is no pad).
+    if (int(runs.max()) < 2 or int(lengths.min()) == int(lengths.max())
+            or bool((is_pad & ~trailing).any())):
         return None
     return pad, lengths
 
