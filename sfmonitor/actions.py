@@ -1,0 +1,651 @@
+"""Actions: the only code that changes training. One function per action name; ``apply(ctx,
+decision)`` dispatches and returns the JSON-able facts of what was done (for the event).
+
+| action | effect |
+|---|---|
+| skip_step | ``ctx.skip = True``; the monitor makes the step a bit-identical no-op |
+| clip | clips this step's (unscaled) gradients: ``zclip`` (default), ``global``, ``per_modality``, ``agc`` |
+| reweight | the report's rule on ``ctx.loss_weights`` (read by ``combine()``); ``relax_weights`` drifts back |
+| lr_drop | ``ctx.lr_scale *= factor`` (floored); the monitor applies it around every optimizer step |
+| checkpoint | emergency checkpoint of the last good state, atomic, loadable with ``weights_only=True`` |
+| rollback | restores the newest in-memory snapshot before the trouble, skips this step and K batches |
+| precision_fallback | runs the named module in fp32 from now on (autocast off, inputs cast to fp32) |
+| grad_noise | adds N(0, std^2) to every gradient, std = eta / (1 + epoch)^0.55 (the report) |
+| stop | saves a checkpoint, sets ``ctx.should_stop``, raises ``StopTraining`` (not for plateau) |
+
+LR and user schedulers. ``lr_drop`` never writes ``param_group["lr"]`` permanently. The monitor
+calls ``saved = apply_lr_scale(optimizer, ctx.lr_scale)`` in the optimizer-step pre-hook, after the
+actions, and ``restore_lr(optimizer, saved)`` in the post-hook. The user's scheduler keeps reading
+and writing its own values, so any schedule (warm-up, cosine, OneCycle, ReduceLROnPlateau) keeps
+working and the drop multiplies whatever it sets. With ``lr_scale == 1`` nothing is touched.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from .checkpoint import (DEFAULT_SNAPSHOT_EVERY, DEFAULT_SNAPSHOT_KEEP, SnapshotRing,
+                         capture_state, restore_state, save_checkpoint)
+from .config import Section, option
+from .events import (CHECKPOINT, CLIP, GRAD_NOISE, LR_DROP, PLATEAU, PRECISION_FALLBACK, REWEIGHT,
+                     ROLLBACK, SKIP_STEP, STOP, ACTION_NAMES, ConfigError, Decision, StopTraining)
+
+__all__ = [
+    "ActionsConfig", "ClipConfig", "ReweightConfig", "LRDropConfig", "RollbackConfig",
+    "CheckpointConfig", "GradNoiseConfig", "LossScaleConfig", "StopConfig", "ActionContext",
+    "apply", "ACTIONS", "skip_step", "clip", "clip_gradients", "reweight", "relax_weights",
+    "lr_drop", "apply_lr_scale", "restore_lr", "checkpoint", "rollback", "precision_fallback",
+    "remove_precision_fallback", "grad_noise", "grad_noise_std", "stop", "keep_loss_scale_floor",
+    "parse_clip_rule",
+]
+
+CLIP_MODES = ("zclip", "global", "per_modality", "agc")
+_RULE = re.compile(r"^(sqrt|norm):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
+ANY_GROUP = "*"
+EMERGENCY_PREFIX = "emergency-step"
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+def parse_clip_rule(rule: str, key: str = "rule") -> tuple[str, float]:
+    """'sqrt:C' -> scale min(1, C / sqrt(|g|)); 'norm:C' -> scale min(1, C / |g|)."""
+    m = _RULE.match(rule.strip()) if isinstance(rule, str) else None
+    if not m or float(m.group(2)) <= 0:
+        raise ConfigError(f"{key}: {rule!r} is not a clip rule; expected 'sqrt:C' (scale min(1, C/sqrt(|g|))) "
+                          f"or 'norm:C' (scale min(1, C/|g|)) with C > 0")
+    return m.group(1), float(m.group(2))
+
+
+@dataclass
+class ClipConfig(Section):
+    """Gradient clipping taken as an action (a grad_spike answer). Acts on unscaled gradients."""
+
+    mode: str = option("zclip", "zclip: clip the total norm to the detector's EMA mean + zclip_z sigma; "
+                                "global: to max_grad_norm; per_modality: the report's per-group rules; "
+                                "agc: unit-wise adaptive clipping", choices=CLIP_MODES)
+    max_grad_norm: float = option(1.0, "global mode, and zclip without detector statistics (the report: "
+                                       "max_grad_norm 1.0)", lo=0, lo_open=True)
+    zclip_z: float = option(2.5, "zclip threshold in EMA sigmas (ZClip: z = 2.5)", lo=0, lo_open=True)
+    per_modality: dict[str, str] = option({"text": "sqrt:10", "vision": "norm:5", ANY_GROUP: "norm:7"},
+                                          "group -> rule; '*' covers every other group (the report: "
+                                          "text min(1,10/sqrt|g|), vision min(1,5/|g|), other min(1,7/|g|))")
+    agc_lambda: float = option(0.01, "AGC clipping factor (Brock et al. 2021, NFNets: 0.01)", lo=0, lo_open=True)
+    agc_eps: float = option(1e-3, "AGC floor on unit parameter norms (Brock et al. 2021: 1e-3)", lo=0, lo_open=True)
+
+    def validate(self) -> None:
+        for group, rule in self.per_modality.items():
+            parse_clip_rule(rule, f"{self._prefix}per_modality.{group}")
+
+
+@dataclass
+class ReweightConfig(Section):
+    """The report's dynamic loss reweighting, generalised to any pair a/b and threshold t:
+    w_a = base_a * t / r, w_b = base_b * r / t (t = 2: w_v = 0.4 * 2/r, w_f = 0.3 * r/2)."""
+
+    threshold: float = option(2.0, "t, used when the finding carries none (the report: 2)", lo=1, lo_open=True)
+    relax_rate: float = option(0.05, "per step, once a/b <= t again, the weights move this fraction of "
+                                     "the way back to their base (our choice: ~60 steps to 95%)", lo=0, hi=1, lo_open=True)
+    min_weight: float = option(1e-3, "no weight goes below this (our choice)", lo=0)
+
+
+@dataclass
+class LRDropConfig(Section):
+    """Learning-rate drop as a persistent multiplier of every param group's LR."""
+
+    factor: float = option(0.2, "multiply the LR scale by this (the report: LR to 1/5 on a plateau; "
+                                "the proving ground's rescue: LR x 0.2)", lo=0, hi=1, lo_open=True)
+    min_scale: float = option(1e-3, "the LR scale never goes below this (our choice)", lo=0, hi=1, lo_open=True)
+    min_lr: float = option(0.0, "a dropped LR never goes below this (nor above the user's own LR)", lo=0)
+
+
+@dataclass
+class RollbackConfig(Section):
+    """In-memory snapshots and rollback."""
+
+    snapshot_every: int = option(DEFAULT_SNAPSHOT_EVERY, "optimizer steps between CPU snapshots "
+                                                         "(issue 4: at most 50)", lo=1)
+    keep: int = option(DEFAULT_SNAPSHOT_KEEP, "snapshots kept in memory", lo=1)
+    skip_batches: int = option(4, "batches monitor.batches() drops after a rollback (PaLM skipped "
+                                  "200-500 batches on a 540B run; ours is scaled to short runs)", lo=0)
+    restore_rng: bool = option(True, "also restore the RNG states of the snapshot")
+
+
+@dataclass
+class CheckpointConfig(Section):
+    """Emergency checkpoints under <run_dir>/checkpoints/."""
+
+    subdir: str = option("checkpoints", "folder under run_dir")
+    keep: int = option(3, "emergency checkpoints kept (older ones are deleted)", lo=1)
+
+
+@dataclass
+class GradNoiseConfig(Section):
+    """Gaussian gradient noise (the report's trick; Neelakantan et al. 2015)."""
+
+    eta: float = option(0.3, "eta in std = eta / (1 + epoch)^gamma (the report: 0.3)", lo=0, lo_open=True)
+    gamma: float = option(0.55, "decay exponent (the report and Neelakantan et al.: 0.55)", lo=0)
+    seed: int = option(0, "seed of the noise generator (kept apart from the training RNG)", lo=0)
+
+
+@dataclass
+class LossScaleConfig(Section):
+    """A GradScaler floor, a standing setting (no event) when enforced."""
+
+    enforce_floor: bool = option(False, "keep the GradScaler scale >= min_loss_scale every step")
+    min_loss_scale: float = option(512.0, "the floor (the report: min_loss_scale 512)", lo=0, lo_open=True)
+
+
+@dataclass
+class StopConfig(Section):
+    """The stop action."""
+
+    save_checkpoint: bool = option(True, "save a checkpoint before stopping (unless one was saved this step)")
+    graceful_kinds: list[str] = option([PLATEAU], "causes that only set monitor.should_stop instead of "
+                                                  "raising StopTraining (early stopping)")
+
+
+@dataclass
+class ActionsConfig(Section):
+    """Every action's settings."""
+
+    clip: ClipConfig = option(ClipConfig(), "clip action")
+    reweight: ReweightConfig = option(ReweightConfig(), "reweight action")
+    lr_drop: LRDropConfig = option(LRDropConfig(), "lr_drop action")
+    rollback: RollbackConfig = option(RollbackConfig(), "snapshots and rollback")
+    checkpoint: CheckpointConfig = option(CheckpointConfig(), "emergency checkpoints")
+    grad_noise: GradNoiseConfig = option(GradNoiseConfig(), "gradient noise")
+    loss_scale: LossScaleConfig = option(LossScaleConfig(), "GradScaler floor")
+    stop: StopConfig = option(StopConfig(), "stop action")
+
+
+# --------------------------------------------------------------------------------------------
+# Context
+# --------------------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class ActionContext:
+    """Everything an action may read or change. The monitor owns one and updates ``step``,
+    ``epoch`` and ``stats`` before each round of actions, and reads ``skip``, ``lr_scale``,
+    ``loss_weights``, ``batches_to_skip`` and ``should_stop`` afterwards."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any = None
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = field(default_factory=dict)
+    loss_weights: dict[str, float] = field(default_factory=dict)   # current weights, read by combine()
+    base_weights: dict[str, float] = field(default_factory=dict)   # the user's weights
+    lr_scale: float = 1.0
+    snapshots: SnapshotRing | None = None
+    run_dir: str | os.PathLike | None = None
+    step: int = 0
+    epoch: int = 0
+    stats: Mapping[str, float] = field(default_factory=dict)
+    skip: bool = False                 # set by skip_step / rollback: this step's update must not land
+    batches_to_skip: int = 0           # set by rollback; consumed by monitor.batches()
+    should_stop: bool = False
+    config: ActionsConfig = field(default_factory=ActionsConfig)
+    monitor_state: Callable[[], dict[str, Any]] | None = None  # saved inside emergency checkpoints
+    reweighted: dict[str, dict[str, Any]] = field(default_factory=dict)  # "a/b" -> {a, b, key, threshold}
+    fp32_modules: list[str] = field(default_factory=list)
+    hooks: list[Any] = field(default_factory=list)
+    last_checkpoint: str | None = None
+    last_checkpoint_step: int | None = None
+    _noise_gen: torch.Generator | None = None
+
+    def params_with_grad(self) -> dict[str, list[nn.Parameter]]:
+        groups = self.groups or {"all": list(self.model.named_parameters())}
+        return {g: [p for _, p in named if p.grad is not None] for g, named in groups.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# skip_step
+# --------------------------------------------------------------------------------------------
+
+def skip_step(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Mark this step's update as not to be applied; the monitor makes it a bit-identical no-op."""
+    ctx.skip = True
+    return {"skipped_step": ctx.step}
+
+
+# --------------------------------------------------------------------------------------------
+# clip
+# --------------------------------------------------------------------------------------------
+
+def _group_norms(grads: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """0-d float32 norm per group, fused (no host sync)."""
+    out = {}
+    for g, ts in grads.items():
+        if ts:
+            norms = torch._foreach_norm(ts)
+            out[g] = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    return out
+
+
+def _total(norms: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack(list(norms.values())))
+
+
+def _unitwise_norm(x: torch.Tensor) -> torch.Tensor:
+    """Norm per output unit (dim 0) for matrices and conv kernels; whole-tensor norm for vectors."""
+    if x.ndim <= 1:
+        return torch.linalg.vector_norm(x.float())
+    return torch.linalg.vector_norm(x.float(), dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
+def clip_gradients(groups: dict[str, list[nn.Parameter]], config: ClipConfig, mode: str | None = None,
+                   cause_data: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """Clip the gradients of ``groups`` (group -> parameters with .grad) in place.
+
+    Returns (norms before, norms after, settings used); norms are 0-d tensors per group (no host
+    sync here), so a monitor can also call this as a standing setting every step.
+    """
+    mode = mode or config.mode
+    grads = {g: [p.grad for p in ps if p.grad is not None] for g, ps in groups.items()}
+    grads = {g: ts for g, ts in grads.items() if ts}
+    before = _group_norms(grads)
+    if not before:
+        return {}, {}, {"mode": mode}
+    used: dict[str, Any] = {"mode": mode}
+    if mode == "zclip":
+        data = cause_data or {}
+        if "mean_log" in data and "sigma_log" in data:
+            target = math.exp(float(data["mean_log"]) + config.zclip_z * float(data["sigma_log"]))
+            used.update(max_norm=target, zclip_z=config.zclip_z)
+        else:
+            target = config.max_grad_norm
+            used.update(mode="global", max_norm=target, note="no detector statistics: global clip")
+        mode = "global"
+    else:
+        target = config.max_grad_norm
+    if mode == "global":
+        used.setdefault("max_norm", target)
+        total = _total(before)
+        coef = torch.clamp(target / (total + CLIP_EPS), max=1.0)
+        for ts in grads.values():
+            torch._foreach_mul_(ts, coef.to(ts[0].dtype) if ts[0].dtype != coef.dtype else coef)
+    elif mode == "per_modality":
+        rules = {}
+        for g, ts in grads.items():
+            rule = config.per_modality.get(g, config.per_modality.get(ANY_GROUP))
+            if rule is None:
+                continue
+            kind, c = parse_clip_rule(rule)
+            n = before[g]
+            coef = torch.clamp(c / (torch.sqrt(n) if kind == "sqrt" else n).clamp_min(CLIP_EPS), max=1.0)
+            torch._foreach_mul_(ts, coef)
+            rules[g] = rule
+        used["rules"] = rules
+    elif mode == "agc":
+        used.update(agc_lambda=config.agc_lambda, agc_eps=config.agc_eps)
+        for ps in groups.values():
+            for p in ps:
+                if p.grad is None:
+                    continue
+                max_norm = _unitwise_norm(p.detach()).clamp_min(config.agc_eps) * config.agc_lambda
+                g_norm = _unitwise_norm(p.grad)
+                coef = torch.where(g_norm > max_norm, max_norm / g_norm.clamp_min(CLIP_EPS),
+                                   torch.ones_like(g_norm))
+                p.grad.mul_(coef.to(p.grad.dtype))
+    else:
+        raise ConfigError(f"clip mode {mode!r} is not allowed; choose one of {', '.join(CLIP_MODES)}")
+    after = _group_norms(grads)
+    return before, after, used
+
+
+def clip(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Clip this step's gradients (mode from ``decision.params['mode']`` or the config)."""
+    groups = ctx.params_with_grad()
+    before, after, used = clip_gradients(groups, ctx.config.clip, decision.params.get("mode"),
+                                         decision.cause.data)
+    if not before:
+        return {**used, "clipped": False, "reason": "no gradients"}
+    names = list(before)
+    values = torch.stack([before[g] for g in names] + [_total(before)]
+                         + [after[g] for g in names] + [_total(after)]).tolist()  # one host read
+    n = len(names) + 1
+    return {**used, "norm_before": values[n - 1], "norm_after": values[2 * n - 1],
+            "group_norm_before": dict(zip(names, values[:n - 1])),
+            "group_norm_after": dict(zip(names, values[n:2 * n - 1]))}
+
+
+# --------------------------------------------------------------------------------------------
+# reweight
+# --------------------------------------------------------------------------------------------
+
+def reweight(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """The report's rule for the pair (a, b) of the finding, ratio r > t:
+    w_a = base_a * t / r, w_b = base_b * r / t (the report: w_v = 0.4 * 2/r, w_f = 0.3 * r/2)."""
+    cfg = ctx.config.reweight
+    data = decision.cause.data
+    a, b, r = data.get("a"), data.get("b"), data.get("ratio")
+    t = float(data.get("threshold", cfg.threshold))
+    if a not in ctx.base_weights or b not in ctx.base_weights:
+        return {"applied": False, "reason": f"components {a!r} and {b!r} are not both in combine() weights "
+                                            f"{sorted(ctx.base_weights)}"}
+    if r is None or not math.isfinite(r) or r <= t:
+        return {"applied": False, "reason": f"ratio {r} is not above {t:g}"}
+    old = dict(ctx.loss_weights)
+    ctx.loss_weights[a] = max(ctx.base_weights[a] * t / r, cfg.min_weight)
+    ctx.loss_weights[b] = max(ctx.base_weights[b] * r / t, cfg.min_weight)
+    key = str(data.get("key", f"loss_ratio/{a}/{b}"))
+    ctx.reweighted[f"{a}/{b}"] = {"a": a, "b": b, "key": key, "threshold": t}
+    return {"applied": True, "pair": [a, b], "ratio": r, "threshold": t,
+            "old_weights": {a: old.get(a), b: old.get(b)},
+            "new_weights": {a: ctx.loss_weights[a], b: ctx.loss_weights[b]}}
+
+
+def relax_weights(ctx: ActionContext, stats: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Call once per step: each reweighted pair whose ratio is back at or under its threshold moves
+    ``relax_rate`` of the way back to its base weights (snapping to base within 0.1%). Returns
+    {"weights": {...}, "restored": [pairs back at base]} when something changed, else {}."""
+    stats = ctx.stats if stats is None else stats
+    rate = ctx.config.reweight.relax_rate
+    changed: dict[str, float] = {}
+    restored = []
+    for pair, info in list(ctx.reweighted.items()):
+        r = stats.get(info["key"])
+        if r is None or not math.isfinite(r) or r > info["threshold"]:
+            continue
+        done = True
+        for c in (info["a"], info["b"]):
+            base, w = ctx.base_weights[c], ctx.loss_weights[c]
+            w = base + (w - base) * (1.0 - rate)
+            if abs(w - base) <= 1e-3 * abs(base):
+                w = base
+            else:
+                done = False
+            ctx.loss_weights[c] = w
+            changed[c] = w
+        if done:
+            del ctx.reweighted[pair]
+            restored.append(pair)
+    if not changed:
+        return {}
+    return {"weights": changed, "restored": restored}
+
+
+# --------------------------------------------------------------------------------------------
+# lr_drop
+# --------------------------------------------------------------------------------------------
+
+def _scaled_lr(lr: float, scale: float, min_lr: float) -> float:
+    return max(lr * scale, min(lr, min_lr))
+
+
+def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, min_lr: float = 0.0) -> list[Any]:
+    """Multiply every param group's LR by ``scale`` (not below ``min_lr``, nor above the group's own
+    LR); returns what ``restore_lr`` needs. ``scale == 1``: touches nothing, returns []."""
+    if scale == 1.0:
+        return []
+    saved = []
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            saved.append(lr.clone())
+            lr.copy_(torch.maximum(lr * scale, torch.clamp_max(lr, min_lr)))
+        else:
+            saved.append(lr)
+            group["lr"] = _scaled_lr(lr, scale, min_lr)
+    return saved
+
+
+def restore_lr(optimizer: torch.optim.Optimizer, saved: list[Any]) -> None:
+    """Put back the LRs ``apply_lr_scale`` changed."""
+    for group, lr in zip(optimizer.param_groups, saved):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].copy_(lr)
+        else:
+            group["lr"] = lr
+
+
+def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """``ctx.lr_scale *= factor`` (not below ``min_scale``); effective LRs reported per group."""
+    cfg = ctx.config.lr_drop
+    factor = float(decision.params.get("factor", cfg.factor))
+    old = ctx.lr_scale
+    new = max(old * factor, cfg.min_scale)
+    ctx.lr_scale = new
+    lrs = [float(g["lr"]) for g in ctx.optimizer.param_groups]
+    return {"factor": factor, "old_scale": old, "new_scale": new, "at_floor": new == cfg.min_scale,
+            "old_lr": [_scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
+            "new_lr": [_scaled_lr(lr, new, cfg.min_lr) for lr in lrs]}
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoint
+# --------------------------------------------------------------------------------------------
+
+def _checkpoint_dir(ctx: ActionContext) -> Path | None:
+    if ctx.run_dir is None:
+        return None
+    return Path(ctx.run_dir) / ctx.config.checkpoint.subdir
+
+
+def _prune(folder: Path, keep: int) -> list[str]:
+    files = sorted(folder.glob(f"{EMERGENCY_PREFIX}*.pt"))
+    removed = []
+    for f in files[:-keep]:
+        try:
+            f.unlink()
+            removed.append(f.name)
+        except OSError:
+            pass
+    return removed
+
+
+def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Emergency checkpoint of the last good state: the live state when the finding is about an
+    update not yet applied; otherwise the newest snapshot from before the offending update."""
+    folder = _checkpoint_dir(ctx)
+    if folder is None:
+        return {"saved": False, "reason": "no run_dir: the monitor has nowhere to write"}
+    cause = decision.cause
+    extra = {"step": ctx.step, "epoch": ctx.epoch, "lr_scale": ctx.lr_scale,
+             "loss_weights": dict(ctx.loss_weights), "reason": cause.message, "kind": cause.kind}
+    if ctx.monitor_state is not None:
+        extra["monitor"] = ctx.monitor_state()
+    source = "live"
+    snap = None
+    if not cause.before_update and ctx.snapshots is not None:
+        snap = ctx.snapshots.latest_before(int(cause.data.get("step", ctx.step)))
+    if snap is not None:
+        label, state = snap
+        state = dict(state)
+        state["extra"] = {**extra, "snapshot_step": label}
+        source = f"snapshot@{label}"
+    else:
+        state = capture_state(ctx.model, ctx.optimizer, ctx.scaler, extra)
+    path = folder / f"{EMERGENCY_PREFIX}{ctx.step:08d}.pt"
+    save_checkpoint(path, state)
+    ctx.last_checkpoint, ctx.last_checkpoint_step = str(path), ctx.step
+    removed = _prune(folder, ctx.config.checkpoint.keep)
+    return {"saved": True, "path": str(path), "bytes": path.stat().st_size, "source": source,
+            "removed": removed}
+
+
+# --------------------------------------------------------------------------------------------
+# rollback
+# --------------------------------------------------------------------------------------------
+
+def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Restore the newest snapshot taken before the trouble (model, optimizer, scaler, RNG), skip
+    this step's update (its gradients belong to the abandoned state) and the next ``skip_batches``
+    batches. The LR drop is a separate decision.
+
+    Target: a finding about a landed update (``before_update=False``, e.g. update_ratio_spike) names
+    the offending step t in ``data["step"]``: the snapshot labelled <= t predates it. Otherwise the
+    trouble is seen in step s, caused by the state step s starts from: a snapshot labelled < s.
+    """
+    cfg = ctx.config.rollback
+    ctx.skip = True
+    cause = decision.cause
+    target = int(cause.data.get("step", ctx.step)) if not cause.before_update else ctx.step - 1
+    snap = ctx.snapshots.latest_before(target) if ctx.snapshots is not None else None
+    if snap is None:
+        have = ctx.snapshots.labels if ctx.snapshots is not None else []
+        return {"restored": False, "skipped_step": ctx.step,
+                "reason": f"no snapshot at or before step {target} (snapshots held: {have})"}
+    label, state = snap
+    restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=cfg.restore_rng)
+    ctx.snapshots.discard_after(label)
+    ctx.batches_to_skip += cfg.skip_batches
+    return {"restored": True, "restored_from": label, "steps_back": ctx.step - label,
+            "skipped_step": ctx.step, "batches_to_skip": ctx.batches_to_skip}
+
+
+# --------------------------------------------------------------------------------------------
+# precision_fallback
+# --------------------------------------------------------------------------------------------
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+        return x.float()
+    if isinstance(x, tuple):
+        return tuple(_to_fp32(v) for v in x)
+    if isinstance(x, list):
+        return [_to_fp32(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _to_fp32(v) for k, v in x.items()}
+    return x
+
+
+def _fp32_hooks(module: nn.Module, device_type: str) -> list[Any]:
+    stack: list[Any] = []
+
+    def pre(mod, args, kwargs):
+        ac = torch.autocast(device_type=device_type, enabled=False)
+        ac.__enter__()
+        stack.append(ac)
+        return _to_fp32(args), _to_fp32(kwargs)
+
+    def post(mod, args, kwargs, output):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+        return None
+
+    return [module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True, always_call=True)]
+
+
+def precision_fallback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Run the module named by ``decision.params['module']`` or the finding's ``where`` in fp32 from
+    now on: autocast is off inside it and its floating inputs are cast to fp32 (the proving ground:
+    fp32 fusion attention is what holds). Undo with ``remove_precision_fallback``."""
+    name = decision.params.get("module") or decision.cause.where
+    modules = dict(ctx.model.named_modules())
+    if name not in modules:
+        return {"applied": False, "reason": f"no module named {name!r} in the model"}
+    if name in ctx.fp32_modules:
+        return {"applied": False, "module": name, "reason": "already running in fp32"}
+    module = modules[name]
+    p = next(module.parameters(), None)
+    device_type = p.device.type if p is not None else "cpu"
+    ctx.hooks.extend(_fp32_hooks(module, device_type))
+    ctx.fp32_modules.append(name)
+    return {"applied": True, "module": name, "device_type": device_type}
+
+
+def remove_precision_fallback(ctx: ActionContext) -> None:
+    """Remove every fp32 hook (the monitor calls this on detach)."""
+    for h in ctx.hooks:
+        h.remove()
+    ctx.hooks.clear()
+    ctx.fp32_modules.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# grad_noise
+# --------------------------------------------------------------------------------------------
+
+def grad_noise_std(epoch: int, eta: float = 0.3, gamma: float = 0.55) -> float:
+    """std = eta / (1 + epoch)^gamma (the report's formula)."""
+    return eta / (1.0 + epoch) ** gamma
+
+
+def grad_noise(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Add Gaussian noise to every gradient, from a generator kept apart from the training RNG."""
+    cfg = ctx.config.grad_noise
+    epoch = int(decision.params.get("epoch", ctx.epoch))
+    std = grad_noise_std(epoch, cfg.eta, cfg.gamma)
+    if ctx._noise_gen is None:
+        ctx._noise_gen = torch.Generator().manual_seed(cfg.seed)
+    grads = [p.grad for ps in ctx.params_with_grad().values() for p in ps]
+    noise = [torch.randn(g.shape, generator=ctx._noise_gen).to(device=g.device, dtype=g.dtype) for g in grads]
+    if grads:
+        torch._foreach_add_(grads, noise, alpha=std)
+    return {"std": std, "epoch": epoch, "tensors": len(grads)}
+
+
+# --------------------------------------------------------------------------------------------
+# stop
+# --------------------------------------------------------------------------------------------
+
+def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Save a checkpoint (unless one was saved this step), set ``ctx.should_stop``, and raise
+    ``StopTraining`` with the reason; causes in ``graceful_kinds`` (plateau) only set the flag.
+    The raised error has ``.facts`` for the event."""
+    cfg = ctx.config.stop
+    cause = decision.cause
+    facts: dict[str, Any] = {"reason": decision.params.get("reason") or cause.message, "kind": cause.kind}
+    if cfg.save_checkpoint and ctx.last_checkpoint_step != ctx.step:
+        facts["checkpoint"] = checkpoint(ctx, decision)
+    elif ctx.last_checkpoint_step == ctx.step:
+        facts["checkpoint"] = {"saved": True, "path": ctx.last_checkpoint}
+    ctx.should_stop = True
+    if cause.kind in cfg.graceful_kinds:
+        facts["graceful"] = True
+        return facts
+    where = facts.get("checkpoint", {}).get("path")
+    err = StopTraining(f"sfmonitor stopped training at step {ctx.step}: {facts['reason']} "
+                       f"(cause: {cause.kind}: {cause.message})"
+                       + (f"; last good state saved to {where}" if where else ""))
+    err.facts = facts  # type: ignore[attr-defined]
+    raise err
+
+
+# --------------------------------------------------------------------------------------------
+# GradScaler floor (a standing setting, not an action)
+# --------------------------------------------------------------------------------------------
+
+def keep_loss_scale_floor(scaler: Any, min_scale: float, current: float | None = None) -> dict[str, Any] | None:
+    """Raise a GradScaler's scale to ``min_scale`` if it fell below; returns {old, new} or None.
+    ``current``: the scale the monitor already read this step (avoids a second host read)."""
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    if scale is None:  # not used yet: the first scale() call sets init_scale
+        return None
+    cur = float(scale.item()) if current is None else float(current)
+    if cur >= min_scale:
+        return None
+    scale.fill_(min_scale)
+    return {"old_scale": cur, "new_scale": float(min_scale)}
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+ACTIONS: dict[str, Callable[[ActionContext, Decision], dict[str, Any]]] = {
+    SKIP_STEP: skip_step, CLIP: clip, REWEIGHT: reweight, LR_DROP: lr_drop, CHECKPOINT: checkpoint,
+    ROLLBACK: rollback, PRECISION_FALLBACK: precision_fallback, GRAD_NOISE: grad_noise, STOP: stop,
+}
+assert set(ACTIONS) == set(ACTION_NAMES), "every action name has exactly one function"
+
+
+def apply(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Carry out one decision; returns JSON-able facts for its event. ``stop`` raises StopTraining."""
+    fn = ACTIONS.get(decision.action)
+    if fn is None:
+        raise ConfigError(f"unknown action {decision.action!r}; allowed: {', '.join(ACTION_NAMES)}")
+    return fn(ctx, decision)
