@@ -1,0 +1,287 @@
+"""Detectors on plain numbers: fire at the right step, stay silent on long noisy healthy runs,
+never let NaN or a spike into a window, round-trip their state mid-sequence."""
+import copy
+import math
+
+import numpy as np
+import pytest
+
+from sfmonitor import detectors as D
+from sfmonitor.events import (ACCURACY_COLLAPSE, GRAD_RATIO_IMBALANCE, GRAD_SPIKE, LOSS_RATIO_IMBALANCE,
+                              LOSS_SCALE_FLOOR, LOSS_SPIKE, PLATEAU, UPDATE_RATIO_SPIKE, ConfigError)
+
+N_HEALTHY = 10_000
+
+
+def healthy(seed, n=N_HEALTHY, start=3.0, end=0.5, noise=0.15):
+    """A noisy, decreasing loss-like curve: exponential decay with lognormal noise (sigma 0.15)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    level = end + (start - end) * np.exp(-t / 2000)
+    return (level * np.exp(rng.normal(0.0, noise, n))).tolist()
+
+
+def run(det, key, values, spike_at=None, factor=None):
+    fired = []
+    for s, v in enumerate(values):
+        if s == spike_at:
+            v = v * factor
+        for f in det.check(s, {key: v}):
+            fired.append((s, f))
+    return fired
+
+
+# ---------------------------------------------------------------------------- loss spike
+
+def test_loss_spike_silent_on_noisy_healthy_run_and_fires_at_spike():
+    vals = healthy(0)
+    assert run(D.LossSpike(), "loss/total", vals) == []
+    fired = run(D.LossSpike(), "loss/total", vals, spike_at=7000, factor=10.0)
+    assert [s for s, _ in fired] == [7000]
+    f = fired[0][1]
+    assert f.kind == LOSS_SPIKE and f.where == "total" and f.before_update
+    assert f.data["value"] == pytest.approx(vals[7000] * 10)
+    assert f.data["z"] > f.data["z_threshold"] == 6.0
+    assert f.data["threshold_value"] < f.data["value"]
+    assert "sigma" in f.message and f"{f.data['value']:.4g}" in f.message
+
+
+def test_loss_spike_per_component_names_the_component():
+    det = D.LossSpike()
+    a, b = healthy(1, 300), healthy(2, 300)
+    fired = []
+    for s in range(300):
+        stats = {"loss/total": 0.5 * (a[s] + b[s]), "loss/vision": a[s], "loss/fusion": b[s] * (20 if s == 250 else 1)}
+        fired += [(s, f.where) for f in det.check(s, stats)]
+    assert (250, "fusion") in fired
+    assert all(s == 250 for s, _ in fired)
+
+
+def test_loss_spike_components_off_watches_total_only():
+    det = D.LossSpike(D.LossSpikeConfig(components=False))
+    for s in range(100):
+        det.check(s, {"loss/total": 1.0 + 0.01 * (s % 3), "loss/vision": 1.0})
+    assert det.check(100, {"loss/total": 1.0, "loss/vision": 100.0}) == []
+    assert set(det.windows) == {"loss/total"}
+
+
+def test_nan_and_inf_never_enter_the_loss_window():
+    det = D.LossSpike()
+    vals = healthy(3, 200)
+    for s, v in enumerate(vals):
+        if s % 10 == 5:
+            v = float("nan") if s % 20 == 5 else float("inf")
+        assert det.check(s, {"loss/total": v}) == []
+    w = list(det.windows["loss/total"])
+    assert all(math.isfinite(x) for x in w)
+    assert len(w) == 128  # maxlen, filled with finite values only
+    # a non-positive loss is ignored too (log undefined)
+    det.check(201, {"loss/total": 0.0})
+    assert all(math.isfinite(x) for x in det.windows["loss/total"])
+
+
+def test_spike_is_clamped_before_entering_the_window():
+    det = D.LossSpike()
+    for s in range(100):
+        det.check(s, {"loss/total": 1.0 * (1.01 if s % 2 else 0.99)})
+    f = det.check(100, {"loss/total": 1e6})[0]
+    assert max(det.windows["loss/total"]) == pytest.approx(math.log(f.data["threshold_value"]))
+    # a second identical spike still fires: the first one did not inflate the statistics
+    assert det.check(101, {"loss/total": 1e6})
+
+
+def test_loss_spike_warmup_then_state_round_trip_continues_identically():
+    vals = healthy(4, 600)
+    vals[450] *= 8
+    a = D.LossSpike()
+    out_a = [(s, f.data["z"]) for s, v in enumerate(vals) for f in a.check(s, {"loss/total": v})]
+    b = D.LossSpike()
+    for s, v in enumerate(vals[:300]):
+        b.check(s, {"loss/total": v})
+    c = D.LossSpike()
+    c.load_state_dict(copy.deepcopy(b.state_dict()))
+    out_c = [(s, f.data["z"]) for s in range(300, 600) for f in c.check(s, {"loss/total": vals[s]})]
+    assert out_c == [x for x in out_a if x[0] >= 300] and [s for s, _ in out_c] == [450]
+
+
+def test_loss_spike_config_validation():
+    with pytest.raises(ConfigError, match="warmup"):
+        D.LossSpikeConfig(window=16, warmup=32)
+    with pytest.raises(ConfigError, match="z"):
+        D.DetectorsConfig.from_dict({"loss_spike": {"z": 0}})
+    with pytest.raises(ConfigError, match="loss_spike.nope"):
+        D.DetectorsConfig.from_dict({"loss_spike": {"nope": 1}})
+
+
+# ---------------------------------------------------------------------------- grad spike
+
+def test_grad_spike_silent_on_noisy_healthy_run_and_fires_at_spike():
+    vals = healthy(5, start=8.0, end=1.0, noise=0.2)
+    assert run(D.GradSpike(), "grad_norm/total", vals) == []
+    fired = run(D.GradSpike(), "grad_norm/total", vals, spike_at=5000, factor=20.0)
+    assert [s for s, _ in fired] == [5000]
+    f = fired[0][1]
+    assert f.kind == GRAD_SPIKE and f.where == "total"
+    assert math.exp(f.data["mean_log"] + 6.0 * f.data["sigma_log"]) == pytest.approx(f.data["threshold_value"])
+    assert f.data["value"] > f.data["threshold_value"]
+
+
+def test_grad_spike_warmup_is_silent_and_nan_never_enters_ema():
+    det = D.GradSpike()
+    # inside warm-up nothing fires, even a huge value
+    for s in range(24):
+        assert det.check(s, {"grad_norm/total": 1.0 if s != 10 else 1.0}) == []
+    assert det.check(24, {"grad_norm/total": 1.0}) == []  # 25th value completes the warm-up
+    for s in range(25, 60):
+        assert det.check(s, {"grad_norm/total": float("nan") if s % 2 else 1.0 + 0.01 * (s % 3)}) == []
+    mean, var = det.ema["grad_norm/total"]
+    assert math.isfinite(mean) and math.isfinite(var)
+    assert det.check(60, {"grad_norm/total": 50.0})
+
+
+def test_grad_spike_groups_and_round_trip():
+    cfg = D.GradSpikeConfig(groups=True)
+    vals = healthy(6, 400, noise=0.1)
+    a, b = D.GradSpike(cfg), D.GradSpike(cfg)
+    for s in range(200):
+        st = {"grad_norm/total": vals[s], "grad_norm/fusion": vals[s] / 2}
+        a.check(s, st)
+        b.check(s, st)
+    c = D.GradSpike(cfg)
+    c.load_state_dict(copy.deepcopy(b.state_dict()))
+    for s in range(200, 400):
+        st = {"grad_norm/total": vals[s], "grad_norm/fusion": vals[s] / 2 * (30 if s == 300 else 1)}
+        fa, fc = a.check(s, st), c.check(s, st)
+        assert [(f.where, f.data["z"]) for f in fa] == [(f.where, f.data["z"]) for f in fc]
+        assert [f.where for f in fa] == (["fusion"] if s == 300 else [])
+
+
+# ---------------------------------------------------------------------------- update ratio
+
+def test_update_ratio_spike_after_update_relative_and_ceiling():
+    det = D.UpdateRatioSpike()
+    assert det.after_update is True
+    rng = np.random.default_rng(7)
+    vals = (1e-3 * np.exp(rng.normal(0, 0.3, N_HEALTHY))).tolist()
+    fired = []
+    for s, v in enumerate(vals):
+        st = {"update_ratio/vision": v, "update_ratio/fusion": v * (15 if s == 9000 else 1)}
+        fired += [(s, f) for f in det.check(s, st)]
+    assert [(s, f.where) for s, f in fired] == [(9000, "fusion")]
+    f = fired[0][1]
+    assert f.kind == UPDATE_RATIO_SPIKE and f.before_update is False and f.data["step"] == 9000
+    assert f.data["value"] > 10 * f.data["median"]
+    # the absolute ceiling fires even during warm-up
+    det2 = D.UpdateRatioSpike()
+    out = det2.check(0, {"update_ratio/text": 2000.0})
+    assert out and out[0].data["threshold_value"] == 1000.0 and "ceiling" in out[0].message
+    # NaN never enters
+    det2.check(1, {"update_ratio/text": float("nan")})
+    assert list(det2.windows.get("update_ratio/text", [])) == []
+
+
+# ---------------------------------------------------------------------------- ratio imbalance
+
+def test_loss_ratio_imbalance_fires_on_crossing_and_refires_and_rearms():
+    det = D.LossRatioImbalance()
+    rng = np.random.default_rng(8)
+    healthy_r = (1.2 * np.exp(rng.normal(0, 0.1, N_HEALTHY))).tolist()  # stays well under 2
+    for s, r in enumerate(healthy_r):
+        assert det.check(s, {"loss_ratio/vision/fusion": r}) == []
+    seq = {100: 1.5, 101: 2.5, 102: 2.6, 150: 2.7, 201: 2.8, 202: 1.9, 203: 2.4, 204: 1.7, 205: 2.2}
+    fired = {s: det.check(s, {"loss_ratio/vision/fusion": r}) for s, r in seq.items()}
+    steps = [s for s, fs in fired.items() if fs]
+    # 101 crosses; 102/150 within refire_every; 201 refires; 203 is not re-armed (1.9 >= 0.9*2); 205 is
+    assert steps == [101, 201, 205]
+    f = fired[101][0]
+    assert f.kind == LOSS_RATIO_IMBALANCE and f.data["a"] == "vision" and f.data["b"] == "fusion"
+    assert f.data["ratio"] == 2.5 and f.data["threshold"] == 2.0 and "2.5" in f.message
+
+
+def test_loss_ratio_falls_back_to_component_losses():
+    det = D.LossRatioImbalance()
+    out = det.check(0, {"loss/vision": 3.0, "loss/fusion": 1.0})
+    assert out and out[0].data["ratio"] == pytest.approx((3.0 + 1e-6) / (1.0 + 1e-6))
+    assert det.check(1, {"loss/vision": float("nan"), "loss/fusion": 1.0}) == []
+
+
+def test_grad_ratio_imbalance_and_patience():
+    det = D.GradRatioImbalance(D.RatioImbalanceConfig(pairs=[["text", "fusion"]], patience=2))
+    assert det.check(0, {"grad_ratio/text/fusion": 3.0}) == []
+    out = det.check(10, {"grad_ratio/text/fusion": 3.0})
+    assert out and out[0].kind == GRAD_RATIO_IMBALANCE and out[0].where == "text/fusion"
+    assert det.check(11, {}) == []  # key absent on steps the stats stage does not measure it
+    with pytest.raises(ConfigError, match=r"pairs\[0\]"):
+        D.RatioImbalanceConfig(pairs=[["a", "a"]])
+
+
+# ---------------------------------------------------------------------------- loss scale floor
+
+def test_loss_scale_floor_fires_once_and_rearms():
+    det = D.LossScaleFloor()
+    scales = [65536.0 / 2 ** k for k in range(9)]  # down to 256
+    fired = [s for s, sc in enumerate(scales) if det.check(s, {"amp/loss_scale": sc})]
+    assert fired == [7]  # 65536 / 2**7 = 512 == min_loss_scale
+    assert det.check(9, {"amp/loss_scale": 256.0}) == []
+    det.check(10, {"amp/loss_scale": 1024.0})
+    out = det.check(11, {"amp/loss_scale": 512.0})
+    assert out and out[0].kind == LOSS_SCALE_FLOOR and out[0].data["min_loss_scale"] == 512.0
+
+
+# ---------------------------------------------------------------------------- eval detectors
+
+def test_accuracy_collapse_only_after_clearly_above_chance():
+    det = D.AccuracyCollapse()
+    assert det.observe_eval(0, {"accuracy": 0.5}, chance=0.5) == []   # at chance from the start
+    assert det.observe_eval(1, {"accuracy": 0.72}, chance=0.5) == []
+    out = det.observe_eval(2, {"accuracy": 0.51}, chance=0.5)
+    assert out and out[0].kind == ACCURACY_COLLAPSE and out[0].data["best"] == 0.72
+    assert det.observe_eval(3, {"accuracy": 0.5}, chance=0.5) == []    # once per collapse
+    det.observe_eval(4, {"accuracy": 0.8}, chance=0.5)
+    assert det.observe_eval(5, {"accuracy": float("nan")}, chance=0.5)  # NaN accuracy is a collapse
+    assert det.best == 0.8
+    assert D.AccuracyCollapse().observe_eval(0, {"accuracy": 0.1}) == []  # no chance level known
+
+
+def test_plateau_drop_then_stop_and_reset_on_improvement():
+    det = D.Plateau()
+    losses = [1.0, 0.9, 0.95, 0.91, 0.92, 0.93, 0.94, 0.8, 0.85, 0.86, 0.87]
+    out = [(i, f.data["occurrence"]) for i, v in enumerate(losses) for f in det.observe_eval(i, {"loss": v})]
+    # 3 without improvement after 0.9 -> occurrence 1 at index 4; 2 more -> occurrence 2 at index 6;
+    # 0.8 improves and resets; 3 more stale -> occurrence 1 again at index 10
+    assert out == [(4, 1), (6, 2), (10, 1)]
+    det2 = D.Plateau(D.PlateauConfig(metric="accuracy", mode="max", patience=1))
+    assert det2.observe_eval(0, {"accuracy": 0.5}) == []
+    f = det2.observe_eval(1, {"accuracy": float("nan")})[0]
+    assert f.kind == PLATEAU and det2.best == 0.5
+
+
+def test_eval_detectors_round_trip():
+    a = D.Plateau()
+    for i, v in enumerate([1.0, 1.1, 1.2]):
+        a.observe_eval(i, {"loss": v})
+    b = D.Plateau()
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    assert [f.data for f in a.observe_eval(3, {"loss": 1.3})] == [f.data for f in b.observe_eval(3, {"loss": 1.3})]
+    c = D.AccuracyCollapse()
+    c.observe_eval(0, {"accuracy": 0.9}, chance=0.1)
+    d = D.AccuracyCollapse()
+    d.load_state_dict(c.state_dict())
+    assert d.observe_eval(1, {"accuracy": 0.1}, chance=0.1)
+
+
+# ---------------------------------------------------------------------------- build
+
+def test_build_detectors_respects_enabled_and_all_state_is_plain():
+    import json
+    dets = D.build_detectors()
+    assert [d.kind for d in dets] == [LOSS_SPIKE, GRAD_SPIKE, UPDATE_RATIO_SPIKE, LOSS_RATIO_IMBALANCE,
+                                      GRAD_RATIO_IMBALANCE, LOSS_SCALE_FLOOR, ACCURACY_COLLAPSE, PLATEAU]
+    assert [d.after_update for d in dets].count(True) == 1
+    cfg = D.DetectorsConfig.from_dict({"grad_spike": {"enabled": False}, "plateau": {"enabled": False}})
+    assert GRAD_SPIKE not in [d.kind for d in D.build_detectors(cfg)]
+    for s in range(40):
+        for d in dets:
+            d.check(s, {"loss/total": 1.0 + 0.01 * (s % 5), "grad_norm/total": 2.0 + 0.01 * (s % 4),
+                        "update_ratio/a": 1e-3, "amp/loss_scale": 1024.0})
+    json.dumps([d.state_dict() for d in dets])  # plain numbers, lists, dicts
