@@ -1,0 +1,172 @@
+"""Replay of an anomaly bundle: reproduce a non-finite gradient, name the parameter, ablate.
+
+The toy is a miniature of the report's late fusion: a text query sum-pooled over the tokens (not
+length-normalised) attends over image tokens with an unscaled q @ k^T written inline, in fp16 under
+CPU autocast. A long caption overflows the fusion logits; the vision and text losses stay finite.
+"""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from sfmonitor.forensics import BatchRecorder, BundleError, load_bundle, write_bundle
+from sfmonitor.replay import first_nonfinite_param, main, replay_bundle
+
+WEIGHTS = {"vision": 0.4, "text": 0.3, "fusion": 0.3}   # the report's L_total weights
+
+
+class Fusion(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+
+    def forward(self, img, txt):                            # (B, P, d), (B, T, d)
+        q = self.q(txt.sum(dim=1, keepdim=True))            # (B, 1, d): sum-pooled, grows with T
+        k = self.k(img.relu())                              # (B, P, d)
+        att = (q @ k.transpose(-1, -2)).softmax(dim=-1)     # (B, 1, P), inline, unscaled, fp16
+        return (att @ img).squeeze(1)                       # (B, d)
+
+
+class ToyFusion(nn.Module):
+    def __init__(self, d=8, vocab=20, gain=1.0):
+        super().__init__()
+        self.vision = nn.Linear(4, d)
+        self.drop = nn.Dropout(0.1)                         # makes the replay depend on the RNG state
+        self.text = nn.Embedding(vocab, d)
+        self.fusion = Fusion(d)
+        self.head_v = nn.Linear(d, 2)
+        self.head_t = nn.Linear(d, 2)
+        self.head_f = nn.Linear(d, 2)
+        with torch.no_grad():        # positive weights: the scores overflow to +inf (-inf is harmless)
+            self.text.weight.abs_()
+            self.fusion.q.weight.abs_().mul_(gain)
+            self.fusion.k.weight.abs_().mul_(gain)
+
+    def forward(self, image, text, label):                 # (B, P, 4), (B, T), (B,)
+        img = self.drop(self.vision(image))
+        txt = self.text(text)
+        ce = nn.functional.cross_entropy
+        return {"vision": ce(self.head_v(img.mean(1)).float(), label),
+                "text": ce(self.head_t(txt.mean(1)).float(), label),
+                "fusion": ce(self.head_f(self.fusion(img, txt)).float(), label)}
+
+
+def build_toy(d=8, vocab=20, gain=1.0):
+    torch.manual_seed(1)
+    return ToyFusion(d=d, vocab=vocab, gain=gain)
+
+
+MODEL_KWARGS = {"d": 8, "vocab": 20, "gain": 6.0}
+
+
+def _batch(length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"image": torch.randn(2, 3, 4, generator=g) * 3, "text": torch.randint(1, 20, (2, length), generator=g),
+            "label": torch.randint(0, 2, (2,), generator=g)}
+
+
+def _live_run(tmp_path, max_bytes=64 * 2 ** 20):
+    """A little training loop with the report's assertion; writes a bundle at the first NaN grad."""
+    model = build_toy(**MODEL_KWARGS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = BatchRecorder().attach(model)
+    for step, lengths in enumerate([(4, 8), (8, 16), (16, 400)]):   # 2 micro-batches a step
+        rec.clear()
+        opt.zero_grad()
+        live_losses = []
+        for i, n in enumerate(lengths):
+            with torch.autocast("cpu", dtype=torch.float16):
+                losses = model(**_batch(n, 10 * step + i))
+            live_losses.append({k: float(v.detach()) for k, v in losses.items()})
+            sum(WEIGHTS[k] * v for k, v in losses.items()).backward()
+        # The live check of the report: the first parameter (named_parameters order) with NaN grad.
+        live_param = next((n for n, p in model.named_parameters()
+                           if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+        if live_param is not None:
+            path = write_bundle(
+                tmp_path, step, "nonfinite_grad", model_state=model.state_dict(),
+                optimizer_state=opt.state_dict(), batch=rec.batches, rng_state=rec.rng_state,
+                stats={"loss/total": float("nan")},
+                event={"step": step, "kind": "nonfinite_grad", "message": "", "data": {"param": live_param}},
+                model_factory=f"{__name__}:build_toy", model_kwargs=MODEL_KWARGS,
+                loss_weights=WEIGHTS, max_bytes=max_bytes)
+            rec.detach()
+            return path, live_param, live_losses
+        opt.step()
+    raise AssertionError("the toy never produced a non-finite gradient")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    torch.set_num_threads(1)
+    return _live_run(tmp_path_factory.mktemp("run"))
+
+
+def test_replay_reproduces_and_names_the_live_parameter(live):
+    path, live_param, live_losses = live
+    assert os.path.basename(path) == "2-nonfinite_grad"
+    r = replay_bundle(path, factory=build_toy)
+    assert r["reproduced"] is True and r["grad_nonfinite"]
+    assert r["first_nonfinite_param"] == live_param and r["same_param"] is True
+    assert r["first_nonfinite_module"] == "fusion"          # the inline logits overflowed there
+    assert r["autocast"] == "float16" and r["micro_batches"] == 2
+    # Same RNG state, autocast dtype and pre-step weights: the very same losses, micro-batch by micro-batch.
+    for k in WEIGHTS:
+        got = r["losses"][k]
+        want = [mb[k] for mb in live_losses]
+        assert got == pytest.approx(want, nan_ok=True, rel=0, abs=0), k
+
+
+def test_ablation_singles_out_the_fusion_loss(live):
+    path, _, _ = live
+    r = replay_bundle(path, factory=build_toy, ablate=True)
+    assert r["culprits"] == ["fusion"]
+    assert r["removal_fixes"] == ["fusion"]
+    rows = {row["component"]: row for row in r["ablation"]}
+    assert not rows["vision"]["alone_nonfinite_grad"] and not rows["text"]["alone_nonfinite_grad"]
+    assert rows["vision"]["without_nonfinite_grad"]          # fusion still in: still NaN
+
+
+def test_cli_replay_with_model_and_ablate(live, capsys):
+    path, live_param, _ = live
+    assert main([path, "--model", f"{__name__}:build_toy", "--ablate"]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced: yes" in out
+    assert f"first non-finite parameter: {live_param}" in out
+    assert "components producing the non-finite gradient: fusion" in out
+
+
+def test_cli_refuses_untrusted_factory_from_the_bundle(live, capsys):
+    path, _, _ = live
+    assert main([path]) == 2
+    err = capsys.readouterr().err
+    assert "only the reference model's" in err and "--model" in err
+
+
+def test_replay_of_bundle_without_batch_says_why(tmp_path):
+    path, _, _ = _live_run(tmp_path, max_bytes=8 * 1024)
+    assert load_bundle(path)["manifest"]["batch_dropped"]
+    with pytest.raises(BundleError, match="holds no batch to replay.*over the cap"):
+        replay_bundle(path, factory=build_toy)
+
+
+def test_replay_bad_factory(live):
+    path, _, _ = live
+    with pytest.raises(BundleError, match="'module:function'"):
+        replay_bundle(path, factory="nocolon")
+    with pytest.raises(BundleError, match="cannot import"):
+        replay_bundle(path, factory="no_such_module_xyz:f")
+    with pytest.raises(BundleError, match="does not fit"):
+        replay_bundle(path, factory=lambda **kw: nn.Linear(2, 2))
+
+
+def test_first_nonfinite_param_order():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert first_nonfinite_param(m) is None
+    m(torch.ones(1, 2)).sum().backward()
+    assert first_nonfinite_param(m) is None
+    m[1].bias.grad[0] = float("inf")
+    m[0].weight.grad[0, 0] = float("nan")
+    assert first_nonfinite_param(m) == "0.weight"
