@@ -181,7 +181,7 @@ class StatsConfig(Section):
 
     update_ratio_every: int = option(1, "compute update_ratio/<group> every N optimizer steps "
                                         "(0: never); costs one fp32 copy of the parameters on those steps", lo=0)
-    grad_ratio_every: int = option(10, "compute grad_ratio/<a>/<b> and grad_cos/<a>/<b> on shared "
+    grad_ratio_every: int = option(100, "compute grad_ratio/<a>/<b> and grad_cos/<a>/<b> on shared "
                                        "parameters every N optimizer steps (0: never); costs one extra "
                                        "backward per loss component on the first micro-batch of those steps", lo=0)
     loss_ratio_pairs: list[list[str]] = option([], "pairs [a, b] for loss_ratio/<a>/<b> and grad_ratio; "

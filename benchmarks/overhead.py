@@ -1,0 +1,102 @@
+"""Step-time overhead of the monitor at its defaults, versus bare training.
+
+Two identical models train in one process, their steps interleaved (bare, monitored, bare, ...)
+so that machine noise hits both alike; the table shows the median step time of each and their
+ratio. The model is a small transformer classifier whose step takes ~50-150 ms on a 2-core CPU.
+
+    python benchmarks/overhead.py [--steps 40] [--threads 1] [--watch-stride N]
+
+Not a test: it prints a table. Latest results: docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+import sfmonitor
+
+
+class Model(nn.Module):
+    def __init__(self, d=256, layers=3, vocab=1000, classes=10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True), layers)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens, labels):
+        h = self.encoder(self.embed(tokens)).mean(1)
+        return {"cls": nn.functional.cross_entropy(self.head(h), labels),
+                "reg": 1e-3 * h.pow(2).mean()}
+
+
+def make(seed, attach, args, run_dir):
+    torch.manual_seed(seed)
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    mon = None
+    if attach:
+        cfg = {"console": False}
+        if args.watch_stride is not None:
+            cfg["watch"] = {"stride": args.watch_stride}
+        mon = sfmonitor.attach(model, opt, run_dir=run_dir, config=cfg)
+    return model, opt, mon
+
+
+def step(model, opt, mon, batch):
+    t0 = time.perf_counter()
+    losses = model(*batch)
+    loss = mon.combine(losses) if mon else sum(losses.values())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per variant (after 5 warm-up)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--watch-stride", type=int, default=None,
+                    help="override the activation watch stride (default: the monitor's default)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 1000, (args.batch, args.seq), generator=g),
+                torch.randint(0, 10, (args.batch,), generator=g)) for _ in range(8)]
+    with tempfile.TemporaryDirectory() as run_dir:
+        bare = make(0, False, args, run_dir)
+        mon = make(0, True, args, run_dir)
+        times = {"bare": [], "monitor": []}
+        for i in range(args.steps + 5):
+            b = batches[i % len(batches)]
+            order = [("bare", bare), ("monitor", mon)] if i % 2 == 0 else [("monitor", mon), ("bare", bare)]
+            for name, (m, o, mo) in order:
+                t = step(m, o, mo, b)
+                if i >= 5:
+                    times[name].append(t)
+        n_params = sum(p.numel() for p in bare[0].parameters())
+        mon[2].detach()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mean = {k: statistics.fmean(v) for k, v in times.items()}
+    print(f"# monitor overhead ({platform.machine()}, {torch.get_num_threads()} thread(s), "
+          f"torch {torch.__version__}, {n_params / 1e6:.2f}M params, "
+          f"batch {args.batch}x{args.seq}, {args.steps} interleaved steps each)")
+    print("| variant | median step (ms) | median ratio | mean step (ms) | mean ratio |")
+    print("|---|---|---|---|---|")
+    print(f"| bare | {med['bare'] * 1e3:.1f} | 1.000 | {mean['bare'] * 1e3:.1f} | 1.000 |")
+    print(f"| monitor (defaults) | {med['monitor'] * 1e3:.1f} | {med['monitor'] / med['bare']:.3f} "
+          f"| {mean['monitor'] * 1e3:.1f} | {mean['monitor'] / mean['bare']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
