@@ -40,6 +40,7 @@ MAX_TABLE_EVENTS = 2000         # rows of the events table (the counts above it 
 ACTION_COLOR = "#d62728"        # event that triggered an action
 REPORTED_COLOR = "#ff9f1c"      # event reported only
 NON_RECORD_KEYS = ("step", "time")
+TOTAL_SUFFIX = "/total"         # loss/total, grad_norm/total: drawn black and thicker
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,9 @@ def load_run(run_dir: str) -> dict[str, Any]:
 
 
 def _keys_for(series: dict, prefixes: tuple[str, ...]) -> list[str]:
-    return [k for k in series if any(k.startswith(p) for p in prefixes)]
+    """The series under the prefixes, ``.../total`` first (drawn black), then as logged."""
+    keys = [k for k in series if any(k.startswith(p) for p in prefixes)]
+    return sorted(keys, key=lambda k: not k.endswith(TOTAL_SUFFIX))
 
 
 def _mark_events(ax, events: list[dict]) -> None:
@@ -158,7 +161,8 @@ def _draw_series(ax, series: dict, keys: list[str], style: str = "-", named: boo
             xs, ys = zip(*finite)
             # Break the line where a value is missing or non-finite, so a NaN shows as a gap.
             ys_gapped = [v if math.isfinite(v) else math.nan for v in values]
-            (ln,) = ax.plot(steps, ys_gapped, style, lw=1.2, label=label)
+            total = {"color": "black", "lw": 1.7} if key.endswith(TOTAL_SUFFIX) else {"lw": 1.2}
+            (ln,) = ax.plot(steps, ys_gapped, style, label=label, **total)
             if len(xs) == 1:
                 ax.plot(xs, ys, "o", ms=3, color=ln.get_color())
         else:
@@ -206,10 +210,10 @@ def _panel_png(panel: Panel, run: dict[str, Any]) -> str | None:
         ax2.set_prop_cycle(color=["#7f7f7f", "#8c564b", "#e377c2", "#17becf", "#bcbd22"])
         handles += _draw_series(ax2, series, twin_keys, style="--")
         ax2.set_ylabel(panel.twin_label, fontsize=8)
-        ax2.tick_params(labelsize=7)
+        ax2.tick_params(which="both", labelsize=7)
     ax.set_title(panel.title, fontsize=10, loc="left")
     ax.set_xlabel("optimizer step", fontsize=8)
-    ax.tick_params(labelsize=7)
+    ax.tick_params(which="both", labelsize=7)
     ax.grid(True, alpha=0.25)
     extra = []
     if run["events"]:
@@ -220,9 +224,9 @@ def _panel_png(panel: Panel, run: dict[str, Any]) -> str | None:
     if any(not math.isfinite(v) for k in keys + twin_keys for v in series[k][1]):
         extra.append(Line2D([], [], color="black", marker="x", ls="", label="non-finite value"))
     named = [h for h in handles if h.get_label() and not h.get_label().startswith("_")]
-    ax.legend(handles=named + extra, fontsize=7, loc="upper left", bbox_to_anchor=(1.06 if twin_keys
+    ax.legend(handles=named + extra, fontsize=7, loc="upper left", bbox_to_anchor=(1.09 if twin_keys
               else 1.01, 1.0), borderaxespad=0.0, frameon=False)
-    fig.subplots_adjust(left=0.06, right=0.74, top=0.88, bottom=0.15)
+    fig.subplots_adjust(left=0.07, right=0.74, top=0.88, bottom=0.15)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return base64.b64encode(buf.getvalue()).decode("ascii")
