@@ -126,3 +126,38 @@ def test_import_does_not_pull_tensorboard():
             "bad = [m for m in ('tensorboard', 'wandb', 'matplotlib') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_monitor_end_to_end_jsonl_tensorboard_and_report(tmp_path):
+    """A tiny model under the Monitor with sinks=["jsonl", "tensorboard"]; a NaN loss at step 3."""
+    torch = pytest.importorskip("torch")
+    import sfmonitor
+    from sfmonitor.tools.report import render_report
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.Monitor(config={"console": False}, run_dir=str(tmp_path),
+                            sinks=["jsonl", "tensorboard"]).attach(model, opt)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    for s in range(8):
+        opt.zero_grad()
+        out = model(x)
+        lv = ((out - y) ** 2).mean()
+        lt = out.abs().mean() * (float("nan") if s == 3 else 1.0)
+        loss = mon.combine({"vision": lv, "text": lt}, weights={"vision": 0.5, "text": 0.5})
+        loss.backward()
+        opt.step()
+    mon.detach()
+    kinds = [(e.step, e.kind) for e in mon.events]
+    assert (3, "nonfinite_loss") in kinds
+
+    ea = _load(str(tmp_path / "tensorboard"))
+    scalars = ea.Tags()["scalars"]
+    assert {"loss/total", "loss/vision", "loss_weight/text", "grad_norm/total"} <= set(scalars)
+    assert [e.step for e in ea.Scalars("grad_norm/total")] == list(range(8))
+    assert math.isnan({e.step: e.value for e in ea.Scalars("loss/total")}[3])
+    md = ea.Tensors("events/nonfinite_loss/text_summary")[0]
+    assert md.step == 3 and "skip_step" in md.tensor_proto.string_val[0].decode()
+
+    page = open(render_report(str(tmp_path)), encoding="utf-8").read()
+    assert "nonfinite_loss" in page and "skip_step" in page
