@@ -170,3 +170,23 @@ def test_first_nonfinite_param_order():
     m[1].bias.grad[0] = float("inf")
     m[0].weight.grad[0, 0] = float("nan")
     assert first_nonfinite_param(m) == "0.weight"
+
+
+def test_reference_model_factory_is_trusted_from_the_bundle(tmp_path):
+    """The built-in factory: the Superfusion trap (huge Wq/Wk gain) overflows in `fusion`."""
+    ref = pytest.importorskip("reference_model.model")
+    data = pytest.importorskip("reference_model.data")
+    from sfmonitor.forensics import REFERENCE_FACTORY
+    train, _, tok = data.make_synthetic(data.DataConfig(n_train=16, n_val=8))
+    cfg = {"vocab_size": len(tok), "d_model": 16, "text_ff": 16, "qk_init_gain": 200.0}
+    model = ref.build_model(cfg)
+    rec = BatchRecorder().attach(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        losses = model(**train.collate(list(range(4))))
+    assert not torch.isfinite(losses["fusion"])
+    path = write_bundle(tmp_path, 0, "nonfinite_loss", model_state=model.state_dict(), batch=rec.batches,
+                        rng_state=rec.rng_state, model_factory=REFERENCE_FACTORY,
+                        model_kwargs={"cfg": cfg}, loss_weights=WEIGHTS)
+    r = replay_bundle(path, ablate=True)                    # no factory given: the bundle's is trusted
+    assert r["reproduced"] is True and r["first_nonfinite_module"] == "fusion"
+    assert r["culprits"] == ["fusion"]
