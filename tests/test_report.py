@@ -87,7 +87,7 @@ def test_story_report_is_self_contained_and_holds_events(tmp_path):
         assert html.escape(ev.message) in page
     assert "skip_step, rollback, lr_drop, precision_fallback" in page
     assert page.count("<tr class='act'>") == 1          # one event with actions
-    assert "non-finite loss or gradient norm at steps 140" in page
+    assert "non-finite loss or gradient norm at step 140" in page
     assert "cut line" not in page
     assert "<td>rollback</td><td>1</td>" in page        # action counts
 

@@ -285,8 +285,8 @@ def build_html(run: dict[str, Any]) -> str:
     actions = Counter(a for e in events for a in e["actions"])
     parts = [f"<h1>sfmonitor run report: {html.escape(name)}</h1>"]
     span = ""
-    if len(run["times"]) >= 2:
-        span = f", {run['times'][-1] - run['times'][0]:.0f} s of training"
+    if len(run["times"]) >= 2 and run["times"][-1] - run["times"][0] >= 0.05:
+        span = f", {run['times'][-1] - run['times'][0]:.1f} s of training"
     parts.append(f"<p class='meta'>{html.escape(os.path.abspath(run['run_dir']))}<br>"
                  f"{len(steps)} logged steps (optimizer steps {min(steps)}..{max(steps)}){span}; "
                  f"{len(events)} events, {sum(actions.values())} actions; "
@@ -301,7 +301,7 @@ def build_html(run: dict[str, Any]) -> str:
                         for s, v in zip(*run["series"][k]) if not math.isfinite(v)})
     if nonfinite:
         shown = ", ".join(map(str, nonfinite[:20])) + (" ..." if len(nonfinite) > 20 else "")
-        parts.append(f"<div class='warn'>non-finite loss or gradient norm at steps {shown}</div>")
+        parts.append(f"<div class='warn'>non-finite loss or gradient norm at step{'s' if len(nonfinite) > 1 else ''} {shown}</div>")
     parts.append("<div style='display:flex;gap:24px;flex-wrap:wrap'>"
                  f"{_counts_table('event kind', kinds)}{_counts_table('action', actions)}</div>")
     parts.append("<h2>Charts</h2><p class='meta'>x axis: optimizer step. Vertical lines: events "
