@@ -542,6 +542,9 @@ def precision_fallback(ctx: ActionContext, decision: Decision) -> dict[str, Any]
     now on: autocast is off inside it and its floating inputs are cast to fp32 (the proving ground:
     fp32 fusion attention is what holds). Undo with ``remove_precision_fallback``."""
     name = decision.params.get("module") or decision.cause.where
+    if not name:
+        return {"applied": False, "reason": "the finding names no module (the whole model is never "
+                                            "switched to fp32 implicitly)"}
     modules = dict(ctx.model.named_modules())
     if name not in modules:
         return {"applied": False, "reason": f"no module named {name!r} in the model"}

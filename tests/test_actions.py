@@ -1,0 +1,383 @@
+"""Actions: each effect is exact (norms, weights, LRs, restored state) and reported as facts."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from sfmonitor import actions as A
+from sfmonitor.checkpoint import SnapshotRing, load_checkpoint
+from sfmonitor.events import ConfigError, Decision, Finding, StopTraining
+
+torch.set_num_threads(1)
+
+
+class Tri(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(4, 4)
+        self.text = nn.Linear(4, 4)
+        self.fusion = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fusion(torch.relu(self.vision(x) + self.text(x)))
+
+
+def ctx_for(model, opt=None, **kw):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
+    groups = {name: [(f"{name}.{n}", p) for n, p in child.named_parameters()]
+              for name, child in model.named_children()}
+    return A.ActionContext(model=model, optimizer=opt, groups=groups, **kw)
+
+
+def set_grads(model, norms):
+    """Give each group a gradient of exactly the given norm (spread over weight and bias)."""
+    for name, n in norms.items():
+        ps = list(getattr(model, name).parameters())
+        total = sum(p.numel() for p in ps)
+        for p in ps:
+            p.grad = torch.full_like(p, n / math.sqrt(total))
+
+
+def D(action, kind="grad_spike", before_update=True, params=None, **data):
+    return Decision(action=action, cause=Finding(kind=kind, message=f"{kind}!", data=data,
+                                                 before_update=before_update), params=params or {})
+
+
+def gnorm(module):
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()])).item()
+
+
+# ---------------------------------------------------------------------------- skip / dispatch
+
+def test_skip_step_sets_flag_and_unknown_action_is_refused():
+    ctx = ctx_for(Tri())
+    assert A.apply(ctx, D("skip_step")) == {"skipped_step": 0} and ctx.skip
+    with pytest.raises(ConfigError, match="unknown action 'teleport'"):
+        A.apply(ctx, D("teleport"))
+
+
+# ---------------------------------------------------------------------------- clip
+
+def test_clip_global_exact_norm_and_facts():
+    m = Tri()
+    set_grads(m, {"vision": 3.0, "text": 4.0, "fusion": 12.0})  # total 13
+    ctx = ctx_for(m)
+    facts = A.apply(ctx, D("clip", params={"mode": "global"}))
+    assert facts["norm_before"] == pytest.approx(13.0, rel=1e-6)
+    assert facts["norm_after"] == pytest.approx(1.0, rel=1e-5)
+    assert facts["group_norm_after"]["fusion"] == pytest.approx(12 / 13, rel=1e-5)
+    json.dumps(facts)
+    # below the limit: untouched
+    set_grads(m, {"vision": 0.3, "text": 0.4, "fusion": 0.0})
+    A.apply(ctx, D("clip", params={"mode": "global"}))
+    assert gnorm(m.vision) == pytest.approx(0.3, rel=1e-6)
+
+
+def test_clip_per_modality_report_rules_exact():
+    m = Tri()
+    set_grads(m, {"vision": 20.0, "text": 400.0, "fusion": 3.0})
+    facts = A.apply(ctx_for(m), D("clip", params={"mode": "per_modality"}))
+    # vision: min(1, 5/20) -> 5; text: min(1, 10/sqrt(400)) = 0.5 -> 200; fusion ('*'): min(1, 7/3) = 1 -> 3
+    assert gnorm(m.vision) == pytest.approx(5.0, rel=1e-5)
+    assert gnorm(m.text) == pytest.approx(200.0, rel=1e-5)
+    assert gnorm(m.fusion) == pytest.approx(3.0, rel=1e-6)
+    assert facts["rules"] == {"vision": "norm:5", "text": "sqrt:10", "fusion": "norm:7"}
+    # configurable mapping
+    m2 = Tri()
+    set_grads(m2, {"vision": 20.0, "text": 400.0, "fusion": 30.0})
+    cfg = A.ActionsConfig.from_dict({"clip": {"mode": "per_modality", "per_modality": {"fusion": "sqrt:3"}}})
+    A.apply(ctx_for(m2, config=cfg), D("clip"))
+    assert gnorm(m2.fusion) == pytest.approx(30 * 3 / math.sqrt(30), rel=1e-5)
+    assert gnorm(m2.text) == pytest.approx(400.0, rel=1e-6)  # no rule, no '*': untouched
+
+
+def test_clip_zclip_uses_detector_statistics():
+    m = Tri()
+    set_grads(m, {"vision": 30.0, "text": 40.0, "fusion": 0.0})  # total 50
+    facts = A.apply(ctx_for(m), D("clip", mean_log=math.log(2.0), sigma_log=0.2))
+    target = 2.0 * math.exp(2.5 * 0.2)
+    assert facts["mode"] == "zclip" and facts["max_norm"] == pytest.approx(target)
+    assert facts["norm_after"] == pytest.approx(target, rel=1e-5)
+    # without detector statistics: falls back to max_grad_norm and says so
+    set_grads(m, {"vision": 30.0, "text": 40.0, "fusion": 0.0})
+    facts = A.apply(ctx_for(m), D("clip"))
+    assert facts["mode"] == "global" and "no detector statistics" in facts["note"]
+    assert facts["norm_after"] == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clip_agc_unitwise_exact():
+    lin = nn.Linear(3, 2)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 1e-5]]))  # row norms 5 and ~0 (eps)
+        lin.bias.copy_(torch.tensor([1.0, 0.0]))
+    lin.weight.grad = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.001, 0.0]])
+    lin.bias.grad = torch.tensor([0.0, 0.001])
+    ctx = A.ActionContext(model=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1),
+                          groups={"all": list(lin.named_parameters())})
+    A.apply(ctx, D("clip", params={"mode": "agc"}))
+    # row 0: max 0.01 * 5 = 0.05 < 1 -> clipped to norm 0.05; row 1: max 0.01 * 1e-3 = 1e-5 < 1e-3 -> 1e-5
+    assert lin.weight.grad[0].norm().item() == pytest.approx(0.05, rel=1e-5)
+    assert lin.weight.grad[1].norm().item() == pytest.approx(1e-5, rel=1e-4)
+    assert lin.bias.grad.norm().item() == pytest.approx(0.001, rel=1e-6)  # 0.001 < 0.01 * 1: untouched
+
+
+def test_clip_config_rules_validated():
+    with pytest.raises(ConfigError, match=r"clip.per_modality.text: 'root:3'"):
+        A.ActionsConfig.from_dict({"clip": {"per_modality": {"text": "root:3"}}})
+    with pytest.raises(ConfigError, match="clip.mode"):
+        A.ActionsConfig.from_dict({"clip": {"mode": "hard"}})
+
+
+# ---------------------------------------------------------------------------- reweight
+
+def test_reweight_report_rule_and_relax_back_to_base():
+    base = {"vision": 0.4, "text": 0.3, "fusion": 0.3}
+    ctx = ctx_for(Tri(), loss_weights=dict(base), base_weights=dict(base))
+    facts = A.apply(ctx, D("reweight", kind="loss_ratio_imbalance", a="vision", b="fusion", ratio=3.0,
+                           threshold=2.0, key="loss_ratio/vision/fusion"))
+    assert ctx.loss_weights["vision"] == pytest.approx(0.4 * 2 / 3)
+    assert ctx.loss_weights["fusion"] == pytest.approx(0.3 * 3 / 2)
+    assert ctx.loss_weights["text"] == 0.3
+    assert facts["old_weights"] == {"vision": 0.4, "fusion": 0.3} and facts["applied"]
+    # still imbalanced: no relaxation
+    assert A.relax_weights(ctx, {"loss_ratio/vision/fusion": 2.5}) == {}
+    assert A.relax_weights(ctx, {}) == {}
+    # balanced: moves relax_rate (5%) of the way back each step
+    out = A.relax_weights(ctx, {"loss_ratio/vision/fusion": 1.5})
+    assert out["weights"]["vision"] == pytest.approx(0.4 + (0.4 * 2 / 3 - 0.4) * 0.95)
+    for _ in range(300):
+        out = A.relax_weights(ctx, {"loss_ratio/vision/fusion": 1.5}) or out
+    assert ctx.loss_weights == base and out["restored"] == ["vision/fusion"] and ctx.reweighted == {}
+    # unknown components: not applied, says why
+    facts = A.apply(ctx, D("reweight", a="image", b="fusion", ratio=3.0))
+    assert facts["applied"] is False and "image" in facts["reason"]
+
+
+# ---------------------------------------------------------------------------- lr_drop
+
+def test_lr_drop_scale_floor_and_apply_restore_helpers():
+    m = Tri()
+    opt = torch.optim.SGD([{"params": m.vision.parameters(), "lr": 0.1},
+                           {"params": m.fusion.parameters(), "lr": 0.01}])
+    ctx = ctx_for(m, opt)
+    facts = A.apply(ctx, D("lr_drop", kind="plateau"))
+    assert ctx.lr_scale == pytest.approx(0.2) and facts["new_lr"] == pytest.approx([0.02, 0.002])
+    assert facts["old_lr"] == pytest.approx([0.1, 0.01])
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]  # user's values untouched
+    saved = A.apply_lr_scale(opt, ctx.lr_scale)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.02, 0.002])
+    A.restore_lr(opt, saved)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+    for _ in range(10):
+        A.apply(ctx, D("lr_drop"))
+    assert ctx.lr_scale == 1e-3  # min_scale floor
+    assert A.apply_lr_scale(opt, 1.0) == [] and [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+    saved = A.apply_lr_scale(opt, 0.01, min_lr=0.005)  # floor, but never above the user's own LR
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.005, 0.005])
+    A.restore_lr(opt, saved)
+    t_opt = torch.optim.Adam(m.text.parameters(), lr=torch.tensor(0.01))
+    saved = A.apply_lr_scale(t_opt, 0.2)
+    assert t_opt.param_groups[0]["lr"].item() == pytest.approx(0.002)
+    A.restore_lr(t_opt, saved)
+    assert t_opt.param_groups[0]["lr"].item() == pytest.approx(0.01)
+
+
+def test_lr_scale_cooperates_with_a_scheduler():
+    m = nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    seen = []
+    for step in range(3):
+        saved = A.apply_lr_scale(opt, 0.2)
+        seen.append(opt.param_groups[0]["lr"])  # what optimizer.step uses
+        opt.step()
+        A.restore_lr(opt, saved)
+        sched.step()
+    assert seen == pytest.approx([0.2, 0.1, 0.05])
+
+
+# ---------------------------------------------------------------------------- checkpoint / stop
+
+def test_emergency_checkpoint_atomic_loadable_pruned(tmp_path):
+    m = Tri()
+    ctx = ctx_for(m, run_dir=tmp_path, loss_weights={"vision": 0.4}, monitor_state=lambda: {"step": 7, "w": [1.0]})
+    ctx.config.checkpoint.keep = 2
+    paths = []
+    for step in (5, 6, 7):
+        ctx.step = step
+        facts = A.apply(ctx, D("checkpoint", kind="nonfinite_grad"))
+        assert facts["saved"] and facts["source"] == "live"
+        paths.append(facts["path"])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "emergency-step00000006.pt", "emergency-step00000007.pt"]
+    state = load_checkpoint(paths[-1])
+    assert state["extra"]["step"] == 7 and state["extra"]["monitor"] == {"step": 7, "w": [1.0]}
+    assert torch.equal(state["model"]["fusion.weight"], m.fusion.weight.detach())
+    assert A.apply(ctx_for(m), D("checkpoint"))["saved"] is False  # no run_dir
+
+
+def test_checkpoint_after_landed_update_saves_snapshot_from_before(tmp_path):
+    m = Tri()
+    ctx = ctx_for(m, run_dir=tmp_path, snapshots=SnapshotRing(every=5, keep=3), step=12)
+    ctx.snapshots.take(10, m, ctx.optimizer)
+    w10 = m.fusion.weight.detach().clone()
+    with torch.no_grad():
+        m.fusion.weight.mul_(1000)  # the update of step 11 exploded
+    facts = A.apply(ctx, D("checkpoint", kind="update_ratio_spike", before_update=False, step=11))
+    assert facts["source"] == "snapshot@10"
+    assert torch.equal(load_checkpoint(facts["path"])["model"]["fusion.weight"], w10)
+
+
+def test_stop_saves_then_raises_and_plateau_is_graceful(tmp_path):
+    ctx = ctx_for(Tri(), run_dir=tmp_path, step=40)
+    with pytest.raises(StopTraining, match="rescue budget of 3 spent") as e:
+        A.apply(ctx, D("stop", kind="update_ratio_spike", params={"reason": "rescue budget of 3 spent"}))
+    assert ctx.should_stop and e.value.facts["checkpoint"]["saved"]
+    assert str(tmp_path) in str(e.value)
+    load_checkpoint(e.value.facts["checkpoint"]["path"])
+    ctx2 = ctx_for(Tri(), run_dir=tmp_path, step=50)
+    A.apply(ctx2, D("checkpoint"))
+    facts = A.apply(ctx2, D("stop", kind="plateau"))  # no raise, no second checkpoint this step
+    assert facts["graceful"] and ctx2.should_stop
+    assert len(list((tmp_path / "checkpoints").glob("*step00000050.pt"))) == 1
+
+
+# ---------------------------------------------------------------------------- rollback
+
+def adam_run(model, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def state_of(model, opt):
+    return [t.clone() for t in model.state_dict().values()] + [
+        v.clone() for s in opt.state.values() for v in s.values()]
+
+
+def test_rollback_bit_exact_including_adam_state():
+    torch.manual_seed(0)
+    m = Tri()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ctx = ctx_for(m, opt, snapshots=SnapshotRing(every=10, keep=2))
+    adam_run(m, opt, 10, seed=1)
+    ctx.snapshots.maybe_take(10, m, opt)  # label 10: the state step 10 starts from
+    good = state_of(m, opt)
+    adam_run(m, opt, 5, seed=2)
+    ctx.snapshots.maybe_take(15, m, opt)  # not a multiple of 10: not taken
+    ctx.step = 15
+    facts = A.apply(ctx, D("rollback", kind="nonfinite_grad"))
+    assert facts == {"restored": True, "restored_from": 10, "steps_back": 5, "skipped_step": 15,
+                     "batches_to_skip": 4}
+    assert ctx.skip and ctx.batches_to_skip == 4
+    now = state_of(m, opt)
+    assert all(torch.equal(a, b) for a, b in zip(now, good)) and len(now) == len(good)
+    assert int(opt.state[m.fusion.weight]["step"]) == 10
+    # continuing from the restored state matches continuing from the original state
+    adam_run(m, opt, 3, seed=3)
+    ref_m = Tri()
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    ref_m.load_state_dict(ctx.snapshots.latest_before(10)[1]["model"])
+    ref_opt.load_state_dict(ctx.snapshots.latest_before(10)[1]["optimizer"])
+    adam_run(ref_m, ref_opt, 3, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(state_of(m, opt), state_of(ref_m, ref_opt)))
+
+
+def test_rollback_target_and_missing_snapshot():
+    m = Tri()
+    ctx = ctx_for(m, snapshots=SnapshotRing(every=1, keep=5))
+    for label in (8, 9, 10):
+        ctx.snapshots.take(label, m, ctx.optimizer)
+    ctx.step = 10
+    # a finding in step 10 (before its update): the state step 10 starts from is suspect -> label 9
+    assert A.apply(ctx, D("rollback", kind="loss_spike"))["restored_from"] == 9
+    assert ctx.snapshots.labels == [8, 9]
+    # a landed update of step 8 -> the snapshot labelled 8 predates it
+    ctx.step = 10
+    assert A.apply(ctx, D("rollback", kind="update_ratio_spike", before_update=False, step=8))["restored_from"] == 8
+    ctx2 = ctx_for(Tri(), snapshots=SnapshotRing(), step=3)
+    facts = A.apply(ctx2, D("rollback"))
+    assert facts["restored"] is False and "no snapshot" in facts["reason"] and ctx2.skip
+
+
+# ---------------------------------------------------------------------------- precision fallback
+
+def test_precision_fallback_runs_module_in_fp32_and_is_removable():
+    m = Tri()
+    ctx = ctx_for(m)
+    x = torch.randn(2, 4)
+
+    def fusion_dtype():
+        seen = {}
+        h = m.fusion.register_forward_hook(lambda mod, i, o: seen.setdefault("d", (i[0].dtype, o.dtype)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x)
+        h.remove()
+        return seen["d"]
+
+    assert fusion_dtype() == (torch.bfloat16, torch.bfloat16)
+    facts = A.apply(ctx, D("precision_fallback", kind="activation_overflow"))  # where == ""
+    assert facts["applied"] is False and "names no module" in facts["reason"]
+    facts = A.apply(ctx, D("precision_fallback", params={"module": "attn"}))
+    assert facts["applied"] is False and "no module named 'attn'" in facts["reason"]
+    facts = A.apply(ctx, D("precision_fallback", params={"module": "fusion"}))
+    assert facts == {"applied": True, "module": "fusion", "device_type": "cpu"}
+    assert fusion_dtype() == (torch.float32, torch.float32)
+    assert A.apply(ctx, D("precision_fallback", params={"module": "fusion"}))["applied"] is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast is back on after the module
+        seen = {}
+        h = m.vision.register_forward_hook(lambda mod, i, o: seen.setdefault("d", o.dtype))
+        m(x)
+        h.remove()
+    assert seen["d"] == torch.bfloat16
+    A.remove_precision_fallback(ctx)
+    assert fusion_dtype() == (torch.bfloat16, torch.bfloat16) and ctx.fp32_modules == []
+
+
+# ---------------------------------------------------------------------------- grad noise
+
+def test_grad_noise_std_formula_and_determinism():
+    assert A.grad_noise_std(0) == pytest.approx(0.3)
+    assert A.grad_noise_std(2) == pytest.approx(0.3 / 3 ** 0.55)
+    lin = nn.Linear(400, 500)
+    ctx = A.ActionContext(model=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1), epoch=2)
+    for p in lin.parameters():
+        p.grad = torch.zeros_like(p)
+    facts = A.apply(ctx, D("grad_noise"))
+    assert facts["std"] == pytest.approx(0.3 / 3 ** 0.55) and facts["tensors"] == 2
+    assert lin.weight.grad.std().item() == pytest.approx(facts["std"], rel=0.01)
+    first = lin.weight.grad.clone()
+    ctx2 = A.ActionContext(model=lin, optimizer=ctx.optimizer, epoch=2)
+    for p in lin.parameters():
+        p.grad = torch.zeros_like(p)
+    rng_before = torch.get_rng_state()
+    A.apply(ctx2, D("grad_noise"))
+    assert torch.equal(lin.weight.grad, first)           # seeded generator
+    assert torch.equal(torch.get_rng_state(), rng_before)  # training RNG untouched
+
+
+# ---------------------------------------------------------------------------- loss scale floor
+
+def test_keep_loss_scale_floor():
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    assert A.keep_loss_scale_floor(scaler, 512) is None  # not used yet
+    m = nn.Linear(2, 1)
+    scaler.scale(m(torch.ones(1, 2)).sum())  # initialises the scale tensor
+    assert A.keep_loss_scale_floor(scaler, 512) == {"old_scale": 128.0, "new_scale": 512.0}
+    assert scaler.get_scale() == 512.0
+    assert A.keep_loss_scale_floor(scaler, 512) is None
+    assert A.keep_loss_scale_floor(None, 512) is None
+
+
+def test_actions_config_defaults_and_yaml_keys():
+    cfg = A.ActionsConfig()
+    assert cfg.clip.agc_lambda == 0.01 and cfg.lr_drop.factor == 0.2 and cfg.grad_noise.eta == 0.3
+    assert cfg.rollback.snapshot_every <= 50 and cfg.loss_scale.min_loss_scale == 512
+    with pytest.raises(ConfigError, match="rollback.snapshot_every"):
+        A.ActionsConfig.from_dict({"rollback": {"snapshot_every": 0}})
+    assert A.ActionsConfig.from_dict(cfg.to_dict()) == cfg
