@@ -161,3 +161,31 @@ def test_monitor_end_to_end_jsonl_tensorboard_and_report(tmp_path):
 
     page = open(render_report(str(tmp_path)), encoding="utf-8").read()
     assert "nonfinite_loss" in page and "skip_step" in page
+
+
+def test_unwritable_log_dir_warns_once_and_training_goes_on(tmp_path):
+    """TensorBoard cannot write (a file where its folder should be): one warning, run continues."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    import sfmonitor
+    from sfmonitor.sinks.jsonl import read_jsonl
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sinks = [TensorBoardSink(log_dir=str(blocker / "tb")), "jsonl"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = sfmonitor.Monitor(config={"console": False}, run_dir=str(tmp_path / "run"),
+                                sinks=sinks).attach(model, opt)
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).pow(2).mean().backward()
+            opt.step()
+        mon.detach()
+    msgs = [str(w.message) for w in caught if "'tensorboard'" in str(w.message)]
+    assert len(msgs) == 1 and "training goes on" in msgs[0]
+    assert mon.step == 5
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == list(range(5))
