@@ -314,7 +314,7 @@ def test_precision_fallback_runs_module_in_fp32_and_is_removable():
 
     def fusion_dtype():
         seen = {}
-        h = m.fusion.register_forward_hook(lambda mod, i, o: seen.setdefault("d", (i[0].dtype, o.dtype)))
+        h = m.fusion.register_forward_hook(lambda mod, i, o: seen.update(d=(i[0].dtype, o.dtype)))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             m(x)
         h.remove()
@@ -331,7 +331,7 @@ def test_precision_fallback_runs_module_in_fp32_and_is_removable():
     assert A.apply(ctx, D("precision_fallback", params={"module": "fusion"}))["applied"] is False
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast is back on after the module
         seen = {}
-        h = m.vision.register_forward_hook(lambda mod, i, o: seen.setdefault("d", o.dtype))
+        h = m.vision.register_forward_hook(lambda mod, i, o: seen.update(d=o.dtype))
         m(x)
         h.remove()
     assert seen["d"] == torch.bfloat16
