@@ -32,6 +32,8 @@ from .model import LOSS_NAMES, ModelConfig, build_model
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CHANCE_MARGIN = 0.05  # Top-1 below chance + this counts as "at chance"
+RESULT_KEYS = ("diverged", "first_nan_epoch", "final_top1", "val_loss", "events", "actions", "seed",
+               "config", "seconds")
 
 
 @dataclass

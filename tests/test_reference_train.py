@@ -1,0 +1,113 @@
+"""The reference trainer: learning, the result line, determinism, resume, config errors, DDP."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reference_model.data import BucketedLoader, build_data
+from reference_model.model import build_model
+from reference_model.train import RESULT_KEYS, load_config, main, train
+from sfmonitor.config import ConfigError
+
+torch.set_num_threads(1)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_few_steps_on_tiny_config_decrease_the_loss():
+    cfg = load_config("tiny")
+    tr, _, vocab, classes = build_data(cfg.data, cfg.model.max_len)
+    torch.manual_seed(0)
+    model = build_model({**cfg.model.to_dict(), "vocab_size": vocab, "num_classes": classes})
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batch = next(iter(BucketedLoader(tr, 8, seed=0)))
+    w = cfg.train.loss_weights
+    first = None
+    for _ in range(30):
+        losses = model(**batch)
+        loss = sum(w[k] * losses[k] for k in losses)
+        first = first if first is not None else float(loss.detach())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.5 * first
+
+
+def test_train_returns_the_result_line_and_is_deterministic(tmp_path):
+    a = train("tiny", seed=1, run_dir=str(tmp_path / "a"))
+    assert set(RESULT_KEYS) <= set(a)
+    assert a["config"] == "tiny" and a["seed"] == 1 and a["events"] == {} and a["actions"] == {}
+    assert a["optimizer_steps"] == 2 * 4 and len(a["history"]) == 2
+    assert a["first_nan_epoch"] is None and isinstance(a["diverged"], bool)
+    json.dumps(a)
+    b = train("tiny", seed=1)
+    assert (a["val_loss"], a["final_top1"], a["history"]) == (b["val_loss"], b["final_top1"], b["history"])
+    c = train("tiny", seed=2)
+    assert c["history"] != a["history"]
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    straight = train("tiny", seed=0, overrides={"train.epochs": 3})
+    train("tiny", seed=0, run_dir=str(tmp_path), overrides={"train.epochs": 2})
+    resumed = train("tiny", seed=0, resume=str(tmp_path / "checkpoint.pt"), overrides={"train.epochs": 3})
+    assert resumed["history"] == straight["history"]
+
+
+def test_main_prints_json_last_line_and_rejects_bad_keys(capsys):
+    assert main(["--config", "tiny", "--seed", "0", "--epochs", "1", "--no-progress",
+                 "--set", "train.optimizer=radam"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    out = json.loads(line)
+    assert out["config"] == "tiny" and out["optimizer_steps"] == 4
+    assert main(["--config", "tiny", "--set", "model.nope=1"]) == 2
+    assert "model.nope" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no_such_config")
+    with pytest.raises(ConfigError, match="train.optimizer"):
+        load_config("tiny", {"train.optimizer": "sgd"})
+
+
+def test_shipped_configs_load_with_the_report_settings():
+    trap, stable = load_config("trap"), load_config("stable")
+    assert (trap.train.optimizer, trap.train.lr, trap.train.amp) == ("adamw", 3e-4, True)
+    assert trap.train.init_scale == 65536 and trap.train.accumulation == 4
+    assert trap.data.negative_share == 0.9
+    assert not trap.model.length_norm and not trap.model.scaled_attention
+    assert stable.model.length_norm and stable.model.scaled_attention
+    assert stable.model.qk_init_gain == trap.model.qk_init_gain
+    assert load_config("adamw_1e-4").train.lr == 1e-4
+    radam = load_config("radam_5e-4")
+    assert (radam.train.optimizer, radam.train.lr) == ("radam", 5e-4)
+    assert load_config("trap", {"train.schedule": "cyclic"}).train.schedule == "cyclic"
+
+
+def test_cyclic_schedule_and_clipping_run():
+    r = train("tiny", seed=0, overrides={"train.schedule": "cyclic", "train.max_grad_norm": 1.0,
+                                         "train.epochs": 1, "model.mask_ratio": 0.15,
+                                         "model.dropout": 0.1})
+    assert r["optimizer_steps"] == 4 and r["val_loss"] == r["val_loss"]
+
+
+def test_monitor_path_attaches_and_reports(tmp_path):
+    sfmonitor = pytest.importorskip("sfmonitor")
+    if not hasattr(sfmonitor, "attach"):
+        pytest.skip("sfmonitor core not present yet")
+    r = train("tiny", seed=0, monitor=True, run_dir=str(tmp_path), overrides={"train.epochs": 1})
+    assert r["monitor"] is True and isinstance(r["events"], dict) and isinstance(r["actions"], dict)
+    assert r["optimizer_steps"] == 4
+
+
+def test_two_rank_gloo_ddp_run_finishes(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "reference_model.train", "--config", "tiny", "--seed", "0", "--no-progress",
+           "--run-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints
+    out = json.loads(lines[0])
+    assert out["world_size"] == 2 and out["optimizer_steps"] == 2 * 2
+    assert (tmp_path / "checkpoint.pt").exists()
