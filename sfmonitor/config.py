@@ -196,6 +196,15 @@ class StatsConfig(Section):
                                   f"component names, got {pair!r}")
 
 
+# Component sections live beside the code that reads them (detectors.py, policy.py, actions.py,
+# watch.py, forensics.py); those modules import Section/option from here, which is defined above.
+from .actions import ActionsConfig  # noqa: E402
+from .detectors import DetectorsConfig  # noqa: E402
+from .forensics import BundleConfig  # noqa: E402
+from .policy import PolicyConfig  # noqa: E402
+from .watch import WatchConfig  # noqa: E402
+
+
 @dataclass
 class MonitorConfig(Section):
     """The whole monitor configuration. Load with ``MonitorConfig.from_any(dict | path | None)``."""
@@ -204,6 +213,11 @@ class MonitorConfig(Section):
                                  "skipping the step (the report's assertions)")
     console: bool = option(True, "print one line per event to stderr")
     stats: StatsConfig = option(StatsConfig(), "statistics stage")
+    detectors: DetectorsConfig = option(DetectorsConfig(), "detectors stage (docs/policy.md)")
+    policy: PolicyConfig = option(PolicyConfig(), "findings -> actions: ladders, cooldowns, budget")
+    actions: ActionsConfig = option(ActionsConfig(), "settings of each rescue action")
+    watch: WatchConfig = option(WatchConfig(), "fp16 activation overflow watch (docs/forensics.md)")
+    bundle: BundleConfig = option(BundleConfig(), "anomaly bundles for `sfmonitor replay`")
 
     @classmethod
     def from_any(cls, config: "MonitorConfig | dict | str | os.PathLike | None") -> "MonitorConfig":

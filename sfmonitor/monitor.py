@@ -20,6 +20,7 @@ counter), so parameters and optimizer state stay bit-identical; the gradients ar
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 import warnings
@@ -29,10 +30,19 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from . import actions as A
 from . import stats as S
+from .checkpoint import SnapshotRing
 from .config import MonitorConfig
-from .events import (CLIP, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM, SKIP_STEP, STOP,
-                     ConfigError, Decision, Event, Finding, NonFiniteError, StopTraining)
+from .detectors import build_detectors
+from .events import (ACTIVATION_OVERFLOW, LOSS_RATIO_IMBALANCE, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM,
+                     PRECISION_FALLBACK, REWEIGHT, SKIP_STEP, ConfigError, Decision, Event,
+                     Finding, NonFiniteError, StopTraining)
+from .forensics import BatchRecorder, BundleTracker, batch_input_stats, write_bundle
+from .policy import OCCURRENCE, Policy
+from .watch import FIRST_NONFINITE_KEY, ActivationWatch
+
+WATCH_FIRST = "_local/" + FIRST_NONFINITE_KEY  # an index: read locally, never averaged over ranks
 from .integrations.distributed import unwrap
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
@@ -144,7 +154,7 @@ class Monitor:
             raise ConfigError("sinks: expected a list of sink names or objects, e.g. ['jsonl']")
         self.events: list[Event] = []
         self.step = 0
-        self.should_stop = False
+        self._should_stop = False
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = None
@@ -165,8 +175,18 @@ class Monitor:
         self._hidden_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._before_params: list[torch.Tensor] | None = None
         self._stepped = False
-        self._batches_to_skip = 0
         self._counts: Counter[str] = Counter()
+        self._prev_record: tuple[int, dict[str, float]] | None = None  # for after-update detectors
+        self._saved_lr: list[Any] = []
+        self._model_factory: tuple[str, dict[str, Any]] | None = None
+        # The stages. Detectors and policy hold windows, streaks and cooldowns (state_dict).
+        self._detectors = build_detectors(self.config.detectors)
+        self._policy = Policy(self.config.policy)
+        self._watch = ActivationWatch(self.config.watch)
+        self._recorder = BatchRecorder()
+        self._bundles = BundleTracker(self.config.bundle)
+        self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
+        self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
 
     # ------------------------------------------------------------------------------------------
     # attach / detach
@@ -198,6 +218,20 @@ class Monitor:
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
             self.scaler = scaler
             self._wrap_scaler_step(scaler)
+        rb = self.config.actions.rollback
+        self._ctx = A.ActionContext(
+            model=model, optimizer=optimizer, scaler=self.scaler, groups=self.groups,
+            loss_weights=self._weights, base_weights=self._base_weights,
+            snapshots=SnapshotRing(every=rb.snapshot_every, keep=rb.keep),
+            run_dir=self._ensure_run_dir(), config=self.config.actions, monitor_state=self.state_dict)
+        self._watch.attach(unwrap(model))
+        self._watch.reset(self.step)
+        self._recorder.attach(model)
+        self._undo.append(self._watch.detach)
+        self._undo.append(self._recorder.detach)
+        self._undo.append(lambda: A.remove_precision_fallback(self._ctx))
+        if self._pending_ctx:  # load_state_dict() was called before attach()
+            self.load_state_dict({**self.state_dict(), **self._pending_ctx})
         sinks = [make_sink(s) for s in self._sink_specs]
         if self.config.console and not any(isinstance(s, ConsoleSink) for s in sinks):
             sinks.append(ConsoleSink())
@@ -281,9 +315,13 @@ class Monitor:
         if missing:
             raise ConfigError(f"combine: no weight for loss component(s) {sorted(missing)}; "
                               f"weights has {sorted(weights)}")
-        if weights != self._base_weights:  # new or changed base weights: rescues start over
-            self._base_weights = {k: float(weights[k]) for k in losses}
-            self._weights = dict(self._base_weights)
+        if {k: float(weights[k]) for k in losses} != self._base_weights:
+            # New or changed base weights: rescues start over. Mutated in place: the action
+            # context shares these dicts.
+            self._base_weights.clear()
+            self._base_weights.update({k: float(weights[k]) for k in losses})
+            self._weights.clear()
+            self._weights.update(self._base_weights)
         total = sum(self._weights[k] * v for k, v in losses.items())
         if self._losses.count == 0 and self._grad_ratio_due():
             self._grad_ratio_tensors = self._component_grad_stats(losses)
@@ -326,10 +364,35 @@ class Monitor:
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Yield the loader's batches, leaving out those a rollback asked to skip."""
         for batch in loader:
-            if self._batches_to_skip > 0:
-                self._batches_to_skip -= 1
+            if self._ctx is not None and self._ctx.batches_to_skip > 0:
+                self._ctx.batches_to_skip -= 1
                 continue
             yield batch
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the policy decided to stop (early stopping, or a spent rescue budget)."""
+        return self._should_stop or (self._ctx is not None and self._ctx.should_stop)
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._should_stop = bool(value)
+        if self._ctx is not None:
+            self._ctx.should_stop = bool(value)
+
+    def set_model_factory(self, factory: str, **kwargs: Any) -> None:
+        """How ``sfmonitor replay`` rebuilds the model from a bundle: "module:function" and its
+        JSON-able keyword arguments (the reference trainer sets this)."""
+        if not isinstance(factory, str) or ":" not in factory:
+            raise ConfigError(f"model factory must be 'module:function', got {factory!r}")
+        self._model_factory = (factory, dict(kwargs))
+
+    def observe_eval(self, metrics: Mapping[str, float], chance: float | None = None) -> list[Event]:
+        """Feed validation results to the evaluation detectors (accuracy collapse, plateau);
+        their findings go through the same policy and actions. Returns the new events."""
+        values = {k: float(v) for k, v in metrics.items()}
+        findings = [f for d in self._detectors for f in d.observe_eval(self.step, values, chance)]
+        return self._decide_and_act(self.step, findings, during_step=False)
 
     # ------------------------------------------------------------------------------------------
     # hooks
@@ -348,36 +411,150 @@ class Monitor:
     def _run_pipeline(self) -> None:
         """Everything the monitor does before an update lands, in this fixed order."""
         step = self.step
-        grads = [p.grad for p in self._params]
 
-        # 1. stats: every number of this step as a tensor, then ONE host read.
-        tensors, per_param = self._collect_tensors(grads)
-        prev_update = {f"prev:{k}": v for k, v in self._pending.items()}
-        values = S.read_all({**tensors, **prev_update})  # the step's single host synchronisation
-        self._complete_previous({k[len("prev:"):]: values.pop(k) for k in prev_update})
+        # 1. stats: every number of this step as a tensor, then ONE host read. The previous
+        #    step's update ratios (measured after its update landed) ride along in the same read.
+        tensors, per_param = self._collect_tensors([p.grad for p in self._params])
+        tensors.update({(WATCH_FIRST if k == FIRST_NONFINITE_KEY else k): v
+                        for k, v in self._watch.pending().items()})
+        prev = {f"prev:{k}": v for k, v in self._pending.items()}
+        values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
+        self._complete_previous({k[len("prev:"):]: values.pop(k) for k in prev})
         stats = {k: v for k, v in values.items() if not k.startswith("_")}
-
-        # 2. detectors: non-finite loss/grad/param first (core), then the configured detectors.
-        findings = self._nonfinite_findings(step, values, per_param)
-
-        # 3. policy and 4. actions: a non-finite gradient never reaches the weights.
-        taken: dict[int, list[str]] = {}
-        for i, f in enumerate(findings):
-            if f.data.get("skipped_by") == "grad_scaler":
-                taken[i] = []
-                continue
-            if self.config.strict:
-                event = Event(step, f.kind, f.message, dict(f.data), [])
-                self._emit(event)
-                raise NonFiniteError(f"step {step}: {f.message}", event)
-            self._skip_current_step()
-            taken[i] = [SKIP_STEP]
-
-        # 5. sinks: one event per finding, with the actions it caused.
-        for i, f in enumerate(findings):
-            self._emit(Event(step, f.kind, f.message, dict(f.data), taken.get(i, [])))
         self._stats = stats
+
+        # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
+        #    judge the update the previous step landed); the activation watch.
+        findings = self._nonfinite_findings(step, values, per_param)
+        if self._prev_record is not None:
+            prev_step, prev_stats = self._prev_record
+            findings += [f for d in self._detectors if d.after_update for f in d.check(prev_step, prev_stats)]
+            self._prev_record = None
+        findings += [f for d in self._detectors if not d.after_update for f in d.check(step, stats)]
+        findings += self._watch_findings(step, values)
+
+        # A healthy step is a good state to come back to: snapshot it (every N steps).
+        if not findings:
+            self._ctx.snapshots.maybe_take(step, self.model, self.optimizer, self.scaler, {"step": step})
+
+        # 3. policy, 4. actions, 5. sinks (events): shared with observe_eval().
+        self._decide_and_act(step, findings, during_step=True)
         self._pipeline_done = True
+
+    def _decide_and_act(self, step: int, findings: list[Finding], during_step: bool) -> list[Event]:
+        """Stages 3-5 for a list of findings: policy -> actions -> one event per finding."""
+        ctx = self._ctx
+        # The scaler's own skips (finite loss, overflowing scaled gradients) are ordinary dynamic
+        # loss scaling: recorded as events, never acted on.
+        actionable = [f for f in findings if f.data.get("skipped_by") != "grad_scaler"]
+        nonfinite = [f for f in actionable if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD)]
+        if nonfinite and self.config.strict:
+            events = [self._emit(Event(step, f.kind, f.message, dict(f.data), [])) for f in findings]
+            raise NonFiniteError(f"step {step}: {nonfinite[0].message}", events[0])
+        if during_step and actionable:
+            self._gather_evidence(step, actionable)  # before any action changes the state
+
+        # 3. policy: findings -> decisions (ladders, cooldowns, budget).
+        decisions = self._policy.decide(step, actionable)
+        if during_step and nonfinite and not any(d.action == SKIP_STEP for d in decisions):
+            # The promise holds whatever the ladder says: a non-finite step never lands.
+            decisions.insert(0, Decision(SKIP_STEP, nonfinite[0], {"enforced": True}))
+
+        # 4. actions: the only code that changes training.
+        ctx.step, ctx.stats = step, self._stats
+        taken: dict[int, list[str]] = {id(f): [] for f in findings}
+        results: dict[int, dict[str, Any]] = {id(f): {} for f in findings}
+        stop_error: StopTraining | None = None
+        for d in decisions:
+            try:
+                facts = A.apply(ctx, d)
+            except StopTraining as e:
+                facts, stop_error = getattr(e, "facts", {"reason": str(e)}), e
+            taken[id(d.cause)].append(d.action)
+            results[id(d.cause)][d.action] = facts
+            if stop_error is not None:
+                break
+        if during_step:
+            if ctx.skip:
+                self._skip_current_step()
+            relaxed = A.relax_weights(ctx)
+            if relaxed.get("restored"):
+                findings.append(Finding(
+                    LOSS_RATIO_IMBALANCE, f"loss ratio back under its threshold: weights restored to their "
+                                   f"base {self._base_weights}", {"restored": relaxed["restored"]}))
+                taken[id(findings[-1])] = [REWEIGHT]
+                results[id(findings[-1])] = {REWEIGHT: relaxed}
+            cfg_ls = self.config.actions.loss_scale
+            if cfg_ls.enforce_floor and self.scaler is not None:  # a standing setting: no event
+                A.keep_loss_scale_floor(self.scaler, cfg_ls.min_loss_scale, self._stats.get(S.AMP_LOSS_SCALE))
+            # The LR scale (lr_drop) applies around this update only; the user's own LR and
+            # scheduler are put back after it (see actions.py).
+            self._saved_lr = A.apply_lr_scale(self.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
+            for i, pg in enumerate(self.optimizer.param_groups):
+                self._stats[S.LR.format(i)] = float(pg["lr"])
+        ctx.skip = False
+
+        # 5. sinks: one event per finding, with the actions it caused and what they did.
+        suppressed = self._policy.suppressed
+        events = []
+        for f in findings:
+            data = dict(f.data)
+            if results[id(f)]:
+                data["action_results"] = results[id(f)]
+            held = [s for s in suppressed if s["kind"] == f.kind]
+            if held:
+                data["suppressed"] = held
+            events.append(self._emit(Event(step, f.kind, f.message, data, taken[id(f)])))
+        if stop_error is not None:
+            stop_error.event = events[-1] if events else None
+            raise stop_error
+        return events
+
+    def _watch_findings(self, step: int, values: dict[str, float]) -> list[Finding]:
+        """activation_overflow findings. A module that actually produced inf/NaN has overflowed
+        for real: its finding enters the ladder at the precision_fallback rung at once."""
+        if not self._watch.attached:
+            return []
+        found = self._watch.findings(step, {(FIRST_NONFINITE_KEY if k == WATCH_FIRST else k): v
+                                            for k, v in values.items()})
+        ladder = self.config.policy.ladders.get(ACTIVATION_OVERFLOW)
+        fallback_at = next((r.after for r in ladder.rungs if PRECISION_FALLBACK in r.actions), None) if ladder else None
+        for f in found:
+            if f.data.get("recommend") == PRECISION_FALLBACK and fallback_at is not None:
+                f.data[OCCURRENCE] = fallback_at
+        return found
+
+    def _gather_evidence(self, step: int, findings: list[Finding]) -> None:
+        """The playbook: per-input statistics of the step's batch on every anomaly, and an anomaly
+        bundle (pre-step state, batch, stats, RNG, config) for the first of each kind."""
+        inputs = batch_input_stats(self._recorder.batches)
+        cfg = self.config.bundle
+        for f in findings:
+            f.data.setdefault("inputs", inputs)
+            if not f.before_update or not self._bundles.should_write(f.kind):
+                continue
+            factory, kwargs = self._model_factory or (None, None)
+            try:
+                path = write_bundle(
+                    self._ensure_run_dir(), step, f.kind, model_state=unwrap(self.model).state_dict(),
+                    optimizer_state=self.optimizer.state_dict(), batch=self._recorder.batches,
+                    stats=self._stats, event={"step": step, "kind": f.kind, "message": f.message,
+                                              "data": f.data, "where": f.where},
+                    rng_state=self._recorder.rng_state, config=self.config.to_dict(),
+                    model_factory=factory, model_kwargs=kwargs, loss_weights=dict(self._weights),
+                    max_bytes=int(cfg.max_mb * 2 ** 20), dir_name=cfg.dir)
+            except Exception as e:  # noqa: BLE001 - evidence must never stop training
+                f.data["bundle_error"] = f"{type(e).__name__}: {e}"
+                continue
+            self._bundles.mark(f.kind, step)
+            f.data["bundle"] = path
+            manifest = os.path.join(path, "manifest.json")
+            with contextlib.suppress(OSError, ValueError):
+                import json
+                with open(manifest, encoding="utf-8") as fh:
+                    m = json.load(fh)
+                if m.get("batch_dropped"):
+                    f.data["bundle_batch_dropped"] = m.get("batch_dropped_reason")
 
     def _collect_tensors(self, grads: list[torch.Tensor | None]) -> tuple[dict[str, Any], dict[str, Any]]:
         """All statistics of the step as 0-d tensors (or Python numbers); nothing is read here."""
@@ -470,6 +647,8 @@ class Monitor:
         for p, g in self._hidden_grads:
             p.grad = g
         self._hidden_grads.clear()
+        A.restore_lr(self.optimizer, self._saved_lr)  # the user's LR and scheduler, untouched
+        self._saved_lr = []
         if self.scaler is not None and not self._stepped:
             self._amp_skipped += 1
         if self._before_params is not None:
@@ -485,7 +664,12 @@ class Monitor:
         self._pending_step = self.step
         if not self._pending:
             self._complete_previous({})
-        # Reset per-step state; the step counter counts skipped steps too.
+        # Reset per-step state; the step counter counts skipped steps too. After a non-finite
+        # loss the watch samples the next step whatever its stride.
+        if not S.finite(self._stats.get(S.LOSS_TOTAL, 0.0)):
+            self._watch.sample_next()
+        self._watch.reset(self.step + 1)
+        self._recorder.clear()
         self._losses = _LossAccumulator()
         self._grad_ratio_tensors = {}
         self._skipping = False
@@ -506,30 +690,66 @@ class Monitor:
         step = self._pending_step
         self._pending = {}
         self._pending_step = None
+        self._prev_record = (step, dict(self._stats))  # for the after-update detectors
         if self._router is not None:
             self._router.log_metrics(step, dict(self._stats))
 
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: Event) -> Event:
         self.events.append(event)
         self._counts[event.kind] += 1
         if self._router is not None:
             self._router.log_event(event)
+        return event
 
     # ------------------------------------------------------------------------------------------
     # state
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "base_weights": dict(self._base_weights),
-                "weights": dict(self._weights), "amp_skipped": self._amp_skipped,
-                "batches_to_skip": self._batches_to_skip, "should_stop": self.should_stop}
+        """Plain data: step, loss weights, LR scale, detector windows, policy streaks and
+        cooldowns, watch streaks, bundles written. Snapshots and hooks are not included."""
+        ctx = self._ctx
+        return {
+            "step": self.step, "amp_skipped": self._amp_skipped, "should_stop": self.should_stop,
+            "base_weights": dict(self._base_weights), "weights": dict(self._weights),
+            "lr_scale": ctx.lr_scale if ctx else self._pending_ctx.get("lr_scale", 1.0),
+            "batches_to_skip": ctx.batches_to_skip if ctx else self._pending_ctx.get("batches_to_skip", 0),
+            "reweighted": copy.deepcopy(ctx.reweighted) if ctx else self._pending_ctx.get("reweighted", {}),
+            "fp32_modules": list(ctx.fp32_modules) if ctx else self._pending_ctx.get("fp32_modules", []),
+            "detectors": [d.state_dict() for d in self._detectors],
+            "policy": self._policy.state_dict(),
+            "watch": self._watch.state_dict(),
+            "bundles": self._bundles.state_dict(),
+        }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; works before or after ``attach``."""
         self.step = int(sd["step"])
-        self._base_weights = dict(sd["base_weights"])
-        self._weights = dict(sd["weights"])
-        self._amp_skipped = int(sd["amp_skipped"])
-        self._batches_to_skip = int(sd["batches_to_skip"])
-        self.should_stop = bool(sd["should_stop"])
+        self._amp_skipped = int(sd.get("amp_skipped", 0))
+        self._base_weights.clear()
+        self._base_weights.update(sd.get("base_weights", {}))
+        self._weights.clear()
+        self._weights.update(sd.get("weights", {}))
+        dets = sd.get("detectors", [])
+        if dets and len(dets) != len(self._detectors):
+            raise ConfigError(f"state_dict has {len(dets)} detector states, this monitor has "
+                              f"{len(self._detectors)} detectors (different detectors config)")
+        for d, st in zip(self._detectors, dets):
+            d.load_state_dict(st)
+        self._policy.load_state_dict(sd.get("policy", {}))
+        self._watch.load_state_dict(sd.get("watch", {}))
+        self._bundles.load_state_dict(sd.get("bundles", {}))
+        self._pending_ctx = {k: sd[k] for k in ("lr_scale", "batches_to_skip", "reweighted", "fp32_modules") if k in sd}
+        self.should_stop = bool(sd.get("should_stop", False))
+        if self._ctx is not None:
+            ctx = self._ctx
+            ctx.lr_scale = float(sd.get("lr_scale", 1.0))
+            ctx.batches_to_skip = int(sd.get("batches_to_skip", 0))
+            ctx.reweighted = copy.deepcopy(dict(sd.get("reweighted", {})))
+            for name in sd.get("fp32_modules", []):
+                if name not in ctx.fp32_modules:
+                    A.precision_fallback(ctx, Decision(PRECISION_FALLBACK, Finding(ACTIVATION_OVERFLOW, "restored"),
+                                                       {"module": name}))
+            self._pending_ctx = {}
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None,
