@@ -354,6 +354,10 @@ def relax_weights(ctx: ActionContext, stats: Mapping[str, float] | None = None) 
     restored = []
     for pair, info in list(ctx.reweighted.items()):
         r = stats.get(info["key"])
+        if r is None and info["key"].startswith("loss_ratio/"):  # as the detector's own fallback
+            la, lb = stats.get(f"loss/{info['a']}"), stats.get(f"loss/{info['b']}")
+            if la is not None and lb is not None:
+                r = (la + 1e-6) / (lb + 1e-6)
         if r is None or not math.isfinite(r) or r > info["threshold"]:
             continue
         done = True

@@ -150,6 +150,10 @@ def test_reweight_report_rule_and_relax_back_to_base():
     for _ in range(300):
         out = A.relax_weights(ctx, {"loss_ratio/vision/fusion": 1.5}) or out
     assert ctx.loss_weights == base and out["restored"] == ["vision/fusion"] and ctx.reweighted == {}
+    # without a loss_ratio key, the ratio comes from the component losses (as in the detector)
+    A.apply(ctx, D("reweight", a="vision", b="fusion", ratio=3.0, key="loss_ratio/vision/fusion"))
+    assert A.relax_weights(ctx, {"loss/vision": 3.0, "loss/fusion": 1.0}) == {}
+    assert A.relax_weights(ctx, {"loss/vision": 1.0, "loss/fusion": 1.0})["weights"]["vision"] > 0.4 * 2 / 3
     # unknown components: not applied, says why
     facts = A.apply(ctx, D("reweight", a="image", b="fusion", ratio=3.0))
     assert facts["applied"] is False and "image" in facts["reason"]
