@@ -34,8 +34,11 @@ def run_one(config: str, seed: int, monitor: bool, sets: list[str], run_root: st
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"seed": seed, "monitor": monitor, "error": (proc.stderr or proc.stdout)[-400:]}
-    return json.loads(lines[-1])
+        result = {"seed": seed, "monitor": monitor, "error": (proc.stderr or proc.stdout)[-400:]}
+    else:
+        result = json.loads(lines[-1])
+    print(json.dumps(result), file=sys.stderr, flush=True)  # progress, one line per finished run
+    return result
 
 
 def _num(v) -> float:

@@ -111,3 +111,12 @@ def test_two_rank_gloo_ddp_run_finishes(tmp_path):
     out = json.loads(lines[0])
     assert out["world_size"] == 2 and out["optimizer_steps"] == 2 * 2
     assert (tmp_path / "checkpoint.pt").exists()
+
+
+def test_demo_prints_both_runs_side_by_side(tmp_path, capsys):
+    from reference_model.demo import main as demo_main
+    assert demo_main(["--config", "tiny", "--seed", "0", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| | without monitor | with monitor |" in out and "| final_top1 |" in out
+    assert str(tmp_path / "bare-seed0") in out and str(tmp_path / "monitored-seed0") in out
+    assert (tmp_path / "bare-seed0" / "checkpoint.pt").exists()
