@@ -147,10 +147,19 @@ class Section:
         for f in dataclasses.fields(self):
             if f.name.startswith("_"):
                 continue
-            v = getattr(self, f.name)
-            out[f.name] = v.to_dict() if isinstance(v, Section) else (
-                [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, list) else v)
+            out[f.name] = _plain(getattr(self, f.name))
         return out
+
+
+def _plain(v: Any) -> Any:
+    """Sections, and Sections inside lists and dicts, as plain data (YAML/JSON-able)."""
+    if isinstance(v, Section):
+        return v.to_dict()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
 
 
 def _check_range(value: Any, meta: Any, key: str) -> None:

@@ -101,10 +101,6 @@ class UpdateRatioSpikeConfig(Section):
                               f"({self.window}); allowed: [2, window]")
 
 
-def _default_pairs() -> list[list[str]]:
-    return [["vision", "fusion"]]
-
-
 @dataclass
 class RatioImbalanceConfig(Section):
     """A ratio a/b of two loss components (or of their gradients on shared parameters) above a
@@ -112,8 +108,9 @@ class RatioImbalanceConfig(Section):
     it stays above, and re-arms once the ratio falls under ``rearm_below * threshold``."""
 
     enabled: bool = option(True, "watch the configured pairs")
-    pairs: list[list[str]] = option(_default_pairs(), "component pairs [a, b] watched as a/b "
-                                                      "(the report: vision over fusion)")
+    pairs: list[list[str]] = option([], "component pairs [a, b] watched as a/b; none by default, "
+                                        "so a healthy run at defaults takes no action (the report's "
+                                        "pair is [[vision, fusion]], set by the reference trainer)")
     threshold: float = option(2.0, "fire when a/b exceeds this (the report: L_v/L_f > 2, and trap 2: "
                                    "|dL_v/dtheta| > 2 |dL_f/dtheta|)", lo=1, lo_open=True)
     patience: int = option(1, "consecutive observations above the threshold before firing", lo=1)

@@ -460,13 +460,8 @@ def write_bundle(run_dir: str | os.PathLike, step: int, kind: str, *, model_stat
         raise
 
 
-def load_bundle(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a bundle with ``torch.load(weights_only=True)`` only.
-
-    Returns {"path", "manifest", "model_state", "optimizer_state", "batch", "rng_state", "stats",
-    "event", "config"} (None for what the bundle left out). A file holding a pickled callable or any
-    other non-tensor object raises BundleError naming the file.
-    """
+def load_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """A bundle's manifest (plain JSON: what was kept, what was dropped and why)."""
     path = os.fspath(path)
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath):
@@ -479,6 +474,18 @@ def load_bundle(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
         raise BundleError(f"{mpath}: unknown bundle format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}"
                           f" (this sfmonitor reads format {BUNDLE_FORMAT})")
+    return manifest
+
+
+def load_bundle(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a bundle with ``torch.load(weights_only=True)`` only.
+
+    Returns {"path", "manifest", "model_state", "optimizer_state", "batch", "rng_state", "stats",
+    "event", "config"} (None for what the bundle left out). A file holding a pickled callable or any
+    other non-tensor object raises BundleError naming the file.
+    """
+    path = os.fspath(path)
+    manifest = load_manifest(path)
     files = manifest.get("files") or {}
     out: dict[str, Any] = {"path": path, "manifest": manifest}
     keys = {"model": "model_state", "optimizer": "optimizer_state", "batch": "batch", "rng": "rng_state"}

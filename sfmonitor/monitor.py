@@ -38,7 +38,7 @@ from .detectors import build_detectors
 from .events import (ACTIVATION_OVERFLOW, LOSS_RATIO_IMBALANCE, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM,
                      PRECISION_FALLBACK, REWEIGHT, SKIP_STEP, ConfigError, Decision, Event,
                      Finding, NonFiniteError, StopTraining)
-from .forensics import BatchRecorder, BundleTracker, batch_input_stats, write_bundle
+from .forensics import BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
 from .policy import OCCURRENCE, Policy
 from .watch import FIRST_NONFINITE_KEY, ActivationWatch
 
@@ -504,7 +504,9 @@ class Monitor:
             held = [s for s in suppressed if s["kind"] == f.kind]
             if held:
                 data["suppressed"] = held
-            events.append(self._emit(Event(step, f.kind, f.message, data, taken[id(f)])))
+            # A finding about an update that already landed names the step of that update.
+            at = step if f.before_update else int(f.data.get("step", step))
+            events.append(self._emit(Event(at, f.kind, f.message, data, taken[id(f)])))
         if stop_error is not None:
             stop_error.event = events[-1] if events else None
             raise stop_error
@@ -525,36 +527,35 @@ class Monitor:
         return found
 
     def _gather_evidence(self, step: int, findings: list[Finding]) -> None:
-        """The playbook: per-input statistics of the step's batch on every anomaly, and an anomaly
-        bundle (pre-step state, batch, stats, RNG, config) for the first of each kind."""
+        """The playbook: per-input statistics of the step's batch on every anomaly, and one anomaly
+        bundle (pre-step state, batch, stats, RNG, config) for the step where a kind first shows."""
         inputs = batch_input_stats(self._recorder.batches)
-        cfg = self.config.bundle
         for f in findings:
             f.data.setdefault("inputs", inputs)
-            if not f.before_update or not self._bundles.should_write(f.kind):
-                continue
-            factory, kwargs = self._model_factory or (None, None)
-            try:
-                path = write_bundle(
-                    self._ensure_run_dir(), step, f.kind, model_state=unwrap(self.model).state_dict(),
-                    optimizer_state=self.optimizer.state_dict(), batch=self._recorder.batches,
-                    stats=self._stats, event={"step": step, "kind": f.kind, "message": f.message,
-                                              "data": f.data, "where": f.where},
-                    rng_state=self._recorder.rng_state, config=self.config.to_dict(),
-                    model_factory=factory, model_kwargs=kwargs, loss_weights=dict(self._weights),
-                    max_bytes=int(cfg.max_mb * 2 ** 20), dir_name=cfg.dir)
-            except Exception as e:  # noqa: BLE001 - evidence must never stop training
-                f.data["bundle_error"] = f"{type(e).__name__}: {e}"
-                continue
+        new = [f for f in findings if f.before_update and self._bundles.should_write(f.kind)]
+        if not new:
+            return
+        first = new[0]
+        factory, kwargs = self._model_factory or (None, None)
+        cfg = self.config.bundle
+        try:
+            path = write_bundle(
+                self._ensure_run_dir(), step, first.kind, model_state=unwrap(self.model).state_dict(),
+                optimizer_state=self.optimizer.state_dict(), batch=self._recorder.batches,
+                stats=self._stats, event={"step": step, "kind": first.kind, "message": first.message,
+                                          "data": first.data, "where": first.where},
+                rng_state=self._recorder.rng_state, config=self.config.to_dict(),
+                model_factory=factory, model_kwargs=kwargs, loss_weights=dict(self._weights),
+                max_bytes=int(cfg.max_mb * 2 ** 20), dir_name=cfg.dir)
+        except Exception as e:  # noqa: BLE001 - evidence must never stop training
+            first.data["bundle_error"] = f"{type(e).__name__}: {e}"
+            return
+        dropped = load_manifest(path).get("batch_dropped_reason")
+        for f in new:  # one bundle serves every finding of the step
             self._bundles.mark(f.kind, step)
             f.data["bundle"] = path
-            manifest = os.path.join(path, "manifest.json")
-            with contextlib.suppress(OSError, ValueError):
-                import json
-                with open(manifest, encoding="utf-8") as fh:
-                    m = json.load(fh)
-                if m.get("batch_dropped"):
-                    f.data["bundle_batch_dropped"] = m.get("batch_dropped_reason")
+            if dropped:
+                f.data["bundle_batch_dropped"] = dropped
 
     def _collect_tensors(self, grads: list[torch.Tensor | None]) -> tuple[dict[str, Any], dict[str, Any]]:
         """All statistics of the step as 0-d tensors (or Python numbers); nothing is read here."""

@@ -202,11 +202,14 @@ class Policy:
                 for cause in causes:
                     wanted.append(Decision(action=action, cause=cause,
                                            params={"kind": kind, "rung_after": rung.after, "streak": count}))
-        # One decision per action per step (except per-finding actions); first cause wins.
-        seen: set[tuple[str, int]] = set()
+        # One decision per action per step; per-finding actions once per component pair (the
+        # loss-ratio and the gradient-ratio findings of one pair reweight it once). First cause wins.
+        seen: set[tuple[str, Any]] = set()
         unique: list[Decision] = []
         for d in wanted:
-            key = (d.action, id(d.cause) if d.action in PER_FINDING_ACTIONS else 0)
+            pair = (d.cause.data.get("a"), d.cause.data.get("b"))
+            key = (d.action, (pair if pair != (None, None) else id(d.cause))
+                   if d.action in PER_FINDING_ACTIONS else 0)
             if key not in seen:
                 seen.add(key)
                 unique.append(d)

@@ -183,7 +183,7 @@ def test_update_ratio_spike_after_update_relative_and_ceiling():
 # ---------------------------------------------------------------------------- ratio imbalance
 
 def test_loss_ratio_imbalance_fires_on_crossing_and_refires_and_rearms():
-    det = D.LossRatioImbalance()
+    det = D.LossRatioImbalance(D.RatioImbalanceConfig(pairs=[["vision", "fusion"]]))
     rng = np.random.default_rng(8)
     healthy_r = (1.2 * np.exp(rng.normal(0, 0.1, N_HEALTHY))).tolist()  # stays well under 2
     for s, r in enumerate(healthy_r):
@@ -199,7 +199,7 @@ def test_loss_ratio_imbalance_fires_on_crossing_and_refires_and_rearms():
 
 
 def test_loss_ratio_falls_back_to_component_losses():
-    det = D.LossRatioImbalance()
+    det = D.LossRatioImbalance(D.RatioImbalanceConfig(pairs=[["vision", "fusion"]]))
     out = det.check(0, {"loss/vision": 3.0, "loss/fusion": 1.0})
     assert out and out[0].data["ratio"] == pytest.approx((3.0 + 1e-6) / (1.0 + 1e-6))
     assert det.check(1, {"loss/vision": float("nan"), "loss/fusion": 1.0}) == []

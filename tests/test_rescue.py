@@ -1,0 +1,363 @@
+"""The monitor as a rescuer, end to end: each detector's finding reaches the policy, the right
+actions change training exactly, every action is an event with its cause, and a healthy run
+records no action."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import sfmonitor
+from sfmonitor.checkpoint import load_checkpoint
+from sfmonitor.sinks import MemorySink
+
+QUIET = {"console": False}
+
+
+def cfg(**sections):
+    out = {"console": False}
+    out.update(sections)
+    return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vision = nn.Linear(6, 8)
+        self.fusion = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.vision(x))
+        return {"vision": h.pow(2).mean(), "fusion": (self.fusion(h) - 1).pow(2).mean()}
+
+
+def data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 6, generator=g) for _ in range(n)]
+
+
+def step(model, opt, mon, x, *, grad_mult=None, loss_add=0.0, scale=None):
+    losses = model(x)
+    if loss_add:
+        losses["fusion"] = losses["fusion"] + loss_add  # moves the loss, not the gradient
+    if scale is not None:
+        losses = {k: v * scale.get(k, 1.0) for k, v in losses.items()}
+    h = model.vision.weight.register_hook(lambda g: g * grad_mult) if grad_mult else None
+    loss = mon.combine(losses, weights={"vision": 0.5, "fusion": 0.5})
+    loss.backward()
+    if h:
+        h.remove()
+    opt.step()
+    opt.zero_grad()
+
+
+def state(model, opt):
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def same_state(a, b):
+    for k in a[0]:
+        assert torch.equal(a[0][k], b[0][k]), k
+    for pid, st in a[1]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, b[1]["state"][pid][k]) if isinstance(v, torch.Tensor) else v == b[1]["state"][pid][k]
+
+
+def acted(mon):
+    return [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+
+
+def test_a_landed_update_spike_is_rolled_back_to_the_last_good_snapshot(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(
+        detectors={"grad_spike": {"enabled": False}, "loss_spike": {"enabled": False}},
+        actions={"rollback": {"snapshot_every": 5, "skip_batches": 2}}))
+    xs = data(40)
+    for x in xs[:30]:
+        step(model, opt, mon, x)
+    before_30 = state(model, opt)
+    step(model, opt, mon, xs[30], grad_mult=1e5)  # the update of step 30 lands and is huge
+    assert not mon.events  # nothing could be seen before it landed (gradient detectors are off)
+    step(model, opt, mon, xs[31])  # step 31 reads step 30's update ratio
+    (ev,) = mon.events
+    assert (ev.step, ev.kind, ev.actions) == (30, "update_ratio_spike", ["rollback", "lr_drop"])
+    assert ev.data["group"] if "group" in ev.data else ev.data["key"] == "update_ratio/vision"
+    assert ev.data["action_results"]["rollback"]["restored_from"] == 30
+    same_state(before_30, state(model, opt))  # bit-exact: as if steps 30 and 31 never happened
+    assert opt.param_groups[0]["lr"] == 0.01  # the user's LR is untouched between steps...
+    step(model, opt, mon, xs[32])
+    assert mon.stats["lr/0"] == pytest.approx(0.002)  # ...and the drop applies to each update
+    # monitor.batches() leaves out the next batches, as PaLM did after a rollback
+    assert list(mon.batches(range(5))) == [2, 3, 4]
+    mon.detach()
+
+
+def test_grad_spike_is_clipped_before_it_lands(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
+    xs = data(40)
+    for x in xs[:30]:
+        step(model, opt, mon, x)
+    step(model, opt, mon, xs[30], grad_mult=1e4)
+    ev = [e for e in mon.events if e.kind == "grad_spike"]
+    assert len(ev) == 1 and ev[0].step == 30 and ev[0].actions == ["clip"]
+    res = ev[0].data["action_results"]["clip"]
+    assert res["norm_before"] > 100 * res["norm_after"]
+    assert mon.stats["update_ratio/vision"] < 0.1  # the clipped update is an ordinary one
+    mon.detach()
+
+
+def test_loss_spike_skips_the_step(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
+    xs = data(40)
+    for x in xs[:30]:
+        step(model, opt, mon, x)
+    before = state(model, opt)
+    step(model, opt, mon, xs[30], loss_add=1000.0)
+    assert acted(mon) == [(30, "loss_spike", ["skip_step"])]
+    same_state(before, state(model, opt))
+    mon.detach()
+
+
+def test_loss_imbalance_is_reweighted_through_combine_and_drifts_back(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.001)
+    sink = MemorySink()
+    pair = {"pairs": [["vision", "fusion"]]}  # the report's pair (none is watched by default)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[sink], config=cfg(
+        detectors={"loss_ratio_imbalance": pair, "grad_ratio_imbalance": pair},
+        actions={"reweight": {"relax_rate": 0.5}}))
+    xs = data(30)
+    x = xs[0]
+    losses = {k: float(v.detach()) for k, v in model(x).items()}
+    scale = {"vision": 4 * losses["fusion"] / losses["vision"]}  # L_v / L_f = 4 > 2
+    step(model, opt, mon, x, scale=scale)
+    evs = {e.kind: e for e in mon.events}
+    ev = evs["loss_ratio_imbalance"]
+    assert ev.actions == ["reweight"]
+    # the gradient ratio of the same pair is imbalanced too (step 0 measures it): one reweight
+    # per pair per step, the loss ratio's
+    assert evs["grad_ratio_imbalance"].actions == []
+    r = ev.data["action_results"]["reweight"]["ratio"]
+    assert r == pytest.approx(4.0, rel=1e-3)
+    # the report's rule: w_v = base_v * 2 / r, w_f = base_f * r / 2
+    new = ev.data["action_results"]["reweight"]["new_weights"]
+    assert new == pytest.approx({"vision": 0.5 * 2 / r, "fusion": 0.5 * r / 2})
+    # combine() now uses the rescued weights, and loss_weight/<c> shows them
+    out = model(xs[1])
+    total = mon.combine(out, weights={"vision": 0.5, "fusion": 0.5})
+    assert float(total.detach()) == pytest.approx(float((new["vision"] * out["vision"] + new["fusion"] * out["fusion"]).detach()))
+    total.backward()
+    opt.step()
+    opt.zero_grad()
+    for x in xs[2:]:
+        step(model, opt, mon, x)  # balanced again: the weights drift back to base
+    assert mon.stats["loss_weight/vision"] == 0.5 and mon.stats["loss_weight/fusion"] == 0.5
+    back = [e for e in mon.events if e.data.get("restored")]
+    assert back and back[0].actions == ["reweight"]
+    mon.detach()
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "fp16+scaler"])
+def test_a_healthy_run_records_no_action(amp, tmp_path):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if amp else None
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config=QUIET)
+    for x in data(400 if not amp else 150):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            losses = model(x)
+        loss = mon.combine(losses, weights={"vision": 0.5, "fusion": 0.5})
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    assert acted(mon) == []
+    mon.detach()
+
+
+def test_state_dict_round_trip_mid_run_continues_identically(tmp_path):
+    xs = data(60, seed=3)
+    spikes = {35: 1e4, 50: 1e4}
+
+    def run(split):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"a{split}", sinks=[], config=QUIET)
+        for i, x in enumerate(xs):
+            if i == split:  # save everything, rebuild from scratch, load, go on
+                saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                         copy.deepcopy(mon.state_dict()), [(e.step, e.kind, e.actions) for e in mon.events])
+                mon.detach()
+                model = Net()
+                model.load_state_dict(saved[0])
+                opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+                opt.load_state_dict(saved[1])
+                mon = sfmonitor.Monitor(run_dir=tmp_path / f"b{split}", sinks=[], config=QUIET)
+                mon.load_state_dict(saved[2])
+                mon.attach(model, opt)
+                prior = saved[3]
+            step(model, opt, mon, x, grad_mult=spikes.get(i))
+        events = (prior if split < len(xs) else []) + [(e.step, e.kind, e.actions) for e in mon.events]
+        out = (state(model, opt), events, mon.stats)
+        mon.detach()
+        return out
+
+    full = run(len(xs))
+    resumed = run(30)
+    same_state(full[0], resumed[0])
+    assert full[1] == resumed[1] and any(a for _, _, a in full[1])
+    assert full[2] == pytest.approx(resumed[2], nan_ok=True)
+
+
+def test_spent_budget_saves_a_checkpoint_and_stops_with_the_reason(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(
+        policy={"budget": 1, "cooldowns": {"rollback": 0, "lr_drop": 0}},
+        detectors={"grad_spike": {"enabled": False}, "loss_spike": {"enabled": False}},
+        actions={"rollback": {"snapshot_every": 5}}))
+    xs = data(60)
+    for x in xs[:30]:
+        step(model, opt, mon, x)
+    step(model, opt, mon, xs[30], grad_mult=1e5)
+    step(model, opt, mon, xs[31])  # first rescue: rollback + lr_drop
+    for x in xs[32:40]:
+        step(model, opt, mon, x)
+    step(model, opt, mon, xs[40], grad_mult=1e6)
+    with pytest.raises(sfmonitor.StopTraining, match="budget") as ei:
+        step(model, opt, mon, xs[41])
+    ev = ei.value.event
+    assert ev.kind == "update_ratio_spike" and ev.actions == ["checkpoint", "stop"]
+    path = ev.data["action_results"]["checkpoint"]["path"]
+    assert os.path.exists(path) and "model" in str(load_checkpoint(path).keys()).lower()
+    assert mon.should_stop
+    mon.detach()
+
+
+def test_eval_collapse_and_plateau_reach_the_policy(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
+    for x in data(6):
+        step(model, opt, mon, x)
+    assert mon.observe_eval({"accuracy": 0.9, "loss": 1.0}, chance=0.5) == []
+    ev = mon.observe_eval({"accuracy": 0.5, "loss": 0.9}, chance=0.5)
+    assert [(e.kind, e.actions) for e in ev] == [("accuracy_collapse", ["rollback", "lr_drop"])]
+    # a second LR drop in the same step is held back by the lr_drop cooldown, and the event says so
+    ev = mon.observe_eval({"accuracy": 0.9, "loss": 1.1}, chance=0.5)
+    mon.detach()
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
+    mon.observe_eval({"accuracy": 0.9, "loss": 0.9}, chance=0.5)
+    kinds = []
+    for _ in range(5):  # no improvement on 0.9: three validations -> LR drop, two more -> stop
+        kinds += [(e.kind, e.actions) for e in mon.observe_eval({"accuracy": 0.8, "loss": 0.95}, chance=0.5)]
+    assert kinds == [("plateau", ["lr_drop"]), ("plateau", ["stop"])]
+    assert mon.should_stop and opt.param_groups[0]["lr"] == 0.01
+    mon.detach()
+
+
+class Attention(nn.Module):
+    """Hand-written attention: unscaled logits computed inline, as the report's fusion layer."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2)  # (B, T, T), no module of its own
+        return torch.softmax(s, -1) @ x
+
+
+class AttNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fusion = Attention()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return {"fusion": torch.tanh(self.head(self.fusion(x)).float()).pow(2).mean(),
+                "aux": x.new_zeros((), dtype=torch.float32) + 0.1}
+
+
+def make_att_model():
+    torch.manual_seed(0)
+    return AttNet()
+
+
+def make_net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def test_overflow_is_warned_then_the_module_falls_back_to_fp32(tmp_path):
+    model = make_att_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the weights: the input grows instead
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[],
+                           config=cfg(watch={"stride": 1}))
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 4, 8, generator=g)
+    first_inf = None
+    for i in range(30):
+        with torch.autocast("cpu", dtype=torch.float16):
+            losses = model(base * (1.35 ** i))
+        loss = mon.combine(losses, weights={"fusion": 1.0, "aux": 1.0})
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if any(e.kind == "activation_overflow" and e.data["nonfinite"] for e in mon.events):
+            first_inf = i
+            break
+    assert first_inf is not None
+    warns = [e for e in mon.events if e.kind == "activation_overflow" and not e.data["nonfinite"]]
+    # warned before the first inf, naming the module whose inline QK^T grows, without acting yet
+    assert warns and warns[0].step < first_inf and warns[0].data["module"] == "fusion"
+    assert all(e.actions == [] for e in warns)
+    (hit,) = [e for e in mon.events if e.step == first_inf and e.kind == "activation_overflow"]
+    assert hit.data["module"] == "fusion" and hit.actions == ["precision_fallback"]
+    assert hit.data["inputs"]  # the playbook: statistics of the inputs on an anomaly
+    # from now on the fusion module runs in fp32: a far larger input stays finite
+    big = base * (1.35 ** (first_inf + 3))
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(model.fusion(big)).all()
+    mon.detach()
+    with torch.autocast("cpu", dtype=torch.float16):  # detach() undoes the fallback
+        assert not torch.isfinite(model.fusion(big)).all()
+
+
+def test_first_anomaly_writes_a_bundle_that_replays(tmp_path):
+    from sfmonitor.replay import replay_bundle
+    model = make_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
+    mon.set_model_factory("test_rescue:make_net")
+    xs = data(6)
+    xs[4][2, 3] = float("nan")
+    for x in xs:
+        step(model, opt, mon, x)
+    ev = {e.kind: e for e in mon.events}
+    bundle = ev["nonfinite_loss"].data["bundle"]
+    assert os.path.basename(bundle) == "4-nonfinite_loss"
+    assert ev["nonfinite_grad"].data["bundle"] == bundle  # one bundle per step serves both events
+    rep = replay_bundle(bundle, factory="test_rescue:make_net")  # a factory named in a file is not trusted
+    assert rep["reproduced"]
+    assert rep["first_nonfinite_param"] == ev["nonfinite_grad"].data["param"]
+    mon.detach()
