@@ -511,59 +511,28 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # precision_fallback
 # --------------------------------------------------------------------------------------------
 
-def _to_fp32(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
-        return x.float()
-    if isinstance(x, tuple):
-        return tuple(_to_fp32(v) for v in x)
-    if isinstance(x, list):
-        return [_to_fp32(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _to_fp32(v) for k, v in x.items()}
-    return x
-
-
-def _fp32_hooks(module: nn.Module, device_type: str) -> list[Any]:
-    stack: list[Any] = []
-
-    def pre(mod, args, kwargs):
-        ac = torch.autocast(device_type=device_type, enabled=False)
-        ac.__enter__()
-        stack.append(ac)
-        return _to_fp32(args), _to_fp32(kwargs)
-
-    def post(mod, args, kwargs, output):
-        if stack:
-            stack.pop().__exit__(None, None, None)
-        return None
-
-    return [module.register_forward_pre_hook(pre, with_kwargs=True),
-            module.register_forward_hook(post, with_kwargs=True, always_call=True)]
-
-
 def precision_fallback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Run the module named by ``decision.params['module']`` or the finding's ``where`` in fp32 from
-    now on: autocast is off inside it and its floating inputs are cast to fp32 (the proving ground:
-    fp32 fusion attention is what holds). Undo with ``remove_precision_fallback``."""
+    now on (``watch.precision_fallback``: autocast off inside it, inputs upcast, outputs cast back to
+    the caller's autocast dtype; the proving ground: fp32 fusion attention is what holds). Undone by
+    ``remove_precision_fallback``."""
+    from .watch import precision_fallback as fp32_module
     name = decision.params.get("module") or decision.cause.where
     if not name:
-        return {"applied": False, "reason": "the finding names no module (the whole model is never "
-                                            "switched to fp32 implicitly)"}
-    modules = dict(ctx.model.named_modules())
-    if name not in modules:
-        return {"applied": False, "reason": f"no module named {name!r} in the model"}
+        return {"applied": False, "reason": "the finding names no module to run in fp32"}
     if name in ctx.fp32_modules:
         return {"applied": False, "module": name, "reason": "already running in fp32"}
-    module = modules[name]
-    p = next(module.parameters(), None)
-    device_type = p.device.type if p is not None else "cpu"
-    ctx.hooks.extend(_fp32_hooks(module, device_type))
+    try:
+        handle = fp32_module(ctx.model, name)
+    except ValueError as e:  # no such module, or its parameters are not fp32
+        return {"applied": False, "module": name, "reason": str(e)}
+    ctx.hooks.append(handle)
     ctx.fp32_modules.append(name)
-    return {"applied": True, "module": name, "device_type": device_type}
+    return {"applied": True, "module": name}
 
 
 def remove_precision_fallback(ctx: ActionContext) -> None:
-    """Remove every fp32 hook (the monitor calls this on detach)."""
+    """Undo every fallback (the monitor calls this on detach)."""
     for h in ctx.hooks:
         h.remove()
     ctx.hooks.clear()
