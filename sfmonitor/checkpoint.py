@@ -137,7 +137,8 @@ def _tensor_copy(value: Any) -> Any:
     return value
 
 
-def _rng_state() -> dict[str, Any]:
+def capture_rng_state() -> dict[str, Any]:
+    """torch, CUDA, numpy and python RNG states as tensors and plain values (weights_only safe)."""
     np_state = np.random.get_state()
     py_version, py_internal, py_gauss = random.getstate()
     state = {
@@ -153,13 +154,17 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]),
-                         int(n["has_gauss"]), float(n["cached_gaussian"])))
-    p = state["python"]
-    random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()), p["gauss_next"]))
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``; parts the state lacks are left alone."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        n = state["numpy"]
+        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]),
+                             int(n["has_gauss"]), float(n["cached_gaussian"])))
+    if "python" in state:
+        p = state["python"]
+        random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -176,7 +181,7 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     if scaler is not None:
         state[SCALER] = _cpu_copy(scaler.state_dict())
     if rng:
-        state[RNG] = _rng_state()
+        state[RNG] = capture_rng_state()
     if extra is not None:
         state[EXTRA] = _cpu_copy(dict(extra))
     return state
@@ -202,7 +207,7 @@ def restore_state(state: Mapping[str, Any], model: torch.nn.Module,
     if scaler is not None and state.get(SCALER):
         scaler.load_state_dict(state[SCALER])
     if rng and RNG in state:
-        _set_rng_state(state[RNG])
+        restore_rng_state(state[RNG])
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import random
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from .checkpoint import capture_rng_state, restore_rng_state  # re-exported for replay
 from .config import Section, option
 from .events import ConfigError, SFMonitorError, jsonable
 
@@ -209,42 +209,6 @@ def batch_input_stats(batches: Iterable[dict[str, Any]]) -> list[dict[str, dict[
 # --------------------------------------------------------------------------------------------
 # RNG state
 # --------------------------------------------------------------------------------------------
-
-def capture_rng_state() -> dict[str, Any]:
-    """torch, cuda, python and numpy RNG states as tensors and plain values (weights_only safe)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _py_state_to_plain(random.getstate())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
-                          "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    except Exception:  # numpy missing or a legacy state layout: torch/python states still restore
-        pass
-    return state
-
-
-def _py_state_to_plain(st: tuple) -> list:
-    version, internal, gauss = st
-    return [int(version), torch.tensor(internal, dtype=torch.int64), gauss]
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of ``capture_rng_state`` (missing parts are left alone)."""
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((int(version), tuple(int(v) for v in internal.tolist()), gauss))
-    if "numpy" in state:
-        import numpy as np
-        s = state["numpy"]
-        np.random.set_state((s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"],
-                             s["gauss"]))
-
 
 # --------------------------------------------------------------------------------------------
 # batch recorder
