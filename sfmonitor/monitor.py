@@ -187,6 +187,7 @@ class Monitor:
         self._bundles = BundleTracker(self.config.bundle)
         self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
+        self._next_snapshot = 0  # first step at which a healthy state is snapshotted again
 
     # ------------------------------------------------------------------------------------------
     # attach / detach
@@ -433,9 +434,12 @@ class Monitor:
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, stats)]
         findings += self._watch_findings(step, values)
 
-        # A healthy step is a good state to come back to: snapshot it (every N steps).
-        if not findings:
-            self._ctx.snapshots.maybe_take(step, self.model, self.optimizer, self.scaler, {"step": step})
+        # A healthy step starts from a good state to come back to: snapshot it, at the first
+        # healthy step once `snapshot_every` steps have passed since the last snapshot.
+        healthy = all(f.data.get("skipped_by") == "grad_scaler" for f in findings)
+        if healthy and step >= self._next_snapshot:
+            self._ctx.snapshots.take(step, self.model, self.optimizer, self.scaler, {"step": step})
+            self._next_snapshot = step + self.config.actions.rollback.snapshot_every
 
         # 3. policy, 4. actions, 5. sinks (events): shared with observe_eval().
         self._decide_and_act(step, findings, during_step=True)
