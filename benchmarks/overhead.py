@@ -36,16 +36,21 @@ class Model(nn.Module):
                 "reg": 1e-3 * h.pow(2).mean()}
 
 
-def make(seed, attach, args, run_dir):
+VARIANTS = {  # name -> monitor config (None: bare training)
+    "bare": None,
+    "monitor (defaults)": {},
+    "monitor, watch off": {"watch": {"enabled": False}},
+    "monitor, watch every step": {"watch": {"stride": 1}},
+}
+
+
+def make(seed, config, run_dir):
     torch.manual_seed(seed)
     model = Model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     mon = None
-    if attach:
-        cfg = {"console": False}
-        if args.watch_stride is not None:
-            cfg["watch"] = {"stride": args.watch_stride}
-        mon = sfmonitor.attach(model, opt, run_dir=run_dir, config=cfg)
+    if config is not None:
+        mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=["jsonl"], config={"console": False, **config})
     return model, opt, mon
 
 
@@ -61,30 +66,30 @@ def step(model, opt, mon, batch):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per variant (after 5 warm-up)")
+    ap.add_argument("--steps", type=int, default=60, help="timed steps per variant (after 5 warm-up)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--watch-stride", type=int, default=None,
-                    help="override the activation watch stride (default: the monitor's default)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 1000, (args.batch, args.seq), generator=g),
                 torch.randint(0, 10, (args.batch,), generator=g)) for _ in range(8)]
     with tempfile.TemporaryDirectory() as run_dir:
-        bare = make(0, False, args, run_dir)
-        mon = make(0, True, args, run_dir)
-        times = {"bare": [], "monitor": []}
+        runs = {name: make(0, cfg, f"{run_dir}/{i}") for i, (name, cfg) in enumerate(VARIANTS.items())}
+        times = {name: [] for name in VARIANTS}
+        names = list(VARIANTS)
         for i in range(args.steps + 5):
             b = batches[i % len(batches)]
-            order = [("bare", bare), ("monitor", mon)] if i % 2 == 0 else [("monitor", mon), ("bare", bare)]
-            for name, (m, o, mo) in order:
+            for name in names[i % len(names):] + names[:i % len(names)]:  # rotate the order
+                m, o, mo = runs[name]
                 t = step(m, o, mo, b)
                 if i >= 5:
                     times[name].append(t)
-        n_params = sum(p.numel() for p in bare[0].parameters())
-        mon[2].detach()
+        n_params = sum(p.numel() for p in runs["bare"][0].parameters())
+        for m, o, mo in runs.values():
+            if mo is not None:
+                mo.detach()
     med = {k: statistics.median(v) for k, v in times.items()}
     mean = {k: statistics.fmean(v) for k, v in times.items()}
     print(f"# monitor overhead ({platform.machine()}, {torch.get_num_threads()} thread(s), "
@@ -92,9 +97,9 @@ def main(argv=None) -> int:
           f"batch {args.batch}x{args.seq}, {args.steps} interleaved steps each)")
     print("| variant | median step (ms) | median ratio | mean step (ms) | mean ratio |")
     print("|---|---|---|---|---|")
-    print(f"| bare | {med['bare'] * 1e3:.1f} | 1.000 | {mean['bare'] * 1e3:.1f} | 1.000 |")
-    print(f"| monitor (defaults) | {med['monitor'] * 1e3:.1f} | {med['monitor'] / med['bare']:.3f} "
-          f"| {mean['monitor'] * 1e3:.1f} | {mean['monitor'] / mean['bare']:.3f} |")
+    for name in names:
+        print(f"| {name} | {med[name] * 1e3:.1f} | {med[name] / med['bare']:.3f} "
+              f"| {mean[name] * 1e3:.1f} | {mean[name] / mean['bare']:.3f} |")
     return 0
 
 

@@ -75,12 +75,12 @@ def first_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(first == n, torch.full_like(first, -1), first)
 
 
-def update_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor ||after - before|| (fused)."""
+def update_norms_(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor ||after - before|| (fused). Overwrites ``before`` with the difference."""
     if not before:
         return torch.zeros(0)
-    diffs = torch._foreach_sub(list(after), list(before))
-    return norms(diffs)
+    torch._foreach_sub_(list(before), list(after))
+    return norms(before)
 
 
 def ratio(a: torch.Tensor, b: torch.Tensor, eps: float = RATIO_EPS) -> torch.Tensor:
