@@ -176,6 +176,7 @@ class Monitor:
         self._before_params: list[torch.Tensor] | None = None
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._stepped = False
+        self._external = False  # an integration calls before_update()/after_update()
         self._counts: Counter[str] = Counter()
         self._prev_record: tuple[int, dict[str, float]] | None = None  # for after-update detectors
         self._saved_lr: list[Any] = []
@@ -400,9 +401,36 @@ class Monitor:
     # hooks
     # ------------------------------------------------------------------------------------------
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
-        if self.scaler is None:  # with a scaler the pipeline already ran inside scaler.step
+        # With a scaler the pipeline already ran inside scaler.step; driven externally, the
+        # framework calls before_update() where its gradients are ready.
+        if self.scaler is None and not self._external and not self._pipeline_done:
             self._run_pipeline()
         self._stepped = True
+
+    # ------------------------------------------------------------------------------------------
+    # integrations (Lightning, transformers): frameworks that call optimizer.step(closure)
+    # ------------------------------------------------------------------------------------------
+    def drive_externally(self) -> "Monitor":
+        """Let a framework tell the monitor where the unscaled gradients are ready.
+
+        Lightning calls ``optimizer.step(closure)``: the optimizer pre-hook fires before the closure
+        has computed any gradient. An integration calls this once after attach, then
+        ``before_update()`` from the framework's hook that runs after backward (and after
+        unscaling) and before the update, and ``after_update()`` once the step is over (it is a
+        no-op when the optimizer post-hook already finished the step).
+        """
+        self._external = True
+        return self
+
+    def before_update(self) -> None:
+        """Run the pipeline for the step in flight (integrations; see ``drive_externally``)."""
+        if self.model is not None and not self._pipeline_done:
+            self._run_pipeline()
+
+    def after_update(self) -> None:
+        """Finish the step in flight if the optimizer post-hook did not (e.g. a skipped AMP step)."""
+        if self.model is not None:
+            self._after_update()
 
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         self._after_update()

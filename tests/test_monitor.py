@@ -423,3 +423,29 @@ def test_jsonl_is_readable_after_the_process_is_killed(tmp_path):
     lines = open(os.path.join(tmp_path, "metrics.jsonl")).read().split("\n")
     bad = [ln for ln in lines[:-1] if ln and not json.loads(ln)]
     assert not bad
+
+
+def test_closure_optimizers_are_driven_externally(tmp_path):
+    """optimizer.step(closure) (Lightning): gradients exist only inside the closure, so the
+    integration calls before_update() where they are ready; a NaN step is still skipped."""
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False}).drive_externally()
+
+    def run(b):
+        def closure():
+            opt.zero_grad()
+            loss = mon.combine(model(*b), weights=WEIGHTS)
+            loss.backward()
+            mon.before_update()  # what the integration's on_before_optimizer_step does
+            return loss
+        opt.step(closure)
+        mon.after_update()  # no-op: the post-hook finished the step
+
+    run(batch())
+    before = snapshot(model, opt)
+    run(batch(nan=True))
+    assert_identical(before, snapshot(model, opt))
+    assert mon.step == 2 and [e.step for e in mon.events if e.kind == "nonfinite_loss"] == [1]
+    assert mon.stats["grad_norm/total"] != mon.stats["grad_norm/total"]
+    mon.detach()
