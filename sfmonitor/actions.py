@@ -593,19 +593,16 @@ def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # GradScaler floor (a standing setting, not an action)
 # --------------------------------------------------------------------------------------------
 
-def keep_loss_scale_floor(scaler: Any, min_scale: float, current: float | None = None) -> dict[str, Any] | None:
-    """Raise a GradScaler's scale to ``min_scale`` if it fell below; returns {old, new} or None.
-    ``current``: the scale the monitor already read this step (avoids a second host read)."""
+def keep_loss_scale_floor(scaler: Any, min_scale: float) -> bool:
+    """Keep a GradScaler's scale >= ``min_scale`` (an in-place clamp on the device: no host read).
+    Returns False when there is nothing to clamp yet (no scaler, disabled, or never used)."""
     if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
-        return None
+        return False
     scale = getattr(scaler, "_scale", None)
     if scale is None:  # not used yet: the first scale() call sets init_scale
-        return None
-    cur = float(scale.item()) if current is None else float(current)
-    if cur >= min_scale:
-        return None
-    scale.fill_(min_scale)
-    return {"old_scale": cur, "new_scale": float(min_scale)}
+        return False
+    scale.clamp_(min=min_scale)
+    return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -220,7 +220,7 @@ class Monitor:
         self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_post_step))
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
             self.scaler = scaler
-            self._wrap_scaler_step(scaler)
+            self._wrap_scaler(scaler)
         rb = self.config.actions.rollback
         self._ctx = A.ActionContext(
             model=model, optimizer=optimizer, scaler=self.scaler, groups=self.groups,
@@ -272,14 +272,18 @@ class Monitor:
             self.run_dir = os.path.join("sfmonitor_runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
         return self.run_dir
 
-    def _wrap_scaler_step(self, scaler: Any) -> None:
+    def _wrap_scaler(self, scaler: Any) -> None:
         """The one patch: GradScaler.step may skip optimizer.step, so no optimizer hook would fire.
 
-        The wrapper unscales first (as scaler.step would), runs the pipeline on the unscaled
-        gradients, then calls the original; ``detach()`` puts the original back.
+        The step wrapper unscales first (as scaler.step would), runs the pipeline on the unscaled
+        gradients, then calls the original. With ``actions.loss_scale.enforce_floor`` the update
+        wrapper keeps the new scale >= ``min_loss_scale`` (a standing setting, no event).
+        ``detach()`` puts both originals back.
         """
         original = scaler.step
+        original_update = scaler.update
         monitor = self
+        floor = self.config.actions.loss_scale
 
         def step(optimizer, *args, **kwargs):
             if optimizer is not monitor.optimizer or monitor.model is None:
@@ -295,8 +299,14 @@ class Monitor:
                 if not monitor._stepped:  # the scaler found inf/NaN and skipped optimizer.step
                     monitor._after_update()
 
-        scaler.step = step
-        self._undo.append(lambda: scaler.__dict__.pop("step", None))
+        def update(*args, **kwargs):
+            out = original_update(*args, **kwargs)
+            if floor.enforce_floor:
+                A.keep_loss_scale_floor(scaler, floor.min_loss_scale)
+            return out
+
+        scaler.step, scaler.update = step, update
+        self._undo.append(lambda: [scaler.__dict__.pop(name, None) for name in ("step", "update")])
 
     # ------------------------------------------------------------------------------------------
     # user API
@@ -451,6 +461,8 @@ class Monitor:
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
         self._complete_previous({k[len("prev:"):]: values.pop(k) for k in prev})
         stats = {k: v for k, v in values.items() if not k.startswith("_")}
+        if S.AMP_SKIPPED in stats and values.get("_amp_found_inf", 0.0) > 0:
+            stats[S.AMP_SKIPPED] += 1  # the scaler will skip this very step: count it in its record
         self._stats = stats
 
         # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
@@ -517,9 +529,6 @@ class Monitor:
                                    f"base {self._base_weights}", {"restored": relaxed["restored"]}))
                 taken[id(findings[-1])] = [REWEIGHT]
                 results[id(findings[-1])] = {REWEIGHT: relaxed}
-            cfg_ls = self.config.actions.loss_scale
-            if cfg_ls.enforce_floor and self.scaler is not None:  # a standing setting: no event
-                A.keep_loss_scale_floor(self.scaler, cfg_ls.min_loss_scale, self._stats.get(S.AMP_LOSS_SCALE))
             # The LR scale (lr_drop) applies around this update only; the user's own LR and
             # scheduler are put back after it (see actions.py).
             self._saved_lr = A.apply_lr_scale(self.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)

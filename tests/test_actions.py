@@ -370,13 +370,15 @@ def test_grad_noise_std_formula_and_determinism():
 
 def test_keep_loss_scale_floor():
     scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
-    assert A.keep_loss_scale_floor(scaler, 512) is None  # not used yet
+    assert A.keep_loss_scale_floor(scaler, 512) is False  # not used yet
     m = nn.Linear(2, 1)
     scaler.scale(m(torch.ones(1, 2)).sum())  # initialises the scale tensor
-    assert A.keep_loss_scale_floor(scaler, 512) == {"old_scale": 128.0, "new_scale": 512.0}
+    assert A.keep_loss_scale_floor(scaler, 512) is True
     assert scaler.get_scale() == 512.0
-    assert A.keep_loss_scale_floor(scaler, 512) is None
-    assert A.keep_loss_scale_floor(None, 512) is None
+    scaler.update(2048.0)
+    A.keep_loss_scale_floor(scaler, 512)
+    assert scaler.get_scale() == 2048.0  # above the floor: untouched
+    assert A.keep_loss_scale_floor(None, 512) is False
 
 
 def test_actions_config_defaults_and_yaml_keys():

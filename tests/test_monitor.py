@@ -290,7 +290,7 @@ def test_detach_leaves_training_as_if_never_attached(tmp_path):
             train_step(model, opt, mon, data[0], scaler)
             mon.detach()
             assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
-            assert "step" not in scaler.__dict__
+            assert "step" not in scaler.__dict__ and "update" not in scaler.__dict__
         else:
             train_step(model, opt, None, data[0], scaler)
         for b in data[1:]:
@@ -448,4 +448,20 @@ def test_closure_optimizers_are_driven_externally(tmp_path):
     assert_identical(before, snapshot(model, opt))
     assert mon.step == 2 and [e.step for e in mon.events if e.kind == "nonfinite_loss"] == [1]
     assert mon.stats["grad_norm/total"] != mon.stats["grad_norm/total"]
+    mon.detach()
+
+
+def test_loss_scale_floor_is_a_standing_setting(tmp_path):
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2048.0)
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config={
+        "console": False, "actions": {"loss_scale": {"enforce_floor": True, "min_loss_scale": 512.0}}})
+    h = model.text.weight.register_hook(lambda g: g * float("inf"))  # every step overflows
+    for _ in range(6):
+        train_step(model, opt, mon, batch(), scaler)
+        assert scaler.get_scale() >= 512.0  # 2048 -> 1024 -> 512, then held
+    h.remove()
+    assert mon.stats["amp/skipped_steps"] == 6
+    assert all(e.actions == [] for e in mon.events)  # configured by the user: not an action
     mon.detach()
