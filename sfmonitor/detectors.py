@@ -226,7 +226,22 @@ class Detector:
         pass
 
 
-class LossSpike(Detector):
+class _Windowed(Detector):
+    """A detector holding one rolling window (deque of ``config.window`` values) per key."""
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.windows: dict[str, collections.deque[float]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": {k: list(w) for k, w in self.windows.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.windows = {k: collections.deque((float(v) for v in w), maxlen=self.config.window)
+                        for k, w in state.get("windows", {}).items()}
+
+
+class LossSpike(_Windowed):
     """log(loss) above median + z * max(1.4826 * MAD, min_sigma) of the last ``window`` finite values.
 
     Watches ``loss/total`` and, with ``components``, every ``loss/<c>``. Losses <= 0 are ignored
@@ -236,8 +251,7 @@ class LossSpike(Detector):
     kind = LOSS_SPIKE
 
     def __init__(self, config: LossSpikeConfig | None = None):
-        self.config = config or LossSpikeConfig()
-        self.windows: dict[str, collections.deque[float]] = {}
+        super().__init__(config or LossSpikeConfig())
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         if not self.config.components:
@@ -271,13 +285,6 @@ class LossSpike(Detector):
                     continue
             w.append(x)
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"windows": {k: list(w) for k, w in self.windows.items()}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.windows = {k: collections.deque((float(v) for v in w), maxlen=self.config.window)
-                        for k, w in state.get("windows", {}).items()}
 
 
 class GradSpike(Detector):
@@ -344,7 +351,7 @@ class GradSpike(Detector):
         self.warm = {k: [float(a) for a in v] for k, v in state.get("warm", {}).items()}
 
 
-class UpdateRatioSpike(Detector):
+class UpdateRatioSpike(_Windowed):
     """update_ratio/<group> above ``factor`` x its rolling median, or above ``ceiling``.
 
     ``after_update``: the monitor calls ``check(prev_step, prev_stats)``; the update already landed,
@@ -355,8 +362,7 @@ class UpdateRatioSpike(Detector):
     after_update = True
 
     def __init__(self, config: UpdateRatioSpikeConfig | None = None):
-        self.config = config or UpdateRatioSpikeConfig()
-        self.windows: dict[str, collections.deque[float]] = {}
+        super().__init__(config or UpdateRatioSpikeConfig())
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
@@ -382,13 +388,6 @@ class UpdateRatioSpike(Detector):
                 continue
             w.append(value)
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"windows": {k: list(w) for k, w in self.windows.items()}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.windows = {k: collections.deque((float(v) for v in w), maxlen=self.config.window)
-                        for k, w in state.get("windows", {}).items()}
 
 
 class _RatioImbalance(Detector):
