@@ -76,7 +76,7 @@ def test_regression_suggestion_is_sane_and_divergence_stops_early():
     assert res.lr_steepest is not None and res.suggested_lr == res.lr_steepest
     assert 1e-2 <= res.suggested_lr <= 0.5
     assert res.suggested_lr < res.lr_min_loss < res.lr_diverged
-    assert res.min_loss < 0.5 * res.initial_loss  # the sweep did train
+    assert res.min_loss < 0.5 * res.initial_loss and not res.flat  # the sweep did train
     assert res.cyclic_max_lr == pytest.approx(res.lr_min_loss / 10)
     assert res.cyclic_base_lr == pytest.approx(res.cyclic_max_lr / 4)
     assert res.cyclic_max_lr < res.lr_diverged
@@ -162,6 +162,23 @@ def test_nan_at_the_first_step_gives_no_suggestion():
     assert "no suggestion" in res.summary()
     with pytest.raises(ValueError, match="no cyclic range"):
         res.cyclic_lr(opt)
+
+
+def test_flat_curve_gives_no_suggestion():
+    model = tiny_linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wiggle = iter([1.0, 0.995, 1.002, 0.99, 1.0, 0.999] * 5)  # noise, never 2% under the start
+    res = L.lr_find(model, opt, [0], Scripted(opt, lambda lr: next(wiggle)), num_iter=30,
+                    start_lr=1e-6, end_lr=1e-2, smoothing=0.0)
+    assert res.flat and res.suggested_lr is None and res.lr_steepest is None
+    assert res.cyclic_max_lr is None and res.min_loss == pytest.approx(0.99)
+    assert "flat" in res.summary() and res.to_dict()["flat"] is True
+    # the same curve with a real descent (3%) gets a suggestion
+    drop = iter([1.0] * 10 + [1.0 - 0.003 * i for i in range(1, 11)] + [0.97] * 10)
+    res = L.lr_find(model, opt, [0], Scripted(opt, lambda lr: next(drop)), num_iter=30,
+                    start_lr=1e-6, end_lr=1e-2, smoothing=0.0)
+    assert not res.flat and res.suggested_lr is not None
+    assert res.lrs[10] <= res.lr_steepest <= res.lrs[20]
 
 
 def test_linear_mode_and_group_ratios():
@@ -360,6 +377,8 @@ def test_grad_scaler_skipped_steps_are_counted_not_divergence():
     ({"accumulation": 0}, "accumulation"),
     ({"max_grad_norm": -1.0}, "max_grad_norm"),
     ({"skip_start": 1.0}, "skip_start"),
+    ({"min_drop": 1.0}, "min_drop"),
+    ({"slope_window": 0.5}, "slope_window"),
     ({"weights": [0.5]}, "weights"),
     ({"weights": {"a": float("inf")}}, "weights"),
     ({"scaler": object()}, "scaler"),

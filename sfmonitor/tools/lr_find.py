@@ -21,7 +21,9 @@ What it suggests (``LRFindResult``):
   minimum);
 - ``lr_min_loss``: the LR of the minimum smoothed loss; ``lr_min_loss / 10`` is the classic safe
   choice (fastai, Smith's one-cycle);
-- ``suggested_lr``: ``lr_steepest`` where it exists, else ``lr_min_loss / 10``;
+- ``suggested_lr``: ``lr_steepest`` where it exists, else ``lr_min_loss / 10``; None (and
+  ``result.flat``) when the smoothed loss never fell ``min_drop`` (2%) below its first value:
+  the sweep was too short to show a descent, and no number is better than a made-up one;
 - ``lr_diverged``: the LR at which the sweep stopped on divergence (None when it did not);
 - ``cyclic_base_lr``/``cyclic_max_lr``: a triangular ``torch.optim.lr_scheduler.CyclicLR`` range:
   ``max_lr = lr_min_loss / 10`` (a decade before the minimum, where the loss still falls),
@@ -94,6 +96,8 @@ class LRFindConfig(Section):
     max_grad_norm: float = option(0.0, "clip the total gradient norm before each step (0: off)", lo=0.0)
     skip_start: float = option(0.1, "share of the first steps the steepest-descent search ignores "
                                     "(torch-lr-finder: 10 of 100)", lo=0.0, hi=0.9)
+    min_drop: float = option(0.02, "the smoothed loss must fall below (1 - min_drop) x the initial "
+                                   "loss for a suggestion; a flat curve gives none", lo=0.0, hi=0.99)
     slope_window: float = option(0.05, "half-width of the slope's finite difference, as a share of "
                                        "the steps run (at least one step)", lo=0.0, hi=0.25)
 
@@ -124,7 +128,8 @@ class LRFindResult:
     components: dict[str, list[float]]
     """raw loss per component when loss_fn returns a dict (unweighted), else empty"""
     suggested_lr: Optional[float]
-    """lr_steepest where it exists, else lr_min_loss / 10; None when no finite loss was seen"""
+    """lr_steepest where it exists, else lr_min_loss / 10; None when the smoothed loss never fell
+    below (1 - min_drop) x its initial value (a flat curve: sweep longer) or no loss was finite"""
     lr_steepest: Optional[float]
     """LR of the steepest fall of the smoothed loss (against log10(lr)) before its minimum"""
     lr_min_loss: Optional[float]
@@ -153,6 +158,11 @@ class LRFindResult:
     @property
     def diverged(self) -> bool:
         return self.stop_reason in (STOP_DIVERGED, STOP_NONFINITE)
+
+    @property
+    def flat(self) -> bool:
+        """The loss never fell by min_drop: no suggestion (more num_iter, or a higher start_lr)."""
+        return self.min_loss is not None and self.suggested_lr is None
 
     @property
     def iterations(self) -> int:
@@ -185,7 +195,7 @@ class LRFindResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d.update(diverged=self.diverged, iterations=self.iterations,
+        d.update(diverged=self.diverged, flat=self.flat, iterations=self.iterations,
                  current_lr_too_large=self.current_lr_too_large)
         return _json_safe(d)
 
@@ -212,17 +222,22 @@ class LRFindResult:
         """The suggestion in a few lines."""
         out = [f"stopped: {self.stop_reason} after {self.iterations} steps"
                + (f" (GradScaler skipped {self.skipped_steps})" if self.skipped_steps else "")]
-        if self.suggested_lr is None:
+        if self.min_loss is None:
             out.append("no finite loss: no suggestion (is start_lr already too large?)")
-            return "\n".join(out)
-        out.append(f"suggested lr:   {self.suggested_lr:.3e}"
-                   + (" (steepest descent)" if self.lr_steepest is not None else " (min loss / 10)"))
-        out.append(f"min loss:       {self.min_loss:.4g} at lr {self.lr_min_loss:.3e} "
-                   f"(initial {self.initial_loss:.4g})")
+        elif self.suggested_lr is None:
+            out.append(f"flat: the smoothed loss never fell {self.config.get('min_drop', 0):.0%} below "
+                       f"its initial {self.initial_loss:.4g}: no suggestion; sweep longer "
+                       f"(num_iter) or start higher (start_lr)")
+        else:
+            out.append(f"suggested lr:   {self.suggested_lr:.3e}"
+                       + (" (steepest descent)" if self.lr_steepest is not None else " (min loss / 10)"))
+            out.append(f"min loss:       {self.min_loss:.4g} at lr {self.lr_min_loss:.3e} "
+                       f"(initial {self.initial_loss:.4g})")
         if self.lr_diverged is not None:
             out.append(f"diverged at lr: {self.lr_diverged:.3e}")
-        out.append(f"cyclic range:   CyclicLR(base_lr={self.cyclic_base_lr:.3e}, "
-                   f"max_lr={self.cyclic_max_lr:.3e}, mode='triangular')")
+        if self.cyclic_max_lr is not None:
+            out.append(f"cyclic range:   CyclicLR(base_lr={self.cyclic_base_lr:.3e}, "
+                       f"max_lr={self.cyclic_max_lr:.3e}, mode='triangular')")
         verdict = self.current_lr_too_large
         if verdict is True:
             out.append(f"current lr {self.current_lr:.3e} is too large: the loss diverged at "
@@ -442,7 +457,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: It
             start_lr: float = 1e-7, end_lr: float = 10.0, num_iter: int = 100, mode: str = "exp",
             smoothing: float = 0.95, diverge_factor: float = 10.0, diverge_reference: str = "best",
             accumulation: int = 1, max_grad_norm: float = 0.0,
-            skip_start: float = 0.1, slope_window: float = 0.05,
+            skip_start: float = 0.1, slope_window: float = 0.05, min_drop: float = 0.02,
             weights: Optional[Mapping[str, float]] = None,
             scaler: Optional[torch.amp.GradScaler] = None,
             autocast_dtype: Optional[torch.dtype] = None,
@@ -460,7 +475,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: It
                        smoothing=smoothing, diverge_factor=diverge_factor,
                        diverge_reference=diverge_reference, accumulation=accumulation,
                        max_grad_norm=max_grad_norm, skip_start=skip_start,
-                       slope_window=slope_window)
+                       slope_window=slope_window, min_drop=min_drop)
     _check_args(model, optimizer, loader, loss_fn, weights, scaler, autocast_dtype)
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         warnings.warn("lr_find: the optimizer has step hooks (an attached sfmonitor.Monitor?); they "
@@ -568,7 +583,10 @@ def _analyse(cfg: LRFindConfig, lrs: list[float], losses: list[float], smoothed:
     if not finite:
         return LRFindResult(**res)
     i_min = min(finite, key=lambda i: smoothed[i])
-    res.update(lr_min_loss=lrs[i_min], min_loss=smoothed[i_min], initial_loss=smoothed[finite[0]])
+    initial = smoothed[finite[0]]
+    res.update(lr_min_loss=lrs[i_min], min_loss=smoothed[i_min], initial_loss=initial)
+    if not smoothed[i_min] < initial - cfg.min_drop * abs(initial):
+        return LRFindResult(**res)  # flat: the loss never fell, so no LR is shown to train
     # Steepest descent: most negative slope of the smoothed loss against log10(lr) (or lr when
     # linear), measured over +-w steps (w = slope_window x the steps run, so one noisy batch does
     # not make a slope), searched from skip_start x the steps run up to the minimum: past the
