@@ -1,0 +1,203 @@
+"""sfmonitor.integrations.transformers: the monitor inside a real HF Trainer (CPU, tiny local GPT-2)."""
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from sfmonitor import ConfigError, Monitor  # noqa: E402
+from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, PLATEAU, SKIP_STEP, STOP  # noqa: E402
+from sfmonitor.integrations.transformers import SFMonitorTrainerCallback, inner_optimizer  # noqa: E402
+
+NAN_STEP = 2
+N_STEPS = 5
+QUIET = {"console": False}
+VOCAB, SEQ = 32, 8
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def inject_nan(model, at_forward):
+    """The token embedding returns NaN in the training forward number ``at_forward`` (0-based)."""
+    calls = {"n": 0}
+
+    def hook(module, inputs, output):
+        if not module.training:
+            return None
+        n = calls["n"]
+        calls["n"] += 1
+        return output * float("nan") if n == at_forward else None
+
+    return model.transformer.wte.register_forward_hook(hook)
+
+
+class Recorder(transformers.TrainerCallback):
+    """Parameters and optimizer state before and after every optimizer step."""
+
+    def __init__(self):
+        self.before, self.after, self.state_before, self.state_after = {}, {}, {}, {}
+
+    @staticmethod
+    def _opt_state(optimizer):
+        return {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+                for k, s in inner_optimizer(optimizer).state.items()}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        self.before[state.global_step] = [p.detach().clone() for p in model.parameters()]
+        self.state_before[state.global_step] = self._opt_state(optimizer)
+
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        self.after[state.global_step] = [p.detach().clone() for p in model.parameters()]
+        self.state_after[state.global_step] = self._opt_state(optimizer)
+
+
+def make_trainer(tmp_path, model, callbacks, steps=N_STEPS, eval_steps=None, trainer_cls=None, **kw):
+    kw = {"learning_rate": 1e-2, **kw}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=steps,
+        lr_scheduler_type="constant", report_to=[], use_cpu=True,
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        seed=0, eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps,
+        per_device_eval_batch_size=4, **kw)
+    return (trainer_cls or transformers.Trainer)(
+        model=model, args=args, train_dataset=Tokens(4 * steps), callbacks=callbacks,
+        eval_dataset=Tokens(4) if eval_steps else None)
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def same_state(a, b):
+    assert a.keys() == b.keys()
+    return all(torch.equal(a[k][n], b[k][n]) if torch.is_tensor(a[k][n]) else a[k][n] == b[k][n]
+               for k in a for n in a[k])
+
+
+def monitor_hooks(opt):
+    return list(opt._optimizer_step_pre_hooks.values()) + list(opt._optimizer_step_post_hooks.values())
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_nan_step_is_skipped_bit_identically(tmp_path, max_grad_norm):
+    cb = SFMonitorTrainerCallback(run_dir=tmp_path / "run", config=QUIET)
+    assert isinstance(cb.monitor, Monitor)
+    rec = Recorder()
+    model = tiny_gpt2()
+    inject_nan(model, NAN_STEP)
+    t = make_trainer(tmp_path, model, [cb, rec], max_grad_norm=max_grad_norm)
+    t.train()
+
+    assert same(rec.before[NAN_STEP], rec.after[NAN_STEP])
+    assert same_state(rec.state_before[NAN_STEP], rec.state_after[NAN_STEP])
+    for i in range(N_STEPS):
+        if i != NAN_STEP:
+            assert not same(rec.before[i], rec.after[i]), i
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    ev = [e for e in cb.monitor.events if e.kind == NONFINITE_GRAD]
+    assert [e.step for e in ev] == [NAN_STEP]
+    assert SKIP_STEP in ev[0].actions
+    if max_grad_norm == 0:  # raw gradients: the NaN enters at the token embedding
+        assert ev[0].data["param"] == "transformer.wte.weight"
+    assert cb.monitor.step == N_STEPS
+    stats = cb.monitor.stats
+    for key in ("grad_norm/total", "grad_norm/transformer", "param_norm/transformer", "lr/0"):
+        assert key in stats, key
+    assert stats["update_ratio/transformer"] > 0
+    # detached at train end: nothing left on the torch optimizer inside accelerate's wrapper
+    assert cb.monitor.model is None
+    assert monitor_hooks(inner_optimizer(t.optimizer)) == []
+
+
+def test_hooks_on_the_inner_optimizer_while_training(tmp_path):
+    cb = SFMonitorTrainerCallback(run_dir=tmp_path / "run", config=QUIET)
+    seen = {}
+
+    class Peek(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kw):
+            seen["inner"] = len(monitor_hooks(inner_optimizer(optimizer)))
+            seen["same"] = cb.monitor.optimizer is inner_optimizer(optimizer)
+
+    make_trainer(tmp_path, tiny_gpt2(), [cb, Peek()], steps=2).train()
+    assert seen == {"inner": 2, "same": True}
+    assert cb.monitor.events == []  # a healthy run records nothing
+
+
+def test_losses_through_compute_loss(tmp_path):
+    cb = SFMonitorTrainerCallback(run_dir=tmp_path / "run", config=QUIET)
+
+    class Combined(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kw):
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kw)
+            if return_outputs:
+                return cb.monitor.combine(out[0]), out[1]
+            return cb.monitor.combine(out)
+
+    model = tiny_gpt2()
+    inject_nan(model, NAN_STEP)
+    make_trainer(tmp_path, model, [cb], trainer_cls=Combined).train()
+    kinds = {e.kind: e.step for e in cb.monitor.events}
+    assert kinds[NONFINITE_LOSS] == NAN_STEP
+    assert 0 < cb.monitor.stats["loss/total"] < 10
+
+
+def test_plateau_sets_should_training_stop(tmp_path):
+    cfg = {**QUIET, "detectors": {"plateau": {"patience": 1, "grace": 1}}}
+    cb = SFMonitorTrainerCallback(run_dir=tmp_path / "run", config=cfg)
+    # learning rate 0: nothing learns, so the eval loss stays the same
+    t = make_trainer(tmp_path, tiny_gpt2(), [cb], steps=20, eval_steps=1, learning_rate=0.0)
+    t.train()
+    plateaus = [e for e in cb.monitor.events if e.kind == PLATEAU]
+    assert len(plateaus) == 2 and STOP in plateaus[-1].actions
+    assert cb.monitor.should_stop
+    assert t.state.global_step == 3  # evaluations after steps 1, 2, 3: stop after the third
+
+
+def test_eval_metric_mapping_is_checked():
+    with pytest.raises(ConfigError, match="eval_metrics"):
+        SFMonitorTrainerCallback(eval_metrics={"eval_loss": 1})
+    with pytest.raises(ConfigError):
+        SFMonitorTrainerCallback(config={"no_such_key": 1})
+
+
+def test_stop_training_becomes_a_graceful_stop(tmp_path):
+    cfg = {**QUIET, "policy": {"ladders": {"nonfinite_grad": {"rungs": [{"after": 1, "actions": ["stop"]}]}}}}
+    cb = SFMonitorTrainerCallback(run_dir=tmp_path / "run", config=cfg)
+    rec = Recorder()
+    model = tiny_gpt2()
+    inject_nan(model, NAN_STEP)
+    t = make_trainer(tmp_path, model, [cb, rec], steps=N_STEPS)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        t.train()
+    assert cb.stop_reason and f"stopped training at step {NAN_STEP}" in cb.stop_reason
+    assert any("stopped training" in str(x.message) for x in w)
+    assert same(rec.before[NAN_STEP], rec.after[NAN_STEP])
+    assert t.state.global_step == NAN_STEP + 1
+    assert cb.monitor.model is None
+
+
+def test_import_sfmonitor_does_not_import_transformers():
+    import subprocess
+    code = ("import sys, sfmonitor, sfmonitor.integrations; "
+            "assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
