@@ -80,7 +80,9 @@ class Recorder(pl.Callback):
 
 
 def trainer(callbacks, precision="32-true", max_epochs=1, val=False, **kw):
-    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, precision=precision,
+    if precision is not None:
+        kw["precision"] = precision
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs,
                       callbacks=callbacks, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=1 if val else 0, **kw)
@@ -230,3 +232,25 @@ def test_import_sfmonitor_does_not_import_lightning():
     code = ("import sys, sfmonitor, sfmonitor.integrations; "
             "assert 'lightning' not in sys.modules and 'pytorch_lightning' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fp16_with_grad_scaler(tmp_path):
+    """'16-mixed' with a GradScaler (a CPU one here; on GPU Lightning makes it): the pipeline runs in
+    the monitor's scaler.step wrapper, sees the scaler's own overflow skips, and skips the NaN step."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    cb = SFMonitorCallback(run_dir=tmp_path, config=QUIET)
+    rec = Recorder()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    t = trainer([cb, rec], precision=None, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    t.fit(Tiny(nan_batch=NAN_BATCH, combine=cb), loader())
+    assert cb.monitor.step == N_BATCHES
+    nan = [e for e in cb.monitor.events if e.kind == NONFINITE_LOSS]
+    assert [e.step for e in nan] == [NAN_BATCH] and SKIP_STEP in nan[0].actions
+    assert same(rec.before[NAN_BATCH], rec.after[NAN_BATCH])
+    # every other step either landed or was one of the scaler's own overflow skips, recorded as such
+    scaler_skips = {e.step for e in cb.monitor.events if e.data.get("skipped_by") == "grad_scaler"}
+    for i in range(N_BATCHES):
+        if i != NAN_BATCH:
+            assert same(rec.before[i], rec.after[i]) == (i in scaler_skips), i
+    assert cb.monitor.stats["amp/skipped_steps"] == len(scaler_skips) + 1
+    assert "step" not in scaler.__dict__ and monitor_hooks(t.optimizers[0]) == []  # detached
