@@ -254,3 +254,11 @@ def test_fp16_with_grad_scaler(tmp_path):
             assert same(rec.before[i], rec.after[i]) == (i in scaler_skips), i
     assert cb.monitor.stats["amp/skipped_steps"] == len(scaler_skips) + 1
     assert "step" not in scaler.__dict__ and monitor_hooks(t.optimizers[0]) == []  # detached
+
+
+def test_missing_lightning_gives_the_install_hint():
+    import subprocess
+    code = ("import sys; sys.modules['lightning'] = sys.modules['lightning.pytorch'] = None\n"
+            "try:\n    import sfmonitor.integrations.lightning\nexcept ImportError as e:\n"
+            "    assert \"pip install 'sfmonitor[lightning]'\" in str(e), e\nelse:\n    raise SystemExit('no error')")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -201,3 +201,11 @@ def test_import_sfmonitor_does_not_import_transformers():
     code = ("import sys, sfmonitor, sfmonitor.integrations; "
             "assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_transformers_gives_the_install_hint():
+    import subprocess
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "try:\n    import sfmonitor.integrations.transformers\nexcept ImportError as e:\n"
+            "    assert \"pip install 'sfmonitor[transformers]'\" in str(e), e\nelse:\n    raise SystemExit('no error')")
+    subprocess.run([sys.executable, "-c", code], check=True)
