@@ -291,7 +291,8 @@ class Monitor:
             from torch.amp.grad_scaler import OptState
             if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
                 scaler.unscale_(optimizer)
-            monitor._run_pipeline()
+            if not monitor._pipeline_done:  # an integration may have run it already
+                monitor._run_pipeline()
             monitor._stepped = False
             try:
                 return original(optimizer, *args, **kwargs)
