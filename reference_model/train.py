@@ -240,7 +240,10 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
     mon = None
     if monitor:
         import sfmonitor  # lazy: the bare trainer needs nothing of the plugin
-        mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=run_dir, config=monitor_config)
+        mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=run_dir,
+                               config=monitor_config if monitor_config is not None else config_path("monitor"))
+        # `sfmonitor replay BUNDLE` rebuilds this model from its anomaly bundles.
+        mon.set_model_factory("reference_model.model:build_model", cfg=mcfg.to_dict())
 
     weights = dict(tc.loss_weights)
     bar = _progress((tc.epochs - start_epoch) * len(loader), progress)
@@ -349,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--monitor", dest="monitor", action="store_true", help="attach sfmonitor")
     p.add_argument("--no-monitor", dest="monitor", action="store_false", help="train bare (default)")
     p.set_defaults(monitor=False)
-    p.add_argument("--monitor-config", default=None, help="sfmonitor YAML config")
+    p.add_argument("--monitor-config", default=None,
+                   help="sfmonitor YAML config (default: reference_model/configs/monitor.yaml)")
     p.add_argument("--run-dir", default=None, help="folder for the checkpoint and the monitor's logs")
     p.add_argument("--epochs", type=int, default=None, help="override train.epochs")
     p.add_argument("--resume", default=None, help="checkpoint.pt to resume from")
