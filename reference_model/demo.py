@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     dirs = {m: os.path.join(args.out, f"{m}-seed{args.seed}") for m in ("bare", "monitored")}
     print(f"[demo] {args.config}, seed {args.seed}: training without the monitor ...", flush=True)
     bare = train(args.config, seed=args.seed, monitor=False, run_dir=dirs["bare"], progress=args.progress)
-    print(f"[demo] ... and with the monitor (sfmonitor.attach) ...", flush=True)
+    print("[demo] ... and with the monitor (sfmonitor.attach) ...", flush=True)
     mon = train(args.config, seed=args.seed, monitor=True, run_dir=dirs["monitored"], progress=args.progress)
     print()
     print(side_by_side(bare, mon))

@@ -14,7 +14,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from .events import ConfigError
 

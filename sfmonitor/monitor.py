@@ -23,8 +23,6 @@ import contextlib
 import copy
 import os
 import time
-import warnings
-from collections import Counter
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -35,19 +33,18 @@ from . import stats as S
 from .checkpoint import SnapshotRing
 from .config import MonitorConfig
 from .detectors import build_detectors
-from .events import (ACTIVATION_OVERFLOW, LOSS_RATIO_IMBALANCE, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM,
-                     PRECISION_FALLBACK, REWEIGHT, SKIP_STEP, ConfigError, Decision, Event,
-                     Finding, NonFiniteError, StopTraining)
+from .events import (ACTIVATION_OVERFLOW, LOSS_RATIO_IMBALANCE, NONFINITE_GRAD, NONFINITE_LOSS,
+                     NONFINITE_PARAM, PRECISION_FALLBACK, REWEIGHT, SKIP_STEP, ConfigError, Decision,
+                     Event, Finding, NonFiniteError, StopTraining)
 from .forensics import BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
-from .policy import OCCURRENCE, Policy
-from .watch import FIRST_NONFINITE_KEY, ActivationWatch
-
-WATCH_FIRST = "_local/" + FIRST_NONFINITE_KEY  # an index: read locally, never averaged over ranks
 from .integrations.distributed import unwrap
+from .policy import OCCURRENCE, Policy
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
+from .watch import FIRST_NONFINITE_KEY, ActivationWatch
 
 OTHER = "other"  # the group of parameters held by the root module or named by no group
+WATCH_FIRST = "_local/" + FIRST_NONFINITE_KEY  # an index: read locally, never averaged over ranks
 
 
 def resolve_groups(model: nn.Module, groups: Mapping[str, Any] | None = None
@@ -149,9 +146,9 @@ class Monitor:
                  run_dir: str | os.PathLike | None = None, sinks: Iterable[Any] | None = None):
         self.config = MonitorConfig.from_any(config)
         self.run_dir = os.fspath(run_dir) if run_dir is not None else None
-        self._sink_specs = list(sinks) if sinks is not None else ["jsonl"]
         if isinstance(sinks, (str, bytes)):
-            raise ConfigError("sinks: expected a list of sink names or objects, e.g. ['jsonl']")
+            raise ConfigError(f"sinks: expected a list of sink names or objects, e.g. [{sinks!r}]")
+        self._sink_specs = list(sinks) if sinks is not None else ["jsonl"]
         self.events: list[Event] = []
         self.step = 0
         self._should_stop = False
@@ -177,7 +174,6 @@ class Monitor:
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._stepped = False
         self._external = False  # an integration calls before_update()/after_update()
-        self._counts: Counter[str] = Counter()
         self._prev_record: tuple[int, dict[str, float]] | None = None  # for after-update detectors
         self._saved_lr: list[Any] = []
         self._model_factory: tuple[str, dict[str, Any]] | None = None
@@ -205,7 +201,9 @@ class Monitor:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError("attach: LBFGS treats a missing gradient as zero, so a skipped step "
                             "could not be kept bit-identical; use a first-order optimizer")
+        # Everything that can fail on bad input fails here, before any hook is registered.
         self.groups = resolve_groups(model, groups)
+        sinks = [make_sink(s) for s in self._sink_specs]
         self.model, self.optimizer = model, optimizer
         self._group_names = list(self.groups)
         # Parameters in named_parameters() order, so "the first offending parameter" is the
@@ -235,7 +233,6 @@ class Monitor:
         self._undo.append(lambda: A.remove_precision_fallback(self._ctx))
         if self._pending_ctx:  # load_state_dict() was called before attach()
             self.load_state_dict({**self.state_dict(), **self._pending_ctx})
-        sinks = [make_sink(s) for s in self._sink_specs]
         if self.config.console and not any(isinstance(s, ConsoleSink) for s in sinks):
             sinks.append(ConsoleSink())
         self._router = SinkRouter(sinks)
@@ -745,7 +742,6 @@ class Monitor:
 
     def _emit(self, event: Event) -> Event:
         self.events.append(event)
-        self._counts[event.kind] += 1
         if self._router is not None:
             self._router.log_event(event)
         return event

@@ -465,3 +465,13 @@ def test_loss_scale_floor_is_a_standing_setting(tmp_path):
     assert mon.stats["amp/skipped_steps"] == 6
     assert all(e.actions == [] for e in mon.events)  # configured by the user: not an action
     mon.detach()
+
+
+def test_bad_sink_name_fails_before_any_hook_is_registered():
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(sfmonitor.ConfigError, match="unknown sink 'tensorbord'"):
+        sfmonitor.attach(model, opt, sinks=["tensorbord"])
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    with pytest.raises(sfmonitor.ConfigError, match=r"\['jsonl'\]"):
+        sfmonitor.Monitor(sinks="jsonl")

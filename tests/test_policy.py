@@ -1,5 +1,4 @@
 """Policy: ladders escalate as configured, cooldowns and the budget hold, state round-trips."""
-import copy
 import json
 
 import pytest
