@@ -244,6 +244,8 @@ class Monitor:
         if self.model is None:
             return
         with contextlib.suppress(Exception):
+            if self._pipeline_done:  # a step was interrupted (StopTraining): put grads and LR back
+                self._after_update()
             self._finish_pending()
         for h in self._hooks:
             h.remove()
@@ -480,9 +482,10 @@ class Monitor:
             self._ctx.snapshots.take(step, self.model, self.optimizer, self.scaler, {"step": step})
             self._next_snapshot = step + self.config.actions.rollback.snapshot_every
 
-        # 3. policy, 4. actions, 5. sinks (events): shared with observe_eval().
-        self._decide_and_act(step, findings, during_step=True)
+        # 3. policy, 4. actions, 5. sinks (events): shared with observe_eval(). The step counts
+        # as in flight from here, so an interrupted one (StopTraining) is finished by detach().
         self._pipeline_done = True
+        self._decide_and_act(step, findings, during_step=True)
 
     def _decide_and_act(self, step: int, findings: list[Finding], during_step: bool) -> list[Event]:
         """Stages 3-5 for a list of findings: policy -> actions -> one event per finding."""
@@ -508,11 +511,12 @@ class Monitor:
         taken: dict[int, list[str]] = {id(f): [] for f in findings}
         results: dict[int, dict[str, Any]] = {id(f): {} for f in findings}
         stop_error: StopTraining | None = None
+        stop_cause: Finding | None = None
         for d in decisions:
             try:
                 facts = A.apply(ctx, d)
             except StopTraining as e:
-                facts, stop_error = getattr(e, "facts", {"reason": str(e)}), e
+                facts, stop_error, stop_cause = getattr(e, "facts", {"reason": str(e)}), e, d.cause
             taken[id(d.cause)].append(d.action)
             results[id(d.cause)][d.action] = facts
             if stop_error is not None:
@@ -548,7 +552,7 @@ class Monitor:
             at = step if f.before_update else int(f.data.get("step", step))
             events.append(self._emit(Event(at, f.kind, f.message, data, taken[id(f)])))
         if stop_error is not None:
-            stop_error.event = events[-1] if events else None
+            stop_error.event = events[[id(f) for f in findings].index(id(stop_cause))]
             raise stop_error
         return events
 

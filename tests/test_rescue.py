@@ -245,6 +245,8 @@ def test_spent_budget_saves_a_checkpoint_and_stops_with_the_reason(tmp_path):
     assert os.path.exists(path) and "model" in str(load_checkpoint(path).keys()).lower()
     assert mon.should_stop
     mon.detach()
+    assert opt.param_groups[0]["lr"] == 0.01  # the interrupted step's LR scale is undone
+    assert all(p.grad is not None for p in model.parameters())  # its hidden gradients put back
 
 
 def test_eval_collapse_and_plateau_reach_the_policy(tmp_path):
