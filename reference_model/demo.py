@@ -13,6 +13,9 @@ import json
 import os
 import sys
 
+from sfmonitor.sinks.jsonl import read_jsonl
+from sfmonitor.tools.report import render_report
+
 from .train import train
 
 DEMO_SEED = 0  # diverges bare under configs/trap.yaml (calibration table in docs/reference_model.md)
@@ -45,9 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(side_by_side(bare, mon))
     print()
+    print("what the monitor did (events with actions; all events: events.jsonl):")
+    for e in read_jsonl(os.path.join(dirs["monitored"], "events.jsonl")):
+        if e["actions"]:
+            print(f"  step {e['step']}: {e['kind']}: {e['message']} -> {', '.join(e['actions'])}")
+    print()
     print(f"logs: {dirs['bare']}/ (checkpoint) and {dirs['monitored']}/ (events.jsonl, metrics.jsonl, "
           f"checkpoints/, bundles/)")
-    print(f"      sfmonitor report {dirs['monitored']}  renders the monitored run as HTML")
+    try:
+        report = render_report(dirs["monitored"])
+        print(f"report: {report} (the monitored run's charts, every event on the time axis)")
+    except ImportError as e:  # matplotlib missing
+        print(f"report: not rendered ({e})")
     return 0
 
 
