@@ -210,6 +210,16 @@ def batch_input_stats(batches: Iterable[dict[str, Any]]) -> list[dict[str, dict[
 # RNG state
 # --------------------------------------------------------------------------------------------
 
+def forward_rng_state() -> dict[str, Any]:
+    """The RNG states a forward pass draws from (torch CPU, and CUDA once initialised): what a
+    replay needs for the same dropout masks. Cheap enough for every step, unlike the numpy and
+    python states ``capture_rng_state`` adds for checkpoints."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
 # --------------------------------------------------------------------------------------------
 # batch recorder
 # --------------------------------------------------------------------------------------------
@@ -264,7 +274,7 @@ class BatchRecorder:
         if not torch.is_grad_enabled():
             return None
         if not self.batches and self.capture_rng:
-            self.rng_state = capture_rng_state()
+            self.rng_state = forward_rng_state()
         dev = next((t.device.type for _, t in _named_tensors([args, kwargs], "")), "cpu")
         amp = _dtype_str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
         self.batches.append({"args": _detach_refs(tuple(args)), "kwargs": _detach_refs(dict(kwargs)),

@@ -95,10 +95,11 @@ def test_rng_state_captured_at_first_forward_restores_draws():
     torch.manual_seed(3)
     random.seed(4)
     model(torch.randn(1, 4))
-    a = (torch.rand(3), random.random())
+    a = torch.rand(3)
     model(torch.randn(1, 4))                              # the second micro-batch does not overwrite it
     restore_rng_state(rec.rng_state)                      # the state as the first forward began
-    assert torch.equal(torch.rand(3), a[0]) and random.random() == a[1]
+    assert torch.equal(torch.rand(3), a)
+    assert set(rec.rng_state) <= {"torch", "cuda"}        # what a forward draws from; cheap per step
     rec.detach()
 
 
