@@ -19,10 +19,10 @@ counter), so parameters and optimizer state stay bit-identical; the gradients ar
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import time
+import warnings
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -37,13 +37,14 @@ from .events import (ACTIVATION_OVERFLOW, LOSS_RATIO_IMBALANCE, NONFINITE_GRAD, 
                      NONFINITE_PARAM, PRECISION_FALLBACK, REWEIGHT, SKIP_STEP, ConfigError, Decision,
                      Event, Finding, NonFiniteError, StopTraining)
 from .forensics import BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
-from .integrations.distributed import unwrap
+from .integrations.distributed import rank, unwrap
 from .policy import OCCURRENCE, Policy
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
 from .watch import FIRST_NONFINITE_KEY, ActivationWatch
 
 OTHER = "other"  # the group of parameters held by the root module or named by no group
+NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM)
 WATCH_FIRST = "_local/" + FIRST_NONFINITE_KEY  # an index: read locally, never averaged over ranks
 
 
@@ -205,26 +206,41 @@ class Monitor:
         self.groups = resolve_groups(model, groups)
         sinks = [make_sink(s) for s in self._sink_specs]
         self.model, self.optimizer = model, optimizer
+        # Parameters the optimizer updates but the model does not hold (a learnable temperature
+        # in a loss module, say) are checked and skipped like the others, in group "other".
+        in_model = {id(p) for _, p in unwrap(model).named_parameters()}
+        extra = [(f"optimizer.param_groups[{gi}].params[{pi}]", p)
+                 for gi, pg in enumerate(optimizer.param_groups) for pi, p in enumerate(pg["params"])
+                 if id(p) not in in_model]
+        if extra:
+            self.groups.setdefault(OTHER, []).extend(extra)
         self._group_names = list(self.groups)
-        # Parameters in named_parameters() order, so "the first offending parameter" is the
-        # first one a user (or `sfmonitor replay`) would find walking the model.
         self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
         group_index = {g: i for i, g in enumerate(self._group_names)}
-        ordered = [(n, p) for n, p in unwrap(model).named_parameters() if n in self._name_to_group]
+        # Parameters in named_parameters() order, so "the first offending parameter" is the
+        # first one a user (or `sfmonitor replay`) would find walking the model.
+        ordered = [(n, p) for n, p in unwrap(model).named_parameters() if n in self._name_to_group] + extra
         self._params = [p for _, p in ordered]
         self._param_names = [n for n, _ in ordered]
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
+        device = self._params[0].device if self._params else torch.device("cpu")
+        self._param_group_t = torch.tensor(self._param_group, dtype=torch.long).to(device)
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self._hooks.append(optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
         self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_post_step))
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
             self.scaler = scaler
             self._wrap_scaler(scaler)
         rb = self.config.actions.rollback
+        # Under torch.distributed every rank decides and acts alike, but only rank 0 writes
+        # (logs, bundles, emergency checkpoints) into the shared run_dir.
+        self._writer = rank() == 0
         self._ctx = A.ActionContext(
-            model=model, optimizer=optimizer, scaler=self.scaler, groups=self.groups,
+            model=unwrap(model), optimizer=optimizer, scaler=self.scaler, groups=self.groups,
             loss_weights=self._weights, base_weights=self._base_weights,
             snapshots=SnapshotRing(every=rb.snapshot_every, keep=rb.keep),
-            run_dir=self._ensure_run_dir(), config=self.config.actions, monitor_state=self.state_dict)
+            run_dir=self._ensure_run_dir() if self._writer else None, config=self.config.actions,
+            monitor_state=self.state_dict)
         self._watch.attach(unwrap(model))
         self._watch.reset(self.step)
         self._recorder.attach(model)
@@ -235,6 +251,8 @@ class Monitor:
             self.load_state_dict({**self.state_dict(), **self._pending_ctx})
         if self.config.console and not any(isinstance(s, ConsoleSink) for s in sinks):
             sinks.append(ConsoleSink())
+        if not self._writer:
+            sinks = []  # events stay in monitor.events on every rank
         self._router = SinkRouter(sinks)
         self._router.open(self._ensure_run_dir(), self.config.to_dict())
         return self
@@ -243,10 +261,13 @@ class Monitor:
         """Remove every hook and restore what attach() replaced. Safe to call twice."""
         if self.model is None:
             return
-        with contextlib.suppress(Exception):
-            if self._pipeline_done:  # a step was interrupted (StopTraining): put grads and LR back
-                self._after_update()
+        try:
+            if self._pipeline_done:  # a step was interrupted: put gradients and LR back
+                self._after_update(aborted=True)
             self._finish_pending()
+        except Exception as e:  # noqa: BLE001 - detach must go on removing hooks; say what failed
+            warnings.warn(f"sfmonitor: detach could not finish the last step ({type(e).__name__}: {e})",
+                          RuntimeWarning, stacklevel=2)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -256,6 +277,16 @@ class Monitor:
         if self._router is not None:
             self._router.flush()
             self._router.close()
+            self._router = None
+        # Drop every reference to the model, its state and copies of it (snapshots, the update
+        # buffer); what the run learned (events, stats, state_dict()) stays.
+        if self._ctx is not None:
+            self._pending_ctx = {k: v for k, v in self.state_dict().items()
+                                 if k in ("lr_scale", "batches_to_skip", "reweighted", "epoch")}
+            self._should_stop = self.should_stop
+        self._ctx = None
+        self._update_buf = self._before_params = None
+        self._params, self._index_cache, self.groups = [], {}, {}
         self.model = self.optimizer = self.scaler = None
 
     close = detach
@@ -403,7 +434,11 @@ class Monitor:
     def observe_eval(self, metrics: Mapping[str, float], chance: float | None = None) -> list[Event]:
         """Feed validation results to the evaluation detectors (accuracy collapse, plateau);
         their findings go through the same policy and actions. Returns the new events."""
+        if self.model is None:
+            raise RuntimeError("observe_eval: the monitor is not attached (call attach() first); "
+                               "its actions would have no model to act on")
         values = {k: float(v) for k, v in metrics.items()}
+        self._ctx.epoch += 1  # validations mark epochs (the gradient-noise decay counts them)
         findings = [f for d in self._detectors for f in d.observe_eval(self.step, values, chance)]
         return self._decide_and_act(self.step, findings, during_step=False)
 
@@ -496,15 +531,20 @@ class Monitor:
         nonfinite = [f for f in actionable if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD)]
         if nonfinite and self.config.strict:
             events = [self._emit(Event(step, f.kind, f.message, dict(f.data), [])) for f in findings]
+            if during_step:
+                self._after_update(aborted=True)
             raise NonFiniteError(f"step {step}: {nonfinite[0].message}", events[0])
-        if during_step and actionable:
-            self._gather_evidence(step, actionable)  # before any action changes the state
-
         # 3. policy: findings -> decisions (ladders, cooldowns, budget).
         decisions = self._policy.decide(step, actionable)
         if during_step and nonfinite and not any(d.action == SKIP_STEP for d in decisions):
             # The promise holds whatever the ladder says: a non-finite step never lands.
             decisions.insert(0, Decision(SKIP_STEP, nonfinite[0], {"enforced": True}))
+        # Evidence for the anomalies (non-finite values, findings that trigger actions), taken
+        # before any action changes the state; warnings that trigger nothing cost nothing here.
+        causes = {id(d.cause) for d in decisions}
+        anomalies = [f for f in actionable if id(f) in causes or f.kind in NONFINITE_KINDS]
+        if during_step and anomalies:
+            self._gather_evidence(step, anomalies)
 
         # 4. actions: the only code that changes training.
         ctx.step, ctx.stats = step, self._stats
@@ -553,6 +593,8 @@ class Monitor:
             events.append(self._emit(Event(at, f.kind, f.message, data, taken[id(f)])))
         if stop_error is not None:
             stop_error.event = events[[id(f) for f in findings].index(id(stop_cause))]
+            if during_step:  # the update never lands; gradients and LR go back now
+                self._after_update(aborted=True)
             raise stop_error
         return events
 
@@ -577,7 +619,7 @@ class Monitor:
         for f in findings:
             f.data.setdefault("inputs", inputs)
         new = [f for f in findings if f.before_update and self._bundles.should_write(f.kind)]
-        if not new:
+        if not new or not self._writer:
             return
         first = new[0]
         factory, kwargs = self._model_factory or (None, None)
@@ -607,13 +649,15 @@ class Monitor:
         out.update(self._losses.tensors(self.config.stats.loss_ratio_pairs))
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
         grad_norms = S.norms([g for _, g in present])
-        gidx = [self._param_group[i] for i, _ in present]
-        per_group = S.group_norms(grad_norms, gidx, len(self._group_names))
+        key = tuple(i for i, _ in present)  # which parameters have gradients: stable across steps
+        if key not in self._index_cache:  # group index tensors are built once, not copied per step
+            self._index_cache[key] = torch.tensor([self._param_group[i] for i in key]).to(grad_norms.device)
+        per_group = S.group_norms(grad_norms, self._index_cache[key], len(self._group_names))
         out[S.GRAD_NORM_TOTAL] = per_group.square().sum().sqrt()
         for gi, g in enumerate(self._group_names):
             out[S.GRAD_NORM.format(g)] = per_group[gi]
         param_norms = S.norms([p.detach() for p in self._params])
-        per_group_p = S.group_norms(param_norms, self._param_group, len(self._group_names))
+        per_group_p = S.group_norms(param_norms, self._param_group_t, len(self._group_names))
         for gi, g in enumerate(self._group_names):
             out[S.PARAM_NORM.format(g)] = per_group_p[gi]
         for i, pg in enumerate(self.optimizer.param_groups):
@@ -656,10 +700,10 @@ class Monitor:
                                     f"loss is {loss}" + (f" (non-finite components: {', '.join(bad)})" if bad else ""),
                                     {"loss": loss, "components": comps, "nonfinite_components": bad}))
         if v["_grad_bad_count"] > 0:
-            idx = per_param["grad_index"][int(v["_local/grad_first_bad"])]
-            name = self._param_names[idx]
+            first = int(v["_local/grad_first_bad"])  # -1: the bad values were on another rank
+            name = self._param_names[per_param["grad_index"][first]] if first >= 0 else "(another rank)"
             n_bad = int(v["_grad_bad_count"])
-            data = {"param": name, "group": self._name_to_group[name], "count": n_bad,
+            data = {"param": name, "group": self._name_to_group.get(name, "?"), "count": n_bad,
                     "grad_norm": v[S.GRAD_NORM_TOTAL]}
             msg = (f"non-finite gradient in {name} (group {data['group']}); "
                    f"{n_bad} parameter(s) with non-finite gradients")
@@ -673,9 +717,11 @@ class Monitor:
             findings.append(Finding(NONFINITE_GRAD, "the GradScaler found inf/NaN gradients and skips this step",
                                     {"skipped_by": "grad_scaler"}))
         if v["_param_bad_count"] > 0:
-            name = self._param_names[int(v["_local/param_first_bad"])]
-            findings.append(Finding(NONFINITE_PARAM, f"non-finite parameter {name} (group {self._name_to_group[name]})",
-                                    {"param": name, "group": self._name_to_group[name],
+            first = int(v["_local/param_first_bad"])
+            name = self._param_names[first] if first >= 0 else "(another rank)"
+            group = self._name_to_group.get(name, "?")
+            findings.append(Finding(NONFINITE_PARAM, f"non-finite parameter {name} (group {group})",
+                                    {"param": name, "group": group,
                                      "count": int(v["_param_bad_count"])}, where=name))
         return findings
 
@@ -689,22 +735,24 @@ class Monitor:
                 self._hidden_grads.append((p, p.grad))
                 p.grad = None
 
-    def _after_update(self) -> None:
-        """After the optimizer ran (or was skipped): restore hidden grads, measure the update."""
+    def _after_update(self, aborted: bool = False) -> None:
+        """After the optimizer ran (or was skipped): restore hidden grads, measure the update.
+        ``aborted``: the step was interrupted by an exception (strict mode, StopTraining); no
+        update landed, and the next step must run the pipeline again if the user carries on."""
         if not self._pipeline_done:
             return
-        skipped = self._skipping or not self._stepped
+        skipped = aborted or self._skipping or not self._stepped
         for p, g in self._hidden_grads:
             p.grad = g
         self._hidden_grads.clear()
         A.restore_lr(self.optimizer, self._saved_lr)  # the user's LR and scheduler, untouched
         self._saved_lr = []
-        if self.scaler is not None and not self._stepped:
+        if self.scaler is not None and not self._stepped and not aborted:
             self._amp_skipped += 1
         if self._before_params is not None:
             if not skipped:
                 upd = S.update_norms_(self._before_params, [p.detach() for p in self._params])
-                per_group = S.group_norms(upd, self._param_group, len(self._group_names))
+                per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))
                 for gi, g in enumerate(self._group_names):
                     self._pending[S.UPDATE_RATIO.format(g)] = per_group[gi] / self._before_norms[gi].clamp_min(1e-12)
             else:
@@ -730,7 +778,9 @@ class Monitor:
     def _finish_pending(self) -> None:
         """Read the pending after-update tensors now (used by ``stats`` and ``detach``)."""
         if self._pending_step is not None:
-            self._complete_previous(S.read_all(self._pending))
+            # Local: one rank may read monitor.stats alone (e.g. to log on rank 0), so no
+            # collective here; the update ratios are the same on every rank anyway.
+            self._complete_previous(S.read_all(self._pending, agree=False))
 
     def _complete_previous(self, values: dict[str, float]) -> None:
         """The last step's record is complete: add its update ratios and send it to the sinks."""
@@ -768,6 +818,8 @@ class Monitor:
             "policy": self._policy.state_dict(),
             "watch": self._watch.state_dict(),
             "bundles": self._bundles.state_dict(),
+            "next_snapshot": self._next_snapshot,
+            "epoch": ctx.epoch if ctx else self._pending_ctx.get("epoch", 0),
         }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -787,13 +839,16 @@ class Monitor:
         self._policy.load_state_dict(sd.get("policy", {}))
         self._watch.load_state_dict(sd.get("watch", {}))
         self._bundles.load_state_dict(sd.get("bundles", {}))
-        self._pending_ctx = {k: sd[k] for k in ("lr_scale", "batches_to_skip", "reweighted", "fp32_modules") if k in sd}
+        self._next_snapshot = int(sd.get("next_snapshot", 0))
+        self._pending_ctx = {k: sd[k] for k in ("lr_scale", "batches_to_skip", "reweighted", "fp32_modules", "epoch")
+                             if k in sd}
         self.should_stop = bool(sd.get("should_stop", False))
         if self._ctx is not None:
             ctx = self._ctx
             ctx.lr_scale = float(sd.get("lr_scale", 1.0))
             ctx.batches_to_skip = int(sd.get("batches_to_skip", 0))
             ctx.reweighted = copy.deepcopy(dict(sd.get("reweighted", {})))
+            ctx.epoch = int(sd.get("epoch", 0))
             for name in sd.get("fp32_modules", []):
                 if name not in ctx.fp32_modules:
                     A.precision_fallback(ctx, Decision(PRECISION_FALLBACK, Finding(ACTIVATION_OVERFLOW, "restored"),

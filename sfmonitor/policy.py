@@ -21,7 +21,7 @@ Defaults (see docs/policy.md for the table and the sources):
 | nonfinite_loss, nonfinite_grad | 1: skip_step; 3 in a row: skip_step + rollback + lr_drop |
 | nonfinite_param | 1: rollback + lr_drop |
 | grad_spike | 1: clip |
-| loss_spike | 1: skip_step; 2nd within 50 steps: rollback + lr_drop |
+| loss_spike | 1: rollback; 2nd within 50 steps: rollback + lr_drop |
 | update_ratio_spike | 1: rollback + lr_drop |
 | loss_ratio_imbalance, grad_ratio_imbalance | 1: reweight |
 | loss_scale_floor | 1: nothing (event only) |
@@ -93,7 +93,9 @@ DEFAULT_LADDERS: dict[str, Ladder] = {
     NONFINITE_GRAD: copy.deepcopy(_NONFINITE),
     NONFINITE_PARAM: _ladder(0, (1, [ROLLBACK, LR_DROP])),  # the update landed: only going back helps
     GRAD_SPIKE: _ladder(0, (1, [CLIP])),
-    LOSS_SPIKE: _ladder(50, (1, [SKIP_STEP]), (2, [ROLLBACK, LR_DROP])),
+    # DESIGN: a loss jump on the next step means the update that landed was bad: go back to the
+    # last good snapshot (rollback also keeps this step's update out); again within 50: drop LR.
+    LOSS_SPIKE: _ladder(50, (1, [ROLLBACK]), (2, [ROLLBACK, LR_DROP])),
     UPDATE_RATIO_SPIKE: _ladder(0, (1, [ROLLBACK, LR_DROP])),  # DESIGN: a landed spike is rolled back
     LOSS_RATIO_IMBALANCE: _ladder(0, (1, [REWEIGHT])),  # the report's dynamic reweighting
     GRAD_RATIO_IMBALANCE: _ladder(0, (1, [REWEIGHT])),

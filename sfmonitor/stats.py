@@ -53,15 +53,16 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms as one fp32 vector (fused; empty input gives an empty vector)."""
     if not tensors:
         return torch.zeros(0)
-    return torch.stack([n.float() for n in torch._foreach_norm(list(tensors))])
+    # dtype=float32: the norm of finite fp16 values can exceed 65504 and must not read as inf.
+    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
 
 
-def group_norms(per_tensor: torch.Tensor, group_index: Sequence[int], n_groups: int) -> torch.Tensor:
-    """Combine per-tensor norms into per-group norms: sqrt(sum of squares) for each group."""
+def group_norms(per_tensor: torch.Tensor, group_index: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Combine per-tensor norms into per-group norms: sqrt(sum of squares) for each group.
+    ``group_index`` is a tensor on the norms' device (built once: no host-to-device copy per step)."""
     sq = torch.zeros(n_groups, dtype=per_tensor.dtype, device=per_tensor.device)
     if per_tensor.numel():
-        idx = torch.as_tensor(group_index, device=per_tensor.device)
-        sq.index_add_(0, idx, per_tensor.square())
+        sq.index_add_(0, group_index, per_tensor.square())
     return sq.sqrt()
 
 
@@ -101,15 +102,17 @@ def shared_grad_stats(grads_a: Sequence[torch.Tensor | None],
     return ratio(na, nb), dot / (na * nb).clamp_min(1e-30)
 
 
-def read_all(named: Mapping[str, torch.Tensor | float | int]) -> dict[str, float]:
+def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True) -> dict[str, float]:
     """The one host read of a step: every value to a Python float in a single transfer per
     device (tensors are stacked where they live, then read with one ``tolist()``).
 
-    Under torch.distributed the stacked vector is first all-reduced (``integrations.distributed``):
-    public statistics are averaged over ranks, private ``_``-keys summed, ``_local/`` keys kept, so
-    every rank reads the same numbers and takes the same decision.
+    With ``agree`` and a process group up, the stacked vector is first all-reduced
+    (``integrations.distributed``): public statistics are averaged over ranks, private ``_``-keys
+    summed, ``_local/`` keys kept, so every rank reads the same numbers and takes the same
+    decision. Reads that only one rank may make (``monitor.stats``) pass ``agree=False``.
     """
-    from .integrations.distributed import agree
+    from .integrations.distributed import agree as all_ranks_agree, world_size
+    distributed = agree and world_size() > 1
     by_device: dict[torch.device, list[str]] = {}
     for k, v in named.items():
         by_device.setdefault(v.device if isinstance(v, torch.Tensor) else torch.device("cpu"), []).append(k)
@@ -117,11 +120,13 @@ def read_all(named: Mapping[str, torch.Tensor | float | int]) -> dict[str, float
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
         vec = torch.stack([named[k].detach().reshape(()).to(dtype) if isinstance(named[k], torch.Tensor)
-                           else torch.tensor(float(named[k]), dtype=dtype, device=device) for k in ks])
-        mean_mask = torch.tensor([not k.startswith("_") for k in ks], device=device)
-        local_mask = torch.tensor([k.startswith("_local/") for k in ks], device=device)
-        values = agree(vec, mean_mask, local_mask).tolist()  # the host synchronisation
-        out.update(zip(ks, values))
+                           else torch.tensor(float(named[k]), dtype=dtype).to(device, non_blocking=True)
+                           for k in ks])
+        if distributed:
+            masks = torch.tensor([[not k.startswith("_") for k in ks],
+                                  [k.startswith("_local/") for k in ks]]).to(device, non_blocking=True)
+            vec = all_ranks_agree(vec, masks[0], masks[1])
+        out.update(zip(ks, vec.tolist()))  # the host synchronisation
     return {k: out[k] for k in named}
 
 

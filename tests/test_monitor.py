@@ -331,7 +331,7 @@ def test_one_host_read_per_step(tmp_path, monkeypatch):
     mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False})
     calls = []
     real = M.S.read_all
-    monkeypatch.setattr(M.S, "read_all", lambda named: calls.append(len(named)) or real(named))
+    monkeypatch.setattr(M.S, "read_all", lambda named, **kw: calls.append(len(named)) or real(named, **kw))
 
     real_item, real_tolist = torch.Tensor.item, torch.Tensor.tolist
     from_monitor = []
@@ -475,3 +475,46 @@ def test_bad_sink_name_fails_before_any_hook_is_registered():
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     with pytest.raises(sfmonitor.ConfigError, match=r"\['jsonl'\]"):
         sfmonitor.Monitor(sinks="jsonl")
+
+
+def test_optimizer_parameters_outside_the_model_are_checked_and_skipped(tmp_path):
+    model = Tiny()
+    temp = nn.Parameter(torch.tensor(1.0))  # e.g. a learnable temperature held by a loss module
+    opt = torch.optim.Adam(list(model.parameters()) + [temp], lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False})
+    before = (temp.detach().clone(), snapshot(model, opt))
+    loss = mon.combine(model(*batch()), weights=WEIGHTS) + 0 * temp
+    loss.backward()
+    temp.grad = torch.tensor(float("nan"))
+    opt.step()
+    assert torch.equal(temp.detach(), before[0])
+    assert_identical(before[1], snapshot(model, opt))
+    (ev,) = mon.events
+    assert ev.data["param"] == "optimizer.param_groups[0].params[7]" and ev.data["group"] == "other"
+    mon.detach()
+
+
+def test_strict_error_caught_the_next_step_is_still_watched(tmp_path):
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"strict": True, "console": False})
+    for i in range(2):
+        before = snapshot(model, opt)
+        with pytest.raises(sfmonitor.NonFiniteError, match=f"step {i}"):
+            train_step(model, opt, mon, batch(nan=True))
+        assert_identical(before, snapshot(model, opt))
+        opt.zero_grad()
+    assert mon.step == 2
+    mon.detach()
+
+
+def test_fp16_parameters_with_large_finite_gradients_are_not_called_non_finite(tmp_path):
+    model = nn.Linear(4, 4).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False})
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 60000.0)  # every value finite; the norm is > 65504
+    opt.step()
+    assert mon.events == []
+    assert mon.stats["grad_norm/total"] == pytest.approx(60000.0 * math.sqrt(20), rel=1e-3)
+    mon.detach()

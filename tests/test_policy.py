@@ -38,8 +38,8 @@ def test_nonfinite_ladder_three_in_a_row():
 
 def test_loss_spike_escalates_within_window_only():
     p = Policy()
-    assert acts(p.decide(10, [F("loss_spike")])) == ["skip_step"]
-    assert acts(p.decide(100, [F("loss_spike")])) == ["skip_step"]       # 90 > 50 apart: new streak
+    assert acts(p.decide(10, [F("loss_spike")])) == ["rollback"]
+    assert acts(p.decide(100, [F("loss_spike")])) == ["rollback"]        # 90 > 50 apart: new streak
     assert acts(p.decide(130, [F("loss_spike")])) == ["rollback", "lr_drop"]
 
 

@@ -112,17 +112,21 @@ def test_grad_spike_is_clipped_before_it_lands(tmp_path):
     mon.detach()
 
 
-def test_loss_spike_skips_the_step(tmp_path):
+def test_a_loss_jump_rolls_back_to_the_last_good_snapshot(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(
+        actions={"rollback": {"snapshot_every": 5}}))
     xs = data(40)
-    for x in xs[:30]:
+    for i, x in enumerate(xs[:30]):
+        if i == 25:
+            before_25 = state(model, opt)  # the last healthy snapshot is taken as step 25 starts
         step(model, opt, mon, x)
-    before = state(model, opt)
-    step(model, opt, mon, xs[30], loss_add=1000.0)
-    assert acted(mon) == [(30, "loss_spike", ["skip_step"])]
-    same_state(before, state(model, opt))
+    step(model, opt, mon, xs[30], loss_add=1000.0)  # the loss jumps: the update before was bad
+    assert acted(mon) == [(30, "loss_spike", ["rollback"])]
+    (ev,) = [e for e in mon.events if e.actions]  # loss/total and loss/fusion jump: one rollback
+    assert ev.data["action_results"]["rollback"]["restored_from"] == 25
+    same_state(before_25, state(model, opt))
     mon.detach()
 
 

@@ -37,6 +37,13 @@ def agree(vector: torch.Tensor, mean_mask: torch.Tensor, local_mask: torch.Tenso
     return torch.where(local_mask, vector, work)
 
 
+def rank() -> int:
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank()
+    return 0
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside DistributedDataParallel / DataParallel (their names carry 'module.')."""
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
