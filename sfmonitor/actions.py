@@ -33,6 +33,7 @@ from torch import nn
 
 from .checkpoint import (DEFAULT_SNAPSHOT_EVERY, DEFAULT_SNAPSHOT_KEEP, SnapshotRing,
                          capture_state, restore_state, save_checkpoint)
+from . import stats as S
 from .config import Section, option
 from .events import (CHECKPOINT, CLIP, GRAD_NOISE, LR_DROP, PLATEAU, PRECISION_FALLBACK, REWEIGHT,
                      ROLLBACK, SKIP_STEP, STOP, ACTION_NAMES, ConfigError, Decision, StopTraining)
@@ -337,7 +338,7 @@ def reweight(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     old = dict(ctx.loss_weights)
     ctx.loss_weights[a] = max(ctx.base_weights[a] * t / r, cfg.min_weight)
     ctx.loss_weights[b] = max(ctx.base_weights[b] * r / t, cfg.min_weight)
-    key = str(data.get("key", f"loss_ratio/{a}/{b}"))
+    key = str(data.get("key", S.LOSS_RATIO.format(a, b)))
     ctx.reweighted[f"{a}/{b}"] = {"a": a, "b": b, "key": key, "threshold": t}
     return {"applied": True, "pair": [a, b], "ratio": r, "threshold": t,
             "old_weights": {a: old.get(a), b: old.get(b)},
@@ -354,10 +355,8 @@ def relax_weights(ctx: ActionContext, stats: Mapping[str, float] | None = None) 
     restored = []
     for pair, info in list(ctx.reweighted.items()):
         r = stats.get(info["key"])
-        if r is None and info["key"].startswith("loss_ratio/"):  # as the detector's own fallback
-            la, lb = stats.get(f"loss/{info['a']}"), stats.get(f"loss/{info['b']}")
-            if la is not None and lb is not None:
-                r = (la + 1e-6) / (lb + 1e-6)
+        if r is None and info["key"].startswith(S.LOSS_RATIO.format("", "")[:-1]):
+            r = S.loss_ratio_of(stats, info["a"], info["b"])  # as the detector's own fallback
         if r is None or not math.isfinite(r) or r > info["threshold"]:
             continue
         done = True

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from . import stats as S
 from .config import Section, option
 from .events import (ACCURACY_COLLAPSE, GRAD_RATIO_IMBALANCE, GRAD_SPIKE, LOSS_RATIO_IMBALANCE,
                      LOSS_SCALE_FLOOR, LOSS_SPIKE, PLATEAU, UPDATE_RATIO_SPIKE, ConfigError, Finding)
@@ -34,18 +35,15 @@ __all__ = [
     "GradRatioImbalance", "LossScaleFloor", "AccuracyCollapse", "Plateau", "build_detectors",
 ]
 
-# Statistic keys and prefixes read here.
-LOSS_PREFIX = "loss/"
-LOSS_TOTAL = "loss/total"
-GRAD_NORM_PREFIX = "grad_norm/"
-GRAD_NORM_TOTAL = "grad_norm/total"
-UPDATE_RATIO_PREFIX = "update_ratio/"
-LOSS_RATIO_PREFIX = "loss_ratio/"
-GRAD_RATIO_PREFIX = "grad_ratio/"
-LOSS_SCALE = "amp/loss_scale"
+# Statistic keys and prefixes read here (defined once, in stats.py).
+LOSS_PREFIX = S.LOSS.format("")
+GRAD_NORM_PREFIX = S.GRAD_NORM.format("")
+UPDATE_RATIO_PREFIX = S.UPDATE_RATIO.format("")
+LOSS_RATIO_PREFIX = S.LOSS_RATIO.format("", "")[:-1]
+GRAD_RATIO_PREFIX = S.GRAD_RATIO.format("", "")[:-1]
+LOSS_TOTAL, GRAD_NORM_TOTAL, LOSS_SCALE, RATIO_EPS = S.LOSS_TOTAL, S.GRAD_NORM_TOTAL, S.AMP_LOSS_SCALE, S.RATIO_EPS
 
 MAD_TO_SIGMA = 1.4826  # sigma of a normal distribution = 1.4826 * median absolute deviation
-RATIO_EPS = 1e-6       # the report's epsilon in r = (L_v + 1e-6) / (L_f + 1e-6)
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,12 +445,7 @@ class LossRatioImbalance(_RatioImbalance):
     what = "loss ratio"
 
     def _ratio(self, a: str, b: str, stats: Mapping[str, float]) -> float | None:
-        r = stats.get(f"{self.prefix}{a}/{b}")
-        if r is None:
-            la, lb = stats.get(LOSS_PREFIX + a), stats.get(LOSS_PREFIX + b)
-            if _finite(la) and _finite(lb):
-                r = (la + RATIO_EPS) / (lb + RATIO_EPS)
-        return r
+        return S.loss_ratio_of(stats, a, b)
 
 
 class GradRatioImbalance(_RatioImbalance):

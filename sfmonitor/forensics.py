@@ -60,7 +60,7 @@ class BundleConfig(Section):
     max_mb: float = option(64.0, "size cap of one bundle in MiB; the batch, then the optimizer state, "
                                  "are left out (and the event says so) when they do not fit", lo=0.0)
     first_only: bool = option(True, "only the first anomaly of each event kind writes a bundle")
-    on_demand: bool = option(True, "allow writing a bundle on request (monitor API) at any step, "
+    on_demand: bool = option(True, "allow monitor.request_bundle() to write a bundle at any step, "
                                    "whatever first_only says")
     kinds: list[str] = option([], "event kinds that write a bundle; empty: every anomaly kind")
 

@@ -45,6 +45,7 @@ from .watch import FIRST_NONFINITE_KEY, ActivationWatch
 
 OTHER = "other"  # the group of parameters held by the root module or named by no group
 NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM)
+ON_DEMAND = "on_demand"  # the kind of a bundle written because the user asked for one
 WATCH_FIRST = "_local/" + FIRST_NONFINITE_KEY  # an index: read locally, never averaged over ranks
 
 
@@ -187,6 +188,8 @@ class Monitor:
         self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
         self._next_snapshot = 0  # first step at which a healthy state is snapshotted again
+        self._bundle_requested = False
+        self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
 
     # ------------------------------------------------------------------------------------------
     # attach / detach
@@ -517,6 +520,11 @@ class Monitor:
             self._ctx.snapshots.take(step, self.model, self.optimizer, self.scaler, {"step": step})
             self._next_snapshot = step + self.config.actions.rollback.snapshot_every
 
+        if self._bundle_requested and self._writer:  # request_bundle(): this step, as it is now
+            self._bundle_requested = False
+            self.bundles.append(self._write_bundle(step, ON_DEMAND, {"step": step, "kind": ON_DEMAND,
+                                                                     "message": "requested by the user"}))
+
         # 3. policy, 4. actions, 5. sinks (events): shared with observe_eval(). The step counts
         # as in flight from here, so an interrupted one (StopTraining) is finished by detach().
         self._pipeline_done = True
@@ -622,17 +630,9 @@ class Monitor:
         if not new or not self._writer:
             return
         first = new[0]
-        factory, kwargs = self._model_factory or (None, None)
-        cfg = self.config.bundle
         try:
-            path = write_bundle(
-                self._ensure_run_dir(), step, first.kind, model_state=unwrap(self.model).state_dict(),
-                optimizer_state=self.optimizer.state_dict(), batch=self._recorder.batches,
-                stats=self._stats, event={"step": step, "kind": first.kind, "message": first.message,
-                                          "data": first.data, "where": first.where},
-                rng_state=self._recorder.rng_state, config=self.config.to_dict(),
-                model_factory=factory, model_kwargs=kwargs, loss_weights=dict(self._weights),
-                max_bytes=int(cfg.max_mb * 2 ** 20), dir_name=cfg.dir)
+            path = self._write_bundle(step, first.kind, {"step": step, "kind": first.kind, "message": first.message,
+                                                         "data": first.data, "where": first.where})
         except Exception as e:  # noqa: BLE001 - evidence must never stop training
             first.data["bundle_error"] = f"{type(e).__name__}: {e}"
             return
@@ -642,6 +642,24 @@ class Monitor:
             f.data["bundle"] = path
             if dropped:
                 f.data["bundle_batch_dropped"] = dropped
+
+    def _write_bundle(self, step: int, kind: str, event: dict[str, Any]) -> str:
+        factory, kwargs = self._model_factory or (None, None)
+        cfg = self.config.bundle
+        return write_bundle(
+            self._ensure_run_dir(), step, kind, model_state=unwrap(self.model).state_dict(),
+            optimizer_state=self.optimizer.state_dict(), batch=self._recorder.batches,
+            stats=self._stats, event=event, rng_state=self._recorder.rng_state,
+            config=self.config.to_dict(), model_factory=factory, model_kwargs=kwargs,
+            loss_weights=dict(self._weights), max_bytes=int(cfg.max_mb * 2 ** 20), dir_name=cfg.dir)
+
+    def request_bundle(self) -> None:
+        """Write an anomaly bundle of the next optimizer step (its pre-step state and batch), as
+        if something had gone wrong there: for reproducing a step by hand with `sfmonitor replay`.
+        Its path lands in ``monitor.bundles``. Needs ``bundle.on_demand`` (default true)."""
+        if not self._bundles.should_write(ON_DEMAND, on_demand=True):
+            raise ConfigError("request_bundle: bundle.on_demand is false (or bundle.enabled is false)")
+        self._bundle_requested = True
 
     def _collect_tensors(self, grads: list[torch.Tensor | None]) -> tuple[dict[str, Any], dict[str, Any]]:
         """All statistics of the step as 0-d tensors (or Python numbers); nothing is read here."""

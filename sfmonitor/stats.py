@@ -88,6 +88,17 @@ def ratio(a: torch.Tensor, b: torch.Tensor, eps: float = RATIO_EPS) -> torch.Ten
     return (a + eps) / (b + eps)
 
 
+def loss_ratio_of(stats: Mapping[str, float], a: str, b: str) -> float | None:
+    """``loss_ratio/<a>/<b>`` from read statistics, or (L_a + 1e-6) / (L_b + 1e-6) from
+    ``loss/<a>`` and ``loss/<b>`` when the ratio key is absent; None when neither is there."""
+    r = stats.get(LOSS_RATIO.format(a, b))
+    if r is None:
+        la, lb = stats.get(LOSS.format(a)), stats.get(LOSS.format(b))
+        if finite(la) and finite(lb):
+            r = (la + RATIO_EPS) / (lb + RATIO_EPS)
+    return r
+
+
 def shared_grad_stats(grads_a: Sequence[torch.Tensor | None],
                       grads_b: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(||g_a|| / ||g_b||, cos(g_a, g_b)) over the parameters that both components reach."""

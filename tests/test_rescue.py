@@ -367,3 +367,22 @@ def test_first_anomaly_writes_a_bundle_that_replays(tmp_path):
     assert rep["reproduced"]
     assert rep["first_nonfinite_param"] == ev["nonfinite_grad"].data["param"]
     mon.detach()
+
+
+def test_a_bundle_on_request_replays_the_next_step(tmp_path):
+    from sfmonitor.replay import replay_bundle
+    model = make_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
+    xs = data(3)
+    step(model, opt, mon, xs[0])
+    mon.request_bundle()
+    step(model, opt, mon, xs[1])
+    (path,) = mon.bundles
+    assert os.path.basename(path) == "1-on_demand"
+    rep = replay_bundle(path, factory="test_rescue:make_net")
+    assert rep["reproduced"]  # for a healthy step: the replayed loss equals the logged loss/total
+    assert not rep["loss_nonfinite"] and not rep["grad_nonfinite"]
+    mon.detach()
+    with pytest.raises(sfmonitor.ConfigError, match="on_demand"):
+        sfmonitor.Monitor(config=cfg(bundle={"on_demand": False})).request_bundle()
