@@ -48,38 +48,13 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
     raise ImportError("sfmonitor.integrations.lightning needs PyTorch Lightning: "
                       "pip install 'sfmonitor[lightning]'") from e
 
-from ..events import ConfigError, StopTraining
+from ..events import StopTraining
 from ..monitor import Monitor
+from ._common import check_eval_metrics, drop_gradients, to_float
 
 # Validation metric names Lightning users commonly log -> the names the evaluation detectors read
 # (detectors.accuracy_collapse.metric = "accuracy", detectors.plateau.metric = "loss").
 DEFAULT_EVAL_METRICS: dict[str, str] = {"val_loss": "loss", "val_acc": "accuracy", "val_accuracy": "accuracy"}
-
-
-def _check_eval_metrics(eval_metrics: Mapping[str, str] | None, default: Mapping[str, str]) -> dict[str, str]:
-    if eval_metrics is None:
-        return dict(default)
-    if not isinstance(eval_metrics, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in eval_metrics.items()):
-        raise ConfigError("eval_metrics: expected a dict {framework metric name: monitor metric name}, "
-                          f"e.g. {dict(default)}; got {eval_metrics!r}")
-    return dict(eval_metrics)
-
-
-def _to_float(v: Any) -> float | None:
-    if isinstance(v, torch.Tensor):
-        return float(v.detach().float().mean()) if v.numel() else None
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    return None
-
-
-def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """Set every gradient the optimizer holds to None: its next step leaves parameters and state
-    untouched. Used when the monitor stops the run mid-step (``StopTraining``)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
 
 
 class SFMonitorCallback(Callback):
@@ -97,7 +72,7 @@ class SFMonitorCallback(Callback):
     def __init__(self, *, eval_metrics: Mapping[str, str] | None = None, chance: float | None = None,
                  groups: Mapping[str, Any] | None = None, **monitor_kwargs: Any):
         super().__init__()
-        self.eval_metrics = _check_eval_metrics(eval_metrics, DEFAULT_EVAL_METRICS)
+        self.eval_metrics = check_eval_metrics(eval_metrics, DEFAULT_EVAL_METRICS)
         self.chance = chance
         self.groups = groups
         self.monitor = Monitor(**monitor_kwargs)  # cheap: sinks open on attach
@@ -154,7 +129,7 @@ class SFMonitorCallback(Callback):
             return
         metrics = {}
         for key, name in self.eval_metrics.items():
-            value = _to_float(trainer.callback_metrics.get(key))
+            value = to_float(trainer.callback_metrics.get(key))
             if value is not None:
                 metrics[name] = value
         if not metrics:

@@ -52,40 +52,15 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("sfmonitor.integrations.transformers needs Hugging Face transformers: "
                       "pip install 'sfmonitor[transformers]'") from e
 
-from ..events import ConfigError, StopTraining
+from ..events import StopTraining
 from ..monitor import Monitor
+from ._common import check_eval_metrics, drop_gradients, to_float
 
 # The hook that runs after backward, unscaling and clipping and before the update.
 PRE_STEP_HOOK = "on_pre_optimizer_step"
 # Trainer metric names (``metric_key_prefix="eval"``) -> the names the evaluation detectors read
 # (detectors.accuracy_collapse.metric = "accuracy", detectors.plateau.metric = "loss").
 DEFAULT_EVAL_METRICS: dict[str, str] = {"eval_loss": "loss", "eval_accuracy": "accuracy"}
-
-
-def check_eval_metrics(eval_metrics: Mapping[str, str] | None, default: Mapping[str, str]) -> dict[str, str]:
-    if eval_metrics is None:
-        return dict(default)
-    if not isinstance(eval_metrics, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in eval_metrics.items()):
-        raise ConfigError("eval_metrics: expected a dict {Trainer metric name: monitor metric name}, "
-                          f"e.g. {dict(default)}; got {eval_metrics!r}")
-    return dict(eval_metrics)
-
-
-def to_float(v: Any) -> float | None:
-    if isinstance(v, torch.Tensor):
-        return float(v.detach().float().mean()) if v.numel() else None
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    return None
-
-
-def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """Set every gradient the optimizer holds to None: its next step leaves parameters and state
-    untouched. Used when the monitor stops the run mid-step (``StopTraining``)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
