@@ -222,6 +222,7 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
 
     start_epoch, hist = 0, []
     counters = Counter()
+    monitor_state = None
     first_nan_epoch = None
     if resume:
         ck = torch.load(resume, map_location=device, weights_only=True)
@@ -234,6 +235,7 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
         start_epoch, hist = int(ck["epoch"]), list(ck["history"])
         counters.update(ck["counters"])
         first_nan_epoch = ck["first_nan_epoch"] if ck["first_nan_epoch"] >= 0 else None
+        monitor_state = ck.get("monitor") or None
     if run_dir and rank == 0:
         os.makedirs(run_dir, exist_ok=True)
 
@@ -244,6 +246,8 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
                                config=monitor_config if monitor_config is not None else config_path("monitor"))
         # `sfmonitor replay BUNDLE` rebuilds this model from its anomaly bundles.
         mon.set_model_factory("reference_model.model:build_model", cfg=mcfg.to_dict())
+        if monitor_state is not None:  # resume: windows, rescued LR scale and weights, budget
+            mon.load_state_dict(monitor_state)
 
     weights = dict(tc.loss_weights)
     bar = _progress((tc.epochs - start_epoch) * len(loader), progress)
@@ -305,7 +309,7 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
                     "scaler": scaler.state_dict(),
                     "scheduler": sched.state_dict() if sched is not None else {},
                     "rng": torch.get_rng_state(), "epoch": epoch + 1, "history": hist,
-                    "counters": dict(counters),
+                    "counters": dict(counters), "monitor": mon.state_dict() if mon is not None else {},
                     "first_nan_epoch": first_nan_epoch if first_nan_epoch is not None else -1})
             if mon is not None:
                 mon.observe_eval({"accuracy": ev["top1"], "loss": ev["loss"]}, chance=chance)

@@ -11,6 +11,7 @@ from reference_model.data import BucketedLoader, build_data
 from reference_model.model import build_model
 from reference_model.train import RESULT_KEYS, load_config, main, train
 from sfmonitor.config import ConfigError
+from sfmonitor.sinks.jsonl import read_jsonl
 
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +54,18 @@ def test_resume_continues_bit_for_bit(tmp_path):
     train("tiny", seed=0, run_dir=str(tmp_path), overrides={"train.epochs": 2})
     resumed = train("tiny", seed=0, resume=str(tmp_path / "checkpoint.pt"), overrides={"train.epochs": 3})
     assert resumed["history"] == straight["history"]
+
+
+def test_resume_with_the_monitor_keeps_its_state(tmp_path):
+    quiet = {"console": False}
+    straight = train("tiny", seed=0, monitor=True, monitor_config=quiet, overrides={"train.epochs": 3})
+    train("tiny", seed=0, monitor=True, monitor_config=quiet, run_dir=str(tmp_path / "a"),
+          overrides={"train.epochs": 2})
+    resumed = train("tiny", seed=0, monitor=True, monitor_config=quiet, run_dir=str(tmp_path / "b"),
+                    resume=str(tmp_path / "a" / "checkpoint.pt"), overrides={"train.epochs": 3})
+    assert resumed["history"] == straight["history"]
+    metrics = read_jsonl(str(tmp_path / "b" / "metrics.jsonl"))
+    assert metrics[0]["step"] == 8  # the monitor's step count went on from the checkpoint
 
 
 def test_main_prints_json_last_line_and_rejects_bad_keys(capsys):
