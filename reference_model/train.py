@@ -344,9 +344,16 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
     return _json_safe(result)
 
 
-def _parse_value(text: str) -> Any:
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` arguments as overrides (values parsed as YAML: 12, true, [a, b])."""
     import yaml
-    return yaml.safe_load(text)
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,12 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="no progress bar (it is off anyway when stderr is not a terminal)")
     p.add_argument("--verbose", action="store_true", help="print one JSON line per epoch to stderr")
     args = p.parse_args(argv)
-    overrides = {}
-    for item in args.set:
-        if "=" not in item:
-            p.error(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        overrides[k.strip()] = _parse_value(v)
+    try:
+        overrides = parse_sets(args.set)
+    except ValueError as e:
+        p.error(str(e))
     if args.epochs is not None:
         overrides["train.epochs"] = args.epochs
     try:

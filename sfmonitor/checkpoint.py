@@ -111,29 +111,17 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
 # Capture / restore
 # --------------------------------------------------------------------------------------------
 
-def _cpu_copy(value: Any) -> Any:
-    """A deep copy whose tensors are detached CPU clones (dicts, lists and tuples kept)."""
+def copy_tree(value: Any, device: Any = None) -> Any:
+    """A deep copy of a state tree (dicts, lists, tuples) whose tensors are detached clones, on
+    ``device`` when given (snapshots: "cpu"), else where they are (restores never alias a snapshot)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to(device, copy=True) if device is not None else value.detach().clone()
     if isinstance(value, Mapping):
-        return {k: _cpu_copy(v) for k, v in value.items()}
+        return {k: copy_tree(v, device) for k, v in value.items()}
     if isinstance(value, list):
-        return [_cpu_copy(v) for v in value]
+        return [copy_tree(v, device) for v in value]
     if isinstance(value, tuple):
-        return tuple(_cpu_copy(v) for v in value)
-    return value
-
-
-def _tensor_copy(value: Any) -> Any:
-    """A deep copy with cloned tensors (same device), so that restoring never aliases a snapshot."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, Mapping):
-        return {k: _tensor_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_tensor_copy(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_tensor_copy(v) for v in value)
+        return tuple(copy_tree(v, device) for v in value)
     return value
 
 
@@ -175,15 +163,15 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     """CPU copies of everything needed to resume bit-exactly: model (parameters and buffers),
     optimizer (state and param groups), GradScaler, RNG states, and ``extra`` (plain data only).
     """
-    state: dict[str, Any] = {MODEL: _cpu_copy(model.state_dict())}
+    state: dict[str, Any] = {MODEL: copy_tree(model.state_dict(), "cpu")}
     if optimizer is not None:
-        state[OPTIMIZER] = _cpu_copy(optimizer.state_dict())
+        state[OPTIMIZER] = copy_tree(optimizer.state_dict(), "cpu")
     if scaler is not None:
-        state[SCALER] = _cpu_copy(scaler.state_dict())
+        state[SCALER] = copy_tree(scaler.state_dict(), "cpu")
     if rng:
         state[RNG] = capture_rng_state()
     if extra is not None:
-        state[EXTRA] = _cpu_copy(dict(extra))
+        state[EXTRA] = copy_tree(dict(extra), "cpu")
     return state
 
 
@@ -200,7 +188,7 @@ def restore_state(state: Mapping[str, Any], model: torch.nn.Module,
     model.load_state_dict(state[MODEL])
     if optimizer is not None and OPTIMIZER in state:
         saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        optimizer.load_state_dict(_tensor_copy(state[OPTIMIZER]))
+        optimizer.load_state_dict(copy_tree(state[OPTIMIZER]))
         if keep_hyperparams:
             for group, saved in zip(optimizer.param_groups, saved_groups):
                 group.update(saved)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import sfmonitor
+from sfmonitor.checkpoint import copy_tree
 from sfmonitor.tools import lr_find as L
 
 
@@ -57,7 +58,7 @@ def state_equal(a, b):
 
 
 def clone_tree(x):
-    return L._clone_tree(x)
+    return copy_tree(x)
 
 
 # --------------------------------------------------------------------------------------------

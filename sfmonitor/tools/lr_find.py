@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
+from ..checkpoint import copy_tree
 from ..config import Section, option
 from ..events import ConfigError
 
@@ -337,8 +338,8 @@ class _Snapshot:
             self.values = [(t, t.detach().clone()) for t in tensors.values()]
             self.grads = [(t, None if t.grad is None else t.grad.detach().clone())
                           for t in tensors.values()]
-        self.optimizer = _clone_tree(optimizer.state_dict())
-        self.scaler = _clone_tree(scaler.state_dict()) if scaler is not None else None
+        self.optimizer = copy_tree(optimizer.state_dict())
+        self.scaler = copy_tree(scaler.state_dict()) if scaler is not None else None
         self.modes = [(m, m.training) for m in model.modules()]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -350,7 +351,7 @@ class _Snapshot:
                 t.copy_(v)
             for t, g in self.grads:
                 t.grad = None if g is None else g.clone()
-        optimizer.load_state_dict(_clone_tree(self.optimizer))
+        optimizer.load_state_dict(copy_tree(self.optimizer))
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(self.scaler)
         for m, mode in self.modes:
@@ -358,19 +359,6 @@ class _Snapshot:
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
-
-
-def _clone_tree(obj: Any) -> Any:
-    """Deep copy of a state dict; tensors cloned (kept on their device)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_tree(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone_tree(v) for v in obj)
-    return obj
 
 
 # --------------------------------------------------------------------------------------------
@@ -635,16 +623,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from reference_model.data import BucketedLoader, build_data
     from reference_model.model import build_model
-    import yaml
+    from reference_model.train import autocast, load_config, make_optimizer, parse_sets
 
-    from reference_model.train import autocast, load_config, make_optimizer
-
-    overrides = {}
-    for item in args.set:
-        if "=" not in item:
-            p.error(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        overrides[k.strip()] = yaml.safe_load(v)
+    try:
+        overrides = parse_sets(args.set)
+    except ValueError as e:
+        p.error(str(e))
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
