@@ -312,7 +312,7 @@ def make_net():
     return Net()
 
 
-def test_overflow_is_warned_then_the_module_falls_back_to_fp32(tmp_path):
+def test_overflow_is_warned_then_the_module_falls_back_to_fp32_before_any_inf(tmp_path):
     model = make_att_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the weights: the input grows instead
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -320,33 +320,49 @@ def test_overflow_is_warned_then_the_module_falls_back_to_fp32(tmp_path):
                            config=cfg(watch={"stride": 1}))
     g = torch.Generator().manual_seed(0)
     base = torch.randn(2, 4, 8, generator=g)
-    first_inf = None
-    for i in range(30):
+    fell_back = None
+    for i in range(120):  # logits grow ~21% a step, as the trap's image features grow
         with torch.autocast("cpu", dtype=torch.float16):
-            losses = model(base * (1.35 ** i))
+            losses = model(base * (1.1 ** i))
         loss = mon.combine(losses, weights={"fusion": 1.0, "aux": 1.0})
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-        if any(e.kind == "activation_overflow" and e.data["nonfinite"] for e in mon.events):
-            first_inf = i
+        if any("precision_fallback" in e.actions for e in mon.events):
+            fell_back = i
             break
-    assert first_inf is not None
-    warns = [e for e in mon.events if e.kind == "activation_overflow" and not e.data["nonfinite"]]
-    # warned before the first inf, naming the module whose inline QK^T grows, without acting yet
-    assert warns and warns[0].step < first_inf and warns[0].data["module"] == "fusion"
-    assert all(e.actions == [] for e in warns)
-    (hit,) = [e for e in mon.events if e.step == first_inf and e.kind == "activation_overflow"]
-    assert hit.data["module"] == "fusion" and hit.actions == ["precision_fallback"]
-    assert hit.data["inputs"]  # the playbook: statistics of the inputs on an anomaly
+    assert fell_back is not None
+    overflow = [e for e in mon.events if e.kind == "activation_overflow"]
+    # warned first, naming the module whose inline QK^T grows, without acting yet...
+    assert overflow[0].step < fell_back and overflow[0].actions == [] and overflow[0].data["module"] == "fusion"
+    # ...then, still before any inf, the module is run in fp32
+    assert overflow[-1].actions == ["precision_fallback"] and not overflow[-1].data["nonfinite"]
+    assert overflow[-1].data["absmax"] < 65504
+    assert overflow[-1].data["inputs"]  # the playbook: statistics of the inputs on an anomaly
+    assert not any(e.data.get("nonfinite") for e in overflow)
     # from now on the fusion module runs in fp32: a far larger input stays finite
-    big = base * (1.35 ** (first_inf + 3))
+    big = base * (1.1 ** (fell_back + 10))
     with torch.autocast("cpu", dtype=torch.float16):
         assert torch.isfinite(model.fusion(big)).all()
     mon.detach()
     with torch.autocast("cpu", dtype=torch.float16):  # detach() undoes the fallback
         assert not torch.isfinite(model.fusion(big)).all()
+
+
+def test_a_module_that_overflows_at_once_falls_back_at_once(tmp_path):
+    model = make_att_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(watch={"stride": 1}))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 8, generator=g) * 1.35 ** 20  # inf logits on the very first step
+    with torch.autocast("cpu", dtype=torch.float16):
+        losses = model(x)
+    mon.combine(losses, weights={"fusion": 1.0, "aux": 1.0}).backward()
+    opt.step()
+    (hit,) = [e for e in mon.events if e.kind == "activation_overflow"]
+    assert hit.data["nonfinite"] and hit.data["module"] == "fusion" and hit.actions == ["precision_fallback"]
+    mon.detach()
 
 
 def test_first_anomaly_writes_a_bundle_that_replays(tmp_path):
