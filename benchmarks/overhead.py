@@ -4,7 +4,7 @@ Two identical models train in one process, their steps interleaved (bare, monito
 so that machine noise hits both alike; the table shows the median step time of each and their
 ratio. The model is a small transformer classifier whose step takes ~50-150 ms on a 2-core CPU.
 
-    python benchmarks/overhead.py [--steps 40] [--threads 1] [--watch-stride N]
+    python benchmarks/overhead.py [--steps 80] [--threads 1] [--batch 8 --seq 64 --d 256 --layers 3]
 
 Not a test: it prints a table. Latest results: docs/benchmarks.md.
 """
@@ -41,12 +41,13 @@ VARIANTS = {  # name -> monitor config (None: bare training)
     "monitor (defaults)": {},
     "monitor, watch off": {"watch": {"enabled": False}},
     "monitor, watch every step": {"watch": {"stride": 1}},
+    "monitor, update ratio every 4 steps": {"stats": {"update_ratio_every": 4}},
 }
 
 
-def make(seed, config, run_dir):
+def make(seed, config, run_dir, args):
     torch.manual_seed(seed)
-    model = Model()
+    model = Model(d=args.d, layers=args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     mon = None
     if config is not None:
@@ -66,17 +67,19 @@ def step(model, opt, mon, batch):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60, help="timed steps per variant (after 5 warm-up)")
+    ap.add_argument("--steps", type=int, default=80, help="timed steps per variant (after 5 warm-up)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--d", type=int, default=256, help="model width")
+    ap.add_argument("--layers", type=int, default=3, help="transformer layers")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 1000, (args.batch, args.seq), generator=g),
                 torch.randint(0, 10, (args.batch,), generator=g)) for _ in range(8)]
     with tempfile.TemporaryDirectory() as run_dir:
-        runs = {name: make(0, cfg, f"{run_dir}/{i}") for i, (name, cfg) in enumerate(VARIANTS.items())}
+        runs = {name: make(0, cfg, f"{run_dir}/{i}", args) for i, (name, cfg) in enumerate(VARIANTS.items())}
         times = {name: [] for name in VARIANTS}
         names = list(VARIANTS)
         for i in range(args.steps + 5):
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     mean = {k: statistics.fmean(v) for k, v in times.items()}
     print(f"# monitor overhead ({platform.machine()}, {torch.get_num_threads()} thread(s), "
-          f"torch {torch.__version__}, {n_params / 1e6:.2f}M params, "
+          f"torch {torch.__version__}, d={args.d} x {args.layers} layers, {n_params / 1e6:.2f}M params, "
           f"batch {args.batch}x{args.seq}, {args.steps} interleaved steps each)")
     print("| variant | median step (ms) | median ratio | mean step (ms) | mean ratio |")
     print("|---|---|---|---|---|")
