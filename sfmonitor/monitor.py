@@ -567,6 +567,8 @@ class Monitor:
                 facts, stop_error, stop_cause = getattr(e, "facts", {"reason": str(e)}), e, d.cause
             taken[id(d.cause)].append(d.action)
             results[id(d.cause)][d.action] = facts
+            if "streak" in d.params:  # why this rung: how many times the kind came, how close
+                d.cause.data.setdefault("policy", {"streak": d.params["streak"], "rung": d.params.get("rung_after")})
             if stop_error is not None:
                 break
         if during_step:

@@ -348,7 +348,8 @@ class ActivationWatch:
                 kind=ACTIVATION_OVERFLOW,
                 message=(f"step {step}: module {name!r} reached |x|={value:.6g}, "
                          f"{value / limit:.0%} of the {_dtype_name(dtype)} limit {limit:g} "
-                         f"(warn at {cfg.warn_fraction:g}); {streak} sampled step(s) in a row"
+                         f"(warn at {cfg.warn_fraction:g})"
+                         + (f"; {streak} sampled steps in a row" if streak > 1 else "")
                          + ("; precision_fallback recommended" if recommend else "")),
                 data={"module": name, "absmax": value, "limit": limit, "dtype": _dtype_name(dtype),
                       "fraction": value / limit, "warn_fraction": cfg.warn_fraction,

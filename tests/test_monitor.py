@@ -388,7 +388,8 @@ def test_state_dict_round_trip(tmp_path):
 
 
 def test_import_does_not_pull_optional_backends():
-    code = "import sys, sfmonitor; print([m for m in ('wandb','tensorboard','matplotlib') if m in sys.modules])"
+    code = ("import sys, sfmonitor; print([m for m in ('wandb', 'tensorboard', 'matplotlib', 'lightning', "
+            "'transformers', 'accelerate') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
