@@ -192,6 +192,7 @@ def _progress(total: int, enabled: bool | None):
 
 def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, run_dir: str | None = None,
           monitor_config: Any = None, *, progress: bool | None = False, resume: str | None = None,
+          sinks: list[str] | None = None,
           overrides: dict[str, Any] | None = None, verbose: bool = False) -> dict[str, Any]:
     """Train one run and return its result dict (the JSON line main() prints)."""
     t0 = time.perf_counter()
@@ -242,7 +243,7 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
     mon = None
     if monitor:
         import sfmonitor  # lazy: the bare trainer needs nothing of the plugin
-        mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=run_dir,
+        mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=run_dir, sinks=sinks,
                                config=monitor_config if monitor_config is not None else config_path("monitor"))
         # `sfmonitor replay BUNDLE` rebuilds this model from its anomaly bundles.
         mon.set_model_factory("reference_model.model:build_model", cfg=mcfg.to_dict())
@@ -363,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--monitor", dest="monitor", action="store_true", help="attach sfmonitor")
     p.add_argument("--no-monitor", dest="monitor", action="store_false", help="train bare (default)")
     p.set_defaults(monitor=False)
+    p.add_argument("--sinks", default=None, type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
+                   help="where the monitor writes: comma-separated jsonl,console,tensorboard,wandb "
+                        "(default: jsonl and one console line per event)")
     p.add_argument("--monitor-config", default=None,
                    help="sfmonitor YAML config (default: reference_model/configs/monitor.yaml)")
     p.add_argument("--run-dir", default=None, help="folder for the checkpoint and the monitor's logs")
@@ -383,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(args.config, seed=args.seed, monitor=args.monitor, run_dir=args.run_dir,
                        monitor_config=args.monitor_config, progress=args.progress, resume=args.resume,
-                       overrides=overrides, verbose=args.verbose)
+                       overrides=overrides, verbose=args.verbose, sinks=args.sinks)
     except ConfigError as e:
         print(f"sfmonitor train: {e}", file=sys.stderr)
         return 2

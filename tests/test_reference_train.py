@@ -133,3 +133,9 @@ def test_demo_prints_both_runs_side_by_side(tmp_path, capsys):
     assert "| | without monitor | with monitor |" in out and "| final_top1 |" in out
     assert str(tmp_path / "bare-seed0") in out and str(tmp_path / "monitored-seed0") in out
     assert (tmp_path / "bare-seed0" / "checkpoint.pt").exists()
+
+
+def test_cli_sinks_reach_the_monitor(tmp_path, capsys):
+    assert main(["--config", "tiny", "--epochs", "1", "--monitor", "--no-progress", "--run-dir", str(tmp_path),
+                 "--sinks", "jsonl,tensorboard"]) == 0
+    assert os.listdir(tmp_path / "tensorboard") and (tmp_path / "metrics.jsonl").exists()
