@@ -119,8 +119,8 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
 
     With ``agree`` and a process group up, the stacked vector is first all-reduced
     (``integrations.distributed``): public statistics are averaged over ranks, private ``_``-keys
-    summed, ``_local/`` keys kept, so every rank reads the same numbers and takes the same
-    decision. Reads that only one rank may make (``monitor.stats``) pass ``agree=False``.
+    summed, activation maxima maxed, ``_local/`` keys kept, so every rank reads the same numbers
+    and takes the same decision. Reads that only one rank may make (``monitor.stats``) pass ``agree=False``.
     """
     from .integrations.distributed import agree as all_ranks_agree, world_size
     distributed = agree and world_size() > 1
@@ -134,9 +134,10 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
                            else torch.tensor(float(named[k]), dtype=dtype).to(device, non_blocking=True)
                            for k in ks])
         if distributed:
-            masks = torch.tensor([[not k.startswith("_") for k in ks],
-                                  [k.startswith("_local/") for k in ks]]).to(device, non_blocking=True)
-            vec = all_ranks_agree(vec, masks[0], masks[1])
+            is_max = [k.startswith(ACT_ABSMAX.format("")) for k in ks]
+            masks = torch.tensor([[not k.startswith("_") and not m for k, m in zip(ks, is_max)],
+                                  [k.startswith("_local/") for k in ks], is_max]).to(device, non_blocking=True)
+            vec = all_ranks_agree(vec, masks[0], masks[1], masks[2] if any(is_max) else None)
         out.update(zip(ks, vec.tolist()))  # the host synchronisation
     return {k: out[k] for k in named}
 

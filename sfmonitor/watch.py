@@ -316,6 +316,11 @@ class ActivationWatch:
         out: list[Finding] = []
         seen = set()
         first_idx = int(stats.get(FIRST_NONFINITE_KEY, -1))
+        if not 0 <= first_idx < len(self._order):
+            # Under torch.distributed the maxima are the max over ranks: another rank's overflow
+            # shows here as a non-finite maximum without a local index; name the first such module.
+            first_idx = next((i for i, n in enumerate(self._order)
+                              if not _finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))), -1)
         if 0 <= first_idx < len(self._order):
             name = self._order[first_idx]
             dtype = self._dtypes.get(name, torch.float32)

@@ -49,3 +49,34 @@ def test_every_rank_takes_the_same_decision_in_the_same_step(tmp_path):
     assert torch.equal(r0["params"], r1["params"])
     assert r0["groups"] == ["0", "2"]  # grouped by the wrapped model's names, not "module"
     assert r0["loss"] == r1["loss"]  # the mean over ranks
+
+
+def _overflow_worker(rank, world, port, out_dir):
+    from test_rescue import make_att_model
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = nn.parallel.DistributedDataParallel(make_att_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[],
+                           config={"console": False, "watch": {"stride": 1}})
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 4, 8, generator=g)
+    for i in range(6):  # only rank 1's inputs grow: only its fusion logits near the fp16 limit
+        x = base * (1.1 ** (80 + i) if rank == 1 else 1.0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            losses = model(x)
+        mon.combine(losses, weights={"fusion": 1.0, "aux": 1.0}).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"events": [(e.step, e.kind, e.actions) for e in mon.events]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    mon.detach()
+    dist.destroy_process_group()
+
+
+def test_one_rank_near_the_fp16_limit_makes_every_rank_fall_back(tmp_path):
+    mp.spawn(_overflow_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["events"] == r1["events"]
+    assert any("precision_fallback" in a for _, k, a in r0["events"] if k == "activation_overflow")

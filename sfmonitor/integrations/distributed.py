@@ -20,21 +20,26 @@ def world_size() -> int:
     return 1
 
 
-def agree(vector: torch.Tensor, mean_mask: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
-    """All-reduce ``vector`` across ranks: the mean where ``mean_mask``, the sum elsewhere,
-    except where ``local_mask`` (kept as this rank's value). No-op without a process group."""
+def agree(vector: torch.Tensor, mean_mask: torch.Tensor, local_mask: torch.Tensor,
+          max_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """All-reduce ``vector`` across ranks: the mean where ``mean_mask``, the max where ``max_mask``
+    (activation maxima: one rank near the fp16 limit must not be diluted by the others; NaN counts
+    as +inf), the sum elsewhere, except where ``local_mask`` (this rank's value is kept).
+    No-op without a process group."""
     n = world_size()
     if n == 1:
         return vector
     d = torch.distributed
-    backend = d.get_backend()
-    work = vector.clone()
-    if backend == "nccl" and work.device.type != "cuda":
-        work = work.cuda()
+    on_cuda = d.get_backend() == "nccl" and vector.device.type != "cuda"
+    work = vector.cuda() if on_cuda else vector.clone()
     d.all_reduce(work, op=d.ReduceOp.SUM)
-    work = work.to(vector.device)
-    work = torch.where(mean_mask, work / n, work)
-    return torch.where(local_mask, vector, work)
+    out = torch.where(mean_mask, work.to(vector.device) / n, work.to(vector.device))
+    if max_mask is not None:
+        high = torch.nan_to_num(vector, nan=float("inf"))
+        high = high.cuda() if on_cuda else high
+        d.all_reduce(high, op=d.ReduceOp.MAX)
+        out = torch.where(max_mask, high.to(vector.device), out)
+    return torch.where(local_mask, vector, out)
 
 
 def rank() -> int:
