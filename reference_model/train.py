@@ -340,7 +340,8 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
         "nonfinite_microbatches": counters["nonfinite_microbatches"],
         "skipped_steps": counters["skipped_steps"], "optimizer_steps": counters["optimizer_steps"],
         "loss_scale": scaler.get_scale() if tc.amp else 1.0, "max_logit": ev["max_logit"],
-        "stopped": stopped, "history": hist, "run_dir": run_dir, "world_size": world,
+        "stopped": stopped, "history": hist, "world_size": world,
+        "run_dir": mon.run_dir if mon is not None else run_dir,  # the monitor picks one if not given
     }
     return _json_safe(result)
 

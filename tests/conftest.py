@@ -9,6 +9,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed_and_scratch_dir(tmp_path, monkeypatch):
+    """Each test starts from seed 0 in its own working directory, so a monitor attached without
+    a run_dir (it then writes under ./sfmonitor_runs/) leaves nothing in the checkout."""
     torch.manual_seed(0)
+    monkeypatch.chdir(tmp_path)
     yield
