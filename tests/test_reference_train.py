@@ -115,8 +115,8 @@ def test_monitor_path_attaches_and_reports(tmp_path):
 def test_two_rank_gloo_ddp_run_finishes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "reference_model.train", "--config", "tiny", "--seed", "0", "--no-progress",
-           "--run-dir", str(tmp_path)]
+           "-m", "reference_model.train", "--", "--config", "tiny", "--seed", "0", "--no-progress",
+           "--run-dir", str(tmp_path), "--monitor"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -124,6 +124,8 @@ def test_two_rank_gloo_ddp_run_finishes(tmp_path):
     out = json.loads(lines[0])
     assert out["world_size"] == 2 and out["optimizer_steps"] == 2 * 2
     assert (tmp_path / "checkpoint.pt").exists()
+    # the monitor ran on both ranks; only rank 0 wrote its log, one line per optimizer step
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3]
 
 
 def test_demo_prints_both_runs_side_by_side(tmp_path, capsys):
