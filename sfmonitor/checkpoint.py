@@ -205,7 +205,7 @@ def restore_state(state: Mapping[str, Any], model: torch.nn.Module,
 class SnapshotRing:
     """The last ``keep`` CPU snapshots, one every ``every`` optimizer steps.
 
-    ``maybe_take(label, ...)`` snapshots when ``label % every == 0``; ``latest_before(step)`` is the
+    ``maybe_take(label, ...)`` snapshots when ``every`` steps passed since the newest snapshot; ``latest_before(step)`` is the
     newest snapshot with ``label <= step``; ``discard_after(label)`` drops newer ones (after a
     rollback they belong to the abandoned trajectory).
     """
@@ -235,8 +235,10 @@ class SnapshotRing:
 
     def maybe_take(self, label: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                    scaler: Any = None, extra: Mapping[str, Any] | None = None) -> bool:
-        """Snapshot if ``label`` is a multiple of ``every``; returns whether it did."""
-        if label % self.every:
+        """Snapshot if none is held yet or ``every`` steps have passed since the newest one (so a
+        step skipped for being unhealthy delays the snapshot instead of losing it); returns
+        whether it did."""
+        if self._ring and label - self._ring[-1][0] < self.every:
             return False
         self.take(label, model, optimizer, scaler, extra)
         return True

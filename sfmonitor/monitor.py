@@ -187,7 +187,6 @@ class Monitor:
         self._bundles = BundleTracker(self.config.bundle)
         self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
-        self._next_snapshot = 0  # first step at which a healthy state is snapshotted again
         self._bundle_requested = False
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
 
@@ -515,10 +514,8 @@ class Monitor:
 
         # A healthy step starts from a good state to come back to: snapshot it, at the first
         # healthy step once `snapshot_every` steps have passed since the last snapshot.
-        healthy = all(f.data.get("skipped_by") == "grad_scaler" for f in findings)
-        if healthy and step >= self._next_snapshot:
-            self._ctx.snapshots.take(step, self.model, self.optimizer, self.scaler, {"step": step})
-            self._next_snapshot = step + self.config.actions.rollback.snapshot_every
+        if all(f.data.get("skipped_by") == "grad_scaler" for f in findings):
+            self._ctx.snapshots.maybe_take(step, self.model, self.optimizer, self.scaler, {"step": step})
 
         if self._bundle_requested and self._writer:  # request_bundle(): this step, as it is now
             self._bundle_requested = False
@@ -838,7 +835,6 @@ class Monitor:
             "policy": self._policy.state_dict(),
             "watch": self._watch.state_dict(),
             "bundles": self._bundles.state_dict(),
-            "next_snapshot": self._next_snapshot,
             "epoch": ctx.epoch if ctx else self._pending_ctx.get("epoch", 0),
         }
 
@@ -859,7 +855,6 @@ class Monitor:
         self._policy.load_state_dict(sd.get("policy", {}))
         self._watch.load_state_dict(sd.get("watch", {}))
         self._bundles.load_state_dict(sd.get("bundles", {}))
-        self._next_snapshot = int(sd.get("next_snapshot", 0))
         self._pending_ctx = {k: sd[k] for k in ("lr_scale", "batches_to_skip", "reweighted", "fp32_modules", "epoch")
                              if k in sd}
         self.should_stop = bool(sd.get("should_stop", False))

@@ -273,7 +273,7 @@ def test_rollback_bit_exact_including_adam_state():
     ctx.snapshots.maybe_take(10, m, opt)  # label 10: the state step 10 starts from
     good = state_of(m, opt)
     adam_run(m, opt, 5, seed=2)
-    ctx.snapshots.maybe_take(15, m, opt)  # not a multiple of 10: not taken
+    ctx.snapshots.maybe_take(15, m, opt)  # only 5 steps after the last one: not taken
     ctx.step = 15
     facts = A.apply(ctx, D("rollback", kind="nonfinite_grad"))
     assert facts == {"restored": True, "restored_from": 10, "steps_back": 5, "skipped_step": 15,

@@ -193,3 +193,11 @@ def test_snapshot_ring_every_keep_latest_before_discard():
     w0 = ring2.latest_before(0)[1]["model"]["0.weight"].clone()
     train(model2, opt2, 2)
     assert torch.equal(ring2.latest_before(0)[1]["model"]["0.weight"], w0)
+
+
+def test_a_snapshot_delayed_by_an_unhealthy_step_is_taken_at_the_next_one():
+    model = torch.nn.Linear(2, 1)
+    ring = SnapshotRing(every=10, keep=3)
+    offered = [0, 1, 2, 11, 12, 25, 30]  # steps 10 and 20-24 were unhealthy: not offered
+    taken = [s for s in offered if ring.maybe_take(s, model)]
+    assert taken == [0, 11, 25] and ring.labels == [0, 11, 25]
