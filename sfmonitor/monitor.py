@@ -595,6 +595,8 @@ class Monitor:
             held = [s for s in suppressed if s["kind"] == f.kind]
             if held:
                 data["suppressed"] = held
+            if during_step and self._skipping and f.kind in NONFINITE_KINDS and not taken[id(f)]:
+                data["step_skipped"] = True  # by another finding's skip_step in this same step
             # A finding about an update that already landed names the step of that update.
             at = step if f.before_update else int(f.data.get("step", step))
             events.append(self._emit(Event(at, f.kind, f.message, data, taken[id(f)])))
