@@ -22,13 +22,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_one(config: str, seed: int, monitor: bool, sets: list[str], run_root: str | None,
-            epochs: int | None) -> dict:
+            epochs: int | None, monitor_config: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "reference_model.train", "--config", config, "--seed", str(seed),
            "--monitor" if monitor else "--no-monitor", "--no-progress"]
     for s in sets:
         cmd += ["--set", s]
     if epochs:
         cmd += ["--epochs", str(epochs)]
+    if monitor and monitor_config:
+        cmd += ["--monitor-config", monitor_config]
     if run_root:
         cmd += ["--run-dir", os.path.join(run_root, f"{'mon' if monitor else 'bare'}-seed{seed}")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="bare,monitored", help="comma list of bare, monitored")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--monitor-config", default=None,
+                   help="sfmonitor YAML for the monitored runs (default: the trainer's, "
+                        "reference_model/configs/monitor.yaml)")
     p.add_argument("--run-root", default=None, help="keep each run's logs under this folder")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
     args = p.parse_args(argv)
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in ("bare", "monitored")]
     if bad or args.seeds < 1 or args.jobs < 1:
         p.error(f"--modes takes bare,monitored (got {bad}); --seeds and --jobs must be >= 1")
-    jobs = [(args.config, s, m == "monitored", args.set, args.run_root, args.epochs)
+    jobs = [(args.config, s, m == "monitored", args.set, args.run_root, args.epochs, args.monitor_config)
             for m in modes for s in range(args.first_seed, args.first_seed + args.seeds)]
     with ThreadPoolExecutor(max_workers=args.jobs) as ex:
         results = list(ex.map(lambda j: run_one(*j), jobs))
