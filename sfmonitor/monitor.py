@@ -175,6 +175,7 @@ class Monitor:
         self._before_params: list[torch.Tensor] | None = None
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._stepped = False
+        self._scaler_skips = False  # the GradScaler found inf/NaN in this step's gradients
         self._external = False  # an integration calls before_update()/after_update()
         self._prev_record: tuple[int, dict[str, float]] | None = None  # for after-update detectors
         self._saved_lr: list[Any] = []
@@ -498,8 +499,11 @@ class Monitor:
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
         self._complete_previous({k[len("prev:"):]: values.pop(k) for k in prev})
         stats = {k: v for k, v in values.items() if not k.startswith("_")}
-        if S.AMP_SKIPPED in stats and values.get("_amp_found_inf", 0.0) > 0:
-            stats[S.AMP_SKIPPED] += 1  # the scaler will skip this very step: count it in its record
+        # The scaler will skip this very step (itself, or inside a fused optimizer): count it in
+        # this step's record and in the running total.
+        self._scaler_skips = values.get("_amp_found_inf", 0.0) > 0
+        if self._scaler_skips:
+            stats[S.AMP_SKIPPED] += 1
         self._stats = stats
 
         # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
@@ -760,13 +764,13 @@ class Monitor:
         update landed, and the next step must run the pipeline again if the user carries on."""
         if not self._pipeline_done:
             return
-        skipped = aborted or self._skipping or not self._stepped
+        skipped = aborted or self._skipping or not self._stepped or self._scaler_skips
         for p, g in self._hidden_grads:
             p.grad = g
         self._hidden_grads.clear()
         A.restore_lr(self.optimizer, self._saved_lr)  # the user's LR and scheduler, untouched
         self._saved_lr = []
-        if self.scaler is not None and not self._stepped and not aborted:
+        if self._scaler_skips and not aborted:
             self._amp_skipped += 1
         if self._before_params is not None:
             if not skipped:
@@ -791,6 +795,7 @@ class Monitor:
         self._grad_ratio_tensors = {}
         self._skipping = False
         self._stepped = False
+        self._scaler_skips = False
         self._pipeline_done = False
         self.step += 1
 

@@ -521,3 +521,21 @@ def test_fp16_parameters_with_large_finite_gradients_are_not_called_non_finite(t
     assert mon.events == []
     assert mon.stats["grad_norm/total"] == pytest.approx(60000.0 * math.sqrt(20), rel=1e-3)
     mon.detach()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_scaler_skips_are_counted_also_inside_fused_optimizers(fused, tmp_path):
+    model = Tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config={"console": False})
+    train_step(model, opt, mon, batch(), scaler)
+    before = snapshot(model, opt)
+    h = model.text.weight.register_hook(lambda g: g * float("inf"))
+    train_step(model, opt, mon, batch(), scaler)
+    h.remove()
+    assert_identical(before, snapshot(model, opt))
+    assert mon.stats["amp/skipped_steps"] == 1.0 and mon.stats["update_ratio/text"] == 0.0
+    train_step(model, opt, mon, batch(), scaler)
+    assert mon.stats["amp/skipped_steps"] == 1.0  # the running total agrees with the records
+    mon.detach()
