@@ -223,13 +223,8 @@ def skip_step(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 def _group_norms(grads: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """0-d float32 norm per group, fused (no host sync)."""
-    out = {}
-    for g, ts in grads.items():
-        if ts:
-            norms = torch._foreach_norm(ts)
-            out[g] = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
-    return out
+    """0-d float32 norm per group, fused (no host sync; ``stats.norms``, fp32 even for fp16)."""
+    return {g: torch.linalg.vector_norm(S.norms(ts)) for g, ts in grads.items() if ts}
 
 
 def _total(norms: dict[str, torch.Tensor]) -> torch.Tensor:

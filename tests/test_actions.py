@@ -388,3 +388,11 @@ def test_actions_config_defaults_and_yaml_keys():
     with pytest.raises(ConfigError, match="rollback.snapshot_every"):
         A.ActionsConfig.from_dict({"rollback": {"snapshot_every": 0}})
     assert A.ActionsConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_global_clip_of_fp16_gradients_whose_norm_exceeds_fp16():
+    w = nn.Parameter(torch.zeros(4, 4, dtype=torch.float16))
+    w.grad = torch.full((4, 4), 60000.0, dtype=torch.float16)  # finite values, norm 240000
+    before, after, _ = A.clip_gradients({"all": [w]}, A.ClipConfig(mode="global", max_grad_norm=1.0))
+    assert float(before["all"]) == pytest.approx(240000.0, rel=1e-3)  # not inf
+    assert float(after["all"]) == pytest.approx(1.0, rel=1e-2)  # scaled, not zeroed
