@@ -180,8 +180,11 @@ class DetectorsConfig(Section):
 # Helpers
 # --------------------------------------------------------------------------------------------
 
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def _watched_keys(stats: Mapping[str, float], total: str, prefix: str, each: bool) -> list[str]:
+    """The total's key alone, or with ``each`` every key under ``prefix`` (total included)."""
+    if not each:
+        return [total] if total in stats else []
+    return [k for k in stats if k.startswith(prefix)]
 
 
 def _median(values: list[float]) -> float:
@@ -252,16 +255,14 @@ class LossSpike(_Windowed):
         super().__init__(config or LossSpikeConfig())
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
-        if not self.config.components:
-            return [LOSS_TOTAL] if LOSS_TOTAL in stats else []
-        return [k for k in stats if k.startswith(LOSS_PREFIX)]
+        return _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
         for key in self._keys(stats):
             value = stats[key]
-            if not _finite(value) or value <= 0:
+            if not S.finite(value) or value <= 0:
                 continue  # never enters the window; non-finite losses are the core's business
             x = math.log(value)
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
@@ -301,16 +302,14 @@ class GradSpike(Detector):
         self.warm: dict[str, list[float]] = {}       # key -> values seen during warm-up
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
-        if not self.config.groups:
-            return [GRAD_NORM_TOTAL] if GRAD_NORM_TOTAL in stats else []
-        return [k for k in stats if k.startswith(GRAD_NORM_PREFIX)]
+        return _watched_keys(stats, GRAD_NORM_TOTAL, GRAD_NORM_PREFIX, self.config.groups)
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
         for key in self._keys(stats):
             value = stats[key]
-            if not _finite(value) or value <= 0:
+            if not S.finite(value) or value <= 0:
                 continue
             x = math.log(value)
             if key not in self.ema:
@@ -366,7 +365,7 @@ class UpdateRatioSpike(_Windowed):
         cfg = self.config
         out = []
         for key, value in stats.items():
-            if not key.startswith(UPDATE_RATIO_PREFIX) or not _finite(value) or value <= 0:
+            if not key.startswith(UPDATE_RATIO_PREFIX) or not S.finite(value) or value <= 0:
                 continue
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
@@ -408,7 +407,7 @@ class _RatioImbalance(Detector):
         for a, b in cfg.pairs:
             key = f"{self.prefix}{a}/{b}"
             r = self._ratio(a, b, stats)
-            if r is None or not _finite(r):
+            if r is None or not S.finite(r):
                 continue
             if r <= cfg.threshold:
                 self.over[key] = 0
@@ -468,7 +467,7 @@ class LossScaleFloor(Detector):
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         scale = stats.get(LOSS_SCALE)
-        if not _finite(scale):
+        if not S.finite(scale):
             return []
         floor = self.config.min_loss_scale
         if scale > floor:
@@ -506,7 +505,7 @@ class AccuracyCollapse(Detector):
         acc = metrics.get(cfg.metric)
         if chance is None or acc is None:
             return []
-        if not _finite(acc):
+        if not S.finite(acc):
             acc_for_test = -math.inf  # NaN accuracy: the model outputs garbage, i.e. collapsed
         else:
             acc_for_test = acc
@@ -555,7 +554,7 @@ class Plateau(Detector):
         value = metrics.get(cfg.metric)
         if value is None:
             return []
-        if _finite(value) and self._improved(value):
+        if S.finite(value) and self._improved(value):
             self.best, self.stale, self.stage = float(value), 0, 0
             return []
         self.stale += 1  # a non-finite metric counts as no improvement and never becomes the best

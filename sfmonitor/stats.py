@@ -27,7 +27,7 @@ key                            meaning
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -142,8 +142,9 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
     return {k: out[k] for k in named}
 
 
-def finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+def finite(x: Any) -> bool:
+    """A real number (not a bool, not None) that is neither NaN nor infinite."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def pair_keys(components: Iterable[str], pairs: Sequence[Sequence[str]]) -> list[tuple[str, str]]:

@@ -41,6 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .config import Section, option
+from .stats import finite
 from .events import ACTIVATION_OVERFLOW, ConfigError, Finding, PRECISION_FALLBACK
 
 __all__ = ["WatchConfig", "ActivationWatch", "precision_fallback", "FallbackHandle",
@@ -320,13 +321,13 @@ class ActivationWatch:
             # Under torch.distributed the maxima are the max over ranks: another rank's overflow
             # shows here as a non-finite maximum without a local index; name the first such module.
             first_idx = next((i for i, n in enumerate(self._order)
-                              if not _finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))), -1)
+                              if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))), -1)
         if 0 <= first_idx < len(self._order):
             name = self._order[first_idx]
             dtype = self._dtypes.get(name, torch.float32)
             bad = sorted(n for n in self._order
                          if ACT_ABSMAX_PREFIX + n in stats
-                         and not _finite(stats[ACT_ABSMAX_PREFIX + n]))
+                         and not finite(stats[ACT_ABSMAX_PREFIX + n]))
             value = stats.get(ACT_ABSMAX_PREFIX + name, float("nan"))
             out.append(Finding(
                 kind=ACTIVATION_OVERFLOW,
@@ -344,7 +345,7 @@ class ActivationWatch:
             value = float(stats[key])
             dtype = self._dtypes.get(name, torch.float32)
             limit = dtype_limit(dtype)
-            if not _finite(value) or value < cfg.warn_fraction * limit:
+            if not finite(value) or value < cfg.warn_fraction * limit:
                 self._streak[name] = 0
                 continue
             streak = self._streak[name] = self._streak.get(name, 0) + 1
@@ -369,10 +370,6 @@ class ActivationWatch:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._step = int(sd.get("step", 0))
         self._streak = {str(k): int(v) for k, v in dict(sd.get("streak", {})).items()}
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
