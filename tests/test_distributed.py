@@ -16,10 +16,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, out_dir):
+def _join(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _worker(rank, world, port, out_dir):
+    _join(rank, world, port)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -53,9 +57,7 @@ def test_every_rank_takes_the_same_decision_in_the_same_step(tmp_path):
 
 def _overflow_worker(rank, world, port, out_dir):
     from test_rescue import make_att_model
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join(rank, world, port)
     model = nn.parallel.DistributedDataParallel(make_att_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[],

@@ -11,6 +11,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from sfmonitor import ConfigError, Monitor  # noqa: E402
 from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, PLATEAU, SKIP_STEP, STOP  # noqa: E402
 from sfmonitor.integrations.lightning import SFMonitorCallback  # noqa: E402
+from _integration_helpers import monitor_hooks, same, same_state  # noqa: E402
 
 NAN_BATCH = 3
 N_BATCHES = 6
@@ -86,20 +87,6 @@ def trainer(callbacks, precision="32-true", max_epochs=1, val=False, **kw):
                       callbacks=callbacks, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=1 if val else 0, **kw)
-
-
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def same_state(a, b):
-    assert a.keys() == b.keys()
-    return all(torch.equal(a[k][n], b[k][n]) if torch.is_tensor(a[k][n]) else a[k][n] == b[k][n]
-               for k in a for n in a[k])
-
-
-def monitor_hooks(opt):
-    return list(opt._optimizer_step_pre_hooks.values()) + list(opt._optimizer_step_post_hooks.values())
 
 
 @pytest.mark.parametrize("precision,opt", [("32-true", "adam"), ("32-true", "sgd"), ("bf16-mixed", "adam")])

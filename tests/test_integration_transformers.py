@@ -11,6 +11,7 @@ pytest.importorskip("accelerate")
 from sfmonitor import ConfigError, Monitor  # noqa: E402
 from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, PLATEAU, SKIP_STEP, STOP  # noqa: E402
 from sfmonitor.integrations.transformers import SFMonitorTrainerCallback, inner_optimizer  # noqa: E402
+from _integration_helpers import monitor_hooks, same, same_state  # noqa: E402
 
 NAN_STEP = 2
 N_STEPS = 5
@@ -81,20 +82,6 @@ def make_trainer(tmp_path, model, callbacks, steps=N_STEPS, eval_steps=None, tra
     return (trainer_cls or transformers.Trainer)(
         model=model, args=args, train_dataset=Tokens(4 * steps), callbacks=callbacks,
         eval_dataset=Tokens(4) if eval_steps else None)
-
-
-def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def same_state(a, b):
-    assert a.keys() == b.keys()
-    return all(torch.equal(a[k][n], b[k][n]) if torch.is_tensor(a[k][n]) else a[k][n] == b[k][n]
-               for k in a for n in a[k])
-
-
-def monitor_hooks(opt):
-    return list(opt._optimizer_step_pre_hooks.values()) + list(opt._optimizer_step_post_hooks.values())
 
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
