@@ -679,7 +679,8 @@ class Monitor:
         out[S.GRAD_NORM_TOTAL] = per_group.square().sum().sqrt()
         for gi, g in enumerate(self._group_names):
             out[S.GRAD_NORM.format(g)] = per_group[gi]
-        param_norms = S.norms([p.detach() for p in self._params])
+        params = [p.detach() for p in self._params]
+        param_norms = S.norms(params)
         per_group_p = S.group_norms(param_norms, self._param_group_t, len(self._group_names))
         for gi, g in enumerate(self._group_names):
             out[S.PARAM_NORM.format(g)] = per_group_p[gi]
@@ -707,7 +708,7 @@ class Monitor:
             # several times cheaper than a fresh clone each step.
             if self._update_buf is None:
                 self._update_buf = [torch.empty_like(p, memory_format=torch.preserve_format) for p in self._params]
-            torch._foreach_copy_(self._update_buf, [p.detach() for p in self._params])
+            torch._foreach_copy_(self._update_buf, params)
             self._before_params = self._update_buf
             self._before_norms = per_group_p
         return out, per_param
