@@ -41,12 +41,11 @@ from .integrations.distributed import rank, unwrap
 from .policy import OCCURRENCE, Policy
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
-from .watch import FIRST_NONFINITE_KEY, ActivationWatch
+from .watch import ActivationWatch
 
 OTHER = "other"  # the group of parameters held by the root module or named by no group
 NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM)
 ON_DEMAND = "on_demand"  # the kind of a bundle written because the user asked for one
-WATCH_FIRST = "_local/" + FIRST_NONFINITE_KEY  # an index: read locally, never averaged over ranks
 
 
 def resolve_groups(model: nn.Module, groups: Mapping[str, Any] | None = None
@@ -493,8 +492,7 @@ class Monitor:
         # 1. stats: every number of this step as a tensor, then ONE host read. The previous
         #    step's update ratios (measured after its update landed) ride along in the same read.
         tensors, per_param = self._collect_tensors([p.grad for p in self._params])
-        tensors.update({(WATCH_FIRST if k == FIRST_NONFINITE_KEY else k): v
-                        for k, v in self._watch.pending().items()})
+        tensors.update(self._watch.pending())
         prev = {f"prev:{k}": v for k, v in self._pending.items()}
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
         self._complete_previous({k[len("prev:"):]: values.pop(k) for k in prev})
@@ -616,8 +614,7 @@ class Monitor:
         for real: its finding enters the ladder at the precision_fallback rung at once."""
         if not self._watch.attached:
             return []
-        found = self._watch.findings(step, {(FIRST_NONFINITE_KEY if k == WATCH_FIRST else k): v
-                                            for k, v in values.items()})
+        found = self._watch.findings(step, values)
         ladder = self.config.policy.ladders.get(ACTIVATION_OVERFLOW)
         fallback_at = next((r.after for r in ladder.rungs if PRECISION_FALLBACK in r.actions), None) if ladder else None
         for f in found:

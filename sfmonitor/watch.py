@@ -25,7 +25,7 @@ Statistic keys (``pending()``):
 =============================  =========================================================
 ``act_absmax/<module>``         max |value| of the module's outputs and inline ops this step,
                                 in its narrowest floating dtype (inf/NaN when non-finite)
-``act_first_nonfinite``         index into ``ActivationWatch.module_names`` of the first module
+``_local/act_first_nonfinite``  index into ``ActivationWatch.module_names`` of the first module
                                 (in forward order) that produced inf/NaN this step; -1: none
 =============================  =========================================================
 """
@@ -48,7 +48,9 @@ __all__ = ["WatchConfig", "ActivationWatch", "precision_fallback", "FallbackHand
            "ACT_ABSMAX_PREFIX", "FIRST_NONFINITE_KEY", "dtype_limit"]
 
 ACT_ABSMAX_PREFIX = "act_absmax/"
-FIRST_NONFINITE_KEY = "act_first_nonfinite"
+# An index, private and per rank: the "_local/" prefix keeps it out of monitor.stats and out of the
+# cross-rank averaging of the monitor's single read (stats.read_all).
+FIRST_NONFINITE_KEY = "_local/act_first_nonfinite"
 _NO_NONFINITE = 2 ** 62  # sentinel sequence number: "no non-finite record"
 
 # Default module selection: attention-like modules by name or class, and every nn.Linear.
