@@ -187,6 +187,15 @@ def _watched_keys(stats: Mapping[str, float], total: str, prefix: str, each: boo
     return [k for k in stats if k.startswith(prefix)]
 
 
+def _positive_logs(stats: Mapping[str, float], keys: list[str]):
+    """(key, value, log value) of the finite, positive values: a NaN, an inf or a value <= 0 never
+    enters a window (non-finite losses and gradients are the core's business)."""
+    for key in keys:
+        value = stats[key]
+        if S.finite(value) and value > 0:
+            yield key, value, math.log(value)
+
+
 def _median(values: list[float]) -> float:
     s = sorted(values)
     n = len(s)
@@ -260,11 +269,7 @@ class LossSpike(_Windowed):
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
-        for key in self._keys(stats):
-            value = stats[key]
-            if not S.finite(value) or value <= 0:
-                continue  # never enters the window; non-finite losses are the core's business
-            x = math.log(value)
+        for key, value, x in _positive_logs(stats, self._keys(stats)):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             if len(w) >= cfg.warmup:
                 med, mad = _median_mad(list(w))
@@ -307,11 +312,7 @@ class GradSpike(Detector):
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
-        for key in self._keys(stats):
-            value = stats[key]
-            if not S.finite(value) or value <= 0:
-                continue
-            x = math.log(value)
+        for key, value, x in _positive_logs(stats, self._keys(stats)):
             if key not in self.ema:
                 warm = self.warm.setdefault(key, [])
                 warm.append(x)
