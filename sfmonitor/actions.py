@@ -34,7 +34,7 @@ from torch import nn
 from .checkpoint import (DEFAULT_SNAPSHOT_EVERY, DEFAULT_SNAPSHOT_KEEP, SnapshotRing,
                          capture_state, restore_state, save_checkpoint)
 from . import stats as S
-from .config import Section, option
+from .schema import Section, option
 from .events import (CHECKPOINT, CLIP, GRAD_NOISE, LR_DROP, PLATEAU, PRECISION_FALLBACK, REWEIGHT,
                      ROLLBACK, SKIP_STEP, STOP, ACTION_NAMES, ConfigError, Decision, StopTraining)
 

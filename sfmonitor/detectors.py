@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import stats as S
-from .config import Section, option
+from .schema import Section, option
 from .events import (ACCURACY_COLLAPSE, GRAD_RATIO_IMBALANCE, GRAD_SPIKE, LOSS_RATIO_IMBALANCE,
                      LOSS_SCALE_FLOOR, LOSS_SPIKE, PLATEAU, UPDATE_RATIO_SPIKE, ConfigError, Finding)
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError, NonFiniteError, SFMonitorError, StopTraining  # noqa: F401 - re-exported
+
 # Event kinds (DESIGN.md). Detectors name their findings with these constants.
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRAD = "nonfinite_grad"
@@ -43,30 +45,6 @@ STOP = "stop"
 
 ACTION_NAMES = (SKIP_STEP, CLIP, REWEIGHT, LR_DROP, CHECKPOINT, ROLLBACK, PRECISION_FALLBACK,
                 GRAD_NOISE, STOP)
-
-
-class SFMonitorError(Exception):
-    """Base class of the errors sfmonitor raises."""
-
-
-class ConfigError(SFMonitorError, ValueError):
-    """A configuration key is unknown or its value is out of range; the message names both."""
-
-
-class NonFiniteError(SFMonitorError, FloatingPointError):
-    """Raised in strict mode when a loss or gradient is non-finite (the report's assertions)."""
-
-    def __init__(self, message: str, event: "Event | None" = None):
-        super().__init__(message)
-        self.event = event
-
-
-class StopTraining(SFMonitorError, RuntimeError):
-    """Raised by the ``stop`` action once the rescue budget is spent."""
-
-    def __init__(self, message: str, event: "Event | None" = None):
-        super().__init__(message)
-        self.event = event
 
 
 @dataclass

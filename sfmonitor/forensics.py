@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .checkpoint import capture_rng_state, restore_rng_state  # re-exported for replay
-from .config import Section, option
+from .schema import Section, option
 from .events import ConfigError, SFMonitorError, jsonable
 
 __all__ = ["BundleConfig", "BundleError", "BatchRecorder", "BundleTracker", "input_stats",

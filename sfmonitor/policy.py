@@ -35,7 +35,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .config import Section, option
+from .schema import Section, option
 from .events import (ACCURACY_COLLAPSE, ACTION_NAMES, ACTIVATION_OVERFLOW, CHECKPOINT, CLIP,
                      EVENT_KINDS, GRAD_NOISE, GRAD_RATIO_IMBALANCE, GRAD_SPIKE, LOSS_RATIO_IMBALANCE,
                      LOSS_SCALE_FLOOR, LOSS_SPIKE, LR_DROP, NONFINITE_GRAD, NONFINITE_LOSS,

@@ -27,9 +27,13 @@ key                            meaning
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
+
+from .errors import ConfigError
+from .schema import Section, option
 
 LOSS_TOTAL = "loss/total"
 LOSS = "loss/{}"
@@ -153,3 +157,24 @@ def pair_keys(components: Iterable[str], pairs: Sequence[Sequence[str]]) -> list
     if pairs:
         return [(a, b) for a, b in pairs if a in comps and b in comps]
     return [(a, b) for i, a in enumerate(comps) for b in comps[i + 1:]]
+
+
+@dataclass
+class StatsConfig(Section):
+    """What the statistics stage measures each optimizer step."""
+
+    update_ratio_every: int = option(1, "compute update_ratio/<group> every N optimizer steps "
+                                        "(0: never); costs one fp32 copy of the parameters on those steps", lo=0)
+    grad_ratio_every: int = option(100, "compute grad_ratio/<a>/<b> and grad_cos/<a>/<b> on shared "
+                                       "parameters every N optimizer steps (0: never); costs one extra "
+                                       "backward per loss component on the first micro-batch of those steps", lo=0)
+    loss_ratio_pairs: list[list[str]] = option([], "pairs [a, b] for loss_ratio/<a>/<b> and grad_ratio; "
+                                                   "empty: every pair of components in combine() order")
+    grad_ratio_groups: list[str] = option([], "groups whose parameters count as shared for grad_ratio; "
+                                              "empty: every parameter that receives gradient from both components")
+
+    def validate(self) -> None:
+        for i, pair in enumerate(self.loss_ratio_pairs):
+            if len(pair) != 2 or pair[0] == pair[1]:
+                raise ConfigError(f"{self._prefix}loss_ratio_pairs[{i}]: expected two different "
+                                  f"component names, got {pair!r}")

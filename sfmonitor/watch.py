@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .config import Section, option
+from .schema import Section, option
 from .stats import finite
 from .events import ACTIVATION_OVERFLOW, ConfigError, Finding, PRECISION_FALLBACK
 

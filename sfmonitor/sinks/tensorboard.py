@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Section, option
+from ..schema import Section, option
 from ..events import Event, jsonable
 from .base import Sink
 

@@ -36,7 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..config import Section, option
+from ..schema import Section, option
 from ..events import Event, jsonable
 from .base import Sink
 

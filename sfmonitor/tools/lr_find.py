@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 
 from ..checkpoint import copy_tree
-from ..config import Section, option
+from ..schema import Section, option
 from ..events import ConfigError
 
 __all__ = ["LRFindConfig", "LRFindResult", "lr_find", "main",

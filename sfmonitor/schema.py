@@ -1,0 +1,192 @@
+"""The config schema: ``Section`` (a validated, keyword-only dataclass) and ``option`` (a field
+with its one-line doc and allowed range). Every component declares its own section with these;
+this module imports no component, so any module may import it.
+
+Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming the full key
+(``detectors.loss_spike.z``) and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .errors import ConfigError
+
+__all__ = ["ConfigError", "Section", "option", "describe"]
+
+
+def option(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
+           lo_open: bool = False, choices: tuple | None = None) -> Any:
+    """A config field: default, one-line doc, optional numeric range [lo, hi] or choices.
+
+    Mutable defaults (lists, dicts, sections) are copied per instance.
+    """
+    meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices}
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        import copy
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _describe(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widened to floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin is Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
+    if isinstance(tp, type) and issubclass(tp, Section):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} keys, got {value!r}")
+        return tp.from_dict(value, prefix=key + ".")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+@dataclass
+class Section:
+    """Base of every config section: validates types and ranges in ``__post_init__``."""
+
+    _prefix: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                continue
+            key = self._prefix + f.name
+            value = _coerce(getattr(self, f.name), hints[f.name], key)
+            object.__setattr__(self, f.name, value)
+            _check_range(value, f.metadata, key)
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-field checks; raise ConfigError naming the keys. Override where needed."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> "Section":
+        data = dict(data or {})
+        names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}; "
+                              f"allowed keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
+                              f"{', '.join(sorted(names))}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for k, v in data.items():
+            tp = hints[k]
+            kwargs[k] = _coerce(v, tp, prefix + k)
+        obj = cls.__new__(cls)
+        object.__setattr__(obj, "_prefix", prefix)
+        # Re-run __init__ with the prefix kept for error messages.
+        init_fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        for name, f in init_fields.items():
+            if name in kwargs:
+                val = kwargs[name]
+            elif f.default is not dataclasses.MISSING:
+                val = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                val = f.default_factory()  # type: ignore[misc]
+            else:
+                raise ConfigError(f"missing config key {prefix}{name}")
+            object.__setattr__(obj, name, val)
+        obj.__post_init__()
+        return obj
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                continue
+            out[f.name] = _plain(getattr(self, f.name))
+        return out
+
+
+def _plain(v: Any) -> Any:
+    """Sections, and Sections inside lists and dicts, as plain data (YAML/JSON-able)."""
+    if isinstance(v, Section):
+        return v.to_dict()
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def _check_range(value: Any, meta: Any, key: str) -> None:
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
+    lo, hi, lo_open = meta.get("lo"), meta.get("hi"), meta.get("lo_open")
+    if (lo is None and hi is None) or value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"{key}: NaN is not allowed")
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi)
+    if bad:
+        left = "(" if lo_open else "["
+        rng = f"{left}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ConfigError(f"{key}: {value!r} is out of range; allowed: {rng}")
+
+
+def describe(section: type[Section], prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(key, default, doc) for every field, recursively; used by the docs table."""
+    rows = []
+    inst = section()
+    for f in dataclasses.fields(section):
+        if f.name.startswith("_"):
+            continue
+        v = getattr(inst, f.name)
+        if isinstance(v, Section):
+            rows.extend(describe(type(v), prefix + f.name + "."))
+        else:
+            rows.append((prefix + f.name, v, f.metadata.get("doc", "")))
+    return rows
