@@ -1,12 +1,13 @@
 # Two commands do all the set-up on a fresh machine:
 #   make test   install (torch 2.13.0 CPU first, then the project) and run the test suite
 #   make demo   install, then train the reference trap config without and with the monitor
+#   make docs   install, then build the docs site into site/ (mkdocs build --strict: warnings fail)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,11 @@ demo: install
 bench: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/stability.py
+
+# --strict: a warning (a broken link or anchor, a docstring mkdocstrings cannot read) fails the build.
+# NO_MKDOCS_2_WARNING silences the theme's banner about MkDocs 2.0 (printed, not a warning).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) runs sfmonitor_runs .pytest_cache
