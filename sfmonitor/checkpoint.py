@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .events import SFMonitorError
+from .errors import CheckpointError
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "capture_state",
            "restore_state", "SnapshotRing", "DEFAULT_SNAPSHOT_EVERY", "DEFAULT_SNAPSHOT_KEEP"]
@@ -39,10 +39,6 @@ DEFAULT_SNAPSHOT_KEEP = 3    # our choice: three CPU copies of model + optimizer
 
 # Keys of a captured state.
 MODEL, OPTIMIZER, SCALER, RNG, EXTRA = "model", "optimizer", "scaler", "rng", "extra"
-
-
-class CheckpointError(SFMonitorError, RuntimeError):
-    """A checkpoint cannot be written, read, or holds something that is not plain data."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,24 +83,36 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a checkpoint with ``torch.load(weights_only=True)``.
+    """Load a checkpoint with ``torch.load(weights_only=True)``; it must hold a dict.
 
-    Raises ``CheckpointError`` naming the file if it is missing, torn, or holds a pickled object
-    that is not plain data (a callable, a class instance...): such a file could run code on load.
+    Raises ``CheckpointError`` naming the file for whatever is wrong with it: missing, a folder,
+    torn, random bytes, a zip that is not a torch checkpoint, something else than a dict, or a
+    pickled object that is not plain data (a callable, a class instance...: such a file could run
+    code on load). No other exception escapes for a bad file.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a file")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(
             f"checkpoint {str(path)!r} refused: it holds a pickled object that is not a tensor, "
-            f"number, string, list or dict, and sfmonitor loads checkpoints with weights_only=True "
-            f"(loading it could run arbitrary code). Details: {str(e).splitlines()[0]}") from e
-    except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read (truncated or not a "
-                              f"torch checkpoint): {e}") from e
+            f"number, string, list or dict, or is not a valid pickle, and sfmonitor loads "
+            f"checkpoints with weights_only=True (loading it could run arbitrary code). "
+            f"Details: {first}") from e
+    except Exception as e:  # noqa: BLE001 - torn or foreign files raise anything (struct.error,
+        # UnicodeDecodeError, KeyError, EOFError, RuntimeError, MemoryError...): one typed error
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read (truncated, corrupt or not "
+                              f"a torch checkpoint): {type(e).__name__}: {first}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not the "
+                              f"dict save_checkpoint writes")
+    return state
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,3 +31,11 @@ class StopTraining(SFMonitorError, RuntimeError):
         super().__init__(message)
         self.event = event
         self.facts = facts or {}
+
+
+class CheckpointError(SFMonitorError, RuntimeError):
+    """A checkpoint cannot be written or read (missing, truncated, not a torch file, not a dict),
+    or holds something that is not plain data. The message names the file and what is wrong."""
+
+
+__all__ += ["CheckpointError"]

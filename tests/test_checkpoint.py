@@ -201,3 +201,99 @@ def test_a_snapshot_delayed_by_an_unhealthy_step_is_taken_at_the_next_one():
     offered = [0, 1, 2, 11, 12, 25, 30]  # steps 10 and 20-24 were unhealthy: not offered
     taken = [s for s in offered if ring.maybe_take(s, model)]
     assert taken == [0, 11, 25] and ring.labels == [0, 11, 25]
+
+
+# --------------------------------------------------------------------------------------------
+# Corrupt files: any bytes give a result or CheckpointError naming the file, never another error
+# --------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+_FUZZ = settings(max_examples=150, deadline=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def _real_checkpoint_bytes() -> bytes:
+    import io
+    model, opt = make()
+    train(model, opt, 1)
+    buf = io.BytesIO()
+    torch.save({**capture_state(model, opt), "note": "héllo", "steps": [1, 2.5, None]}, buf)
+    return buf.getvalue()
+
+
+REAL = _real_checkpoint_bytes()
+
+
+def _load_or_typed_error(path):
+    try:
+        out = load_checkpoint(path)
+    except CheckpointError as e:
+        assert str(path) in str(e), f"the message does not name the file: {e}"
+        return None
+    assert isinstance(out, dict)
+    return out
+
+
+def test_checkpoint_error_is_the_one_in_errors_py():
+    from sfmonitor.errors import CheckpointError as TypedCheckpointError, SFMonitorError
+    assert CheckpointError is TypedCheckpointError and issubclass(CheckpointError, SFMonitorError)
+
+
+@_FUZZ
+@given(data=st.binary(max_size=4096))
+@example(data=b"")
+@example(data=b"PK\x03\x04")
+@example(data=b"\x80\x02}q\x00.")  # a legacy (non-zip) pickle of {}: loads as a dict
+def test_any_bytes_load_or_raise_checkpoint_error(tmp_path, data):
+    path = tmp_path / "fuzz.pt"
+    path.write_bytes(data)
+    _load_or_typed_error(path)
+
+
+@_FUZZ
+@given(cut=st.integers(min_value=0, max_value=len(REAL)))
+def test_any_truncation_of_a_real_checkpoint(tmp_path, cut):
+    path = tmp_path / "cut.pt"
+    path.write_bytes(REAL[:cut])
+    _load_or_typed_error(path)
+
+
+@_FUZZ
+@given(flips=st.lists(st.tuples(st.integers(0, len(REAL) - 1), st.integers(0, 255)),
+                      min_size=1, max_size=8))
+def test_any_byte_flips_of_a_real_checkpoint(tmp_path, flips):
+    data = bytearray(REAL)
+    for pos, val in flips:
+        data[pos] = val
+    path = tmp_path / "flip.pt"
+    path.write_bytes(bytes(data))
+    _load_or_typed_error(path)
+
+
+@pytest.mark.parametrize("members", [
+    {"hello.txt": b"not a checkpoint"},
+    {"archive/data.pkl": b"garbage"},
+    {"archive/data.pkl": b"\x80\x02}q\x00(X\x01\x00\x00\x00\xffq\x01K\x01u."},  # bad utf-8 key
+    {"archive/data.pkl": b"\x80\x02]q\x00(K\x01K\x02e."},                          # a list
+    {"archive/data.pkl": REAL[:0] + b"\x80\x02cbuiltins\nprint\nq\x00."},          # a callable
+])
+def test_a_valid_zip_with_wrong_contents(tmp_path, members):
+    import zipfile
+    path = tmp_path / "zip.pt"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    with pytest.raises(CheckpointError, match="zip.pt"):
+        load_checkpoint(path)
+
+
+def test_a_folder_or_a_non_dict_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="not a file"):
+        load_checkpoint(tmp_path)
+    path = tmp_path / "list.pt"
+    torch.save([1, 2, 3], path)
+    with pytest.raises(CheckpointError, match="list"):
+        load_checkpoint(path)
