@@ -434,20 +434,61 @@ def write_bundle(run_dir: str | os.PathLike, step: int, kind: str, *, model_stat
         raise
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+# Manifest fields replay and the monitor read, and the types they must have when present.
+_MANIFEST_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "files": ((dict,), "a mapping"), "dropped": ((dict,), "a mapping"),
+    "loss_weights": ((dict,), "a mapping"), "model_kwargs": ((dict,), "a mapping"),
+    "model_factory": ((str, type(None)), "a string or null"), "kind": ((str,), "a string"),
+    "step": ((int,), "an integer"), "micro_batches": ((int,), "an integer"),
+    "autocast": ((str, type(None)), "a string or null"),
+    "batch_dropped": ((bool,), "true or false"),
+    "batch_dropped_reason": ((str, type(None)), "a string or null"),
+}
+
+
+def _check_manifest(mpath: str, manifest: dict[str, Any]) -> None:
+    """Raise BundleError naming the manifest and the field whose type replay could not use."""
+    for key, (types, what) in _MANIFEST_TYPES.items():
+        if key not in manifest:
+            continue
+        value = manifest[key]
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise BundleError(f"{mpath}: field {key!r} must be {what}, got {value!r:.80}")
+    for name, fname in (manifest.get("files") or {}).items():
+        if not isinstance(fname, str):
+            raise BundleError(f"{mpath}: files[{name!r}] must be a file name, got {fname!r:.80}")
+    for name, w in (manifest.get("loss_weights") or {}).items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)):
+            raise BundleError(f"{mpath}: loss_weights[{name!r}] must be a number, got {w!r:.80}")
+    if manifest.get("micro_batches", 0) < 0:
+        raise BundleError(f"{mpath}: micro_batches must be >= 0, got {manifest['micro_batches']}")
+
+
 def load_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """A bundle's manifest (plain JSON: what was kept, what was dropped and why)."""
+    """A bundle's manifest (plain JSON: what was kept, what was dropped and why).
+
+    Raises BundleError naming the manifest when it is missing, unreadable (not UTF-8, not JSON,
+    nested too deeply), of another format, or has a field of the wrong type.
+    """
     path = os.fspath(path)
     mpath = os.path.join(path, MANIFEST)
-    if not os.path.isfile(mpath):
+    if not os.path.exists(mpath):
         raise BundleError(f"{path!r} is not an anomaly bundle: {MANIFEST} is missing")
     try:
-        with open(mpath, encoding="utf-8") as fh:
-            manifest = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise BundleError(f"{mpath}: cannot read the manifest: {e}") from e
+        with open(mpath, "rb") as fh:
+            manifest = json.loads(fh.read().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or bad JSON
+        raise BundleError(f"{mpath}: cannot read the manifest: {_first_line(e)}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{mpath}: unknown bundle format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}"
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise BundleError(f"{mpath}: unknown bundle format {found!r:.80}"
                           f" (this sfmonitor reads format {BUNDLE_FORMAT})")
+    _check_manifest(mpath, manifest)
     return manifest
 
 
@@ -455,8 +496,10 @@ def load_bundle(path: str | os.PathLike) -> dict[str, Any]:
     """Load a bundle with ``torch.load(weights_only=True)`` only.
 
     Returns {"path", "manifest", "model_state", "optimizer_state", "batch", "rng_state", "stats",
-    "event", "config"} (None for what the bundle left out). A file holding a pickled callable or any
-    other non-tensor object raises BundleError naming the file.
+    "event", "config"} (None for what the bundle left out). Whatever is wrong with a bundle --
+    a missing, truncated or corrupt file, a file holding a pickled callable or any other
+    non-tensor object, a value of the wrong shape (a batch that is not a list of micro-batch
+    dicts...) -- raises BundleError naming the file; no other exception escapes.
     """
     path = os.fspath(path)
     manifest = load_manifest(path)
@@ -465,14 +508,21 @@ def load_bundle(path: str | os.PathLike) -> dict[str, Any]:
     keys = {"model": "model_state", "optimizer": "optimizer_state", "batch": "batch", "rng": "rng_state"}
     for name, key in keys.items():
         fname = files.get(name)
-        out[key] = _load_tensor_file(path, fname) if fname else None
+        out[key] = _load_tensor_file(path, fname, name) if fname else None
     for name in _JSON_FILES:
         fname = files.get(name)
         if not fname:
             out[name] = None
             continue
-        with open(_inside(path, fname), encoding="utf-8") as fh:
-            out[name] = json.load(fh)
+        fpath = _inside(path, fname)
+        try:
+            with open(fpath, "rb") as fh:
+                value = json.loads(fh.read().decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as e:
+            raise BundleError(f"cannot load {fpath}: {_first_line(e)}") from e
+        if not isinstance(value, dict):
+            raise BundleError(f"{fpath}: expected a JSON object, got {type(value).__name__}")
+        out[name] = value
     if out["model_state"] is None:
         raise BundleError(f"{path!r}: the bundle holds no model state")
     return out
@@ -484,15 +534,60 @@ def _inside(path: str, fname: str) -> str:
     return os.path.join(path, fname)
 
 
-def _load_tensor_file(path: str, fname: str) -> Any:
+def _check_shape(fpath: str, name: str, value: Any) -> None:
+    """The shapes replay relies on: state dicts are dicts, the batch a list of micro-batch dicts."""
+    def bad(what: str) -> BundleError:
+        return BundleError(f"{fpath}: {what}")
+
+    if name in ("model", "optimizer", "rng") and not isinstance(value, dict):
+        raise bad(f"expected a dict ({name} state), got {type(value).__name__}")
+    if name == "model" and not all(isinstance(k, str) for k in value):
+        raise bad("model state keys must be parameter names (strings)")
+    if name == "rng":
+        if "torch" in value and not (isinstance(value["torch"], torch.Tensor)
+                                     and value["torch"].dtype == torch.uint8):
+            raise bad("rng state 'torch' must be a uint8 tensor")
+        cuda = value.get("cuda", [])
+        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                                 for t in cuda):
+            raise bad("rng state 'cuda' must be a list of uint8 tensors")
+        for k in ("numpy", "python"):
+            if k in value and not isinstance(value[k], dict):
+                raise bad(f"rng state {k!r} must be a dict")
+    if name == "batch":
+        if not isinstance(value, list):
+            raise bad(f"expected a list of micro-batches, got {type(value).__name__}")
+        for i, mb in enumerate(value):
+            if not isinstance(mb, dict):
+                raise bad(f"micro-batch {i} is a {type(mb).__name__}, not a dict")
+            if not isinstance(mb.get("args", ()), (list, tuple)):
+                raise bad(f"micro-batch {i}: 'args' must be a list")
+            kwargs = mb.get("kwargs", {})
+            if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+                raise bad(f"micro-batch {i}: 'kwargs' must be a dict with string keys")
+            amp = mb.get("autocast")
+            if amp is not None and not (isinstance(amp, str)
+                                        and isinstance(getattr(torch, amp, None), torch.dtype)
+                                        and getattr(torch, amp).is_floating_point):
+                raise bad(f"micro-batch {i}: 'autocast' must be a floating dtype name, got {amp!r:.80}")
+            if not isinstance(mb.get("device", "cpu"), str):
+                raise bad(f"micro-batch {i}: 'device' must be a string")
+
+
+def _load_tensor_file(path: str, fname: str, name: str | None = None) -> Any:
     fpath = _inside(path, fname)
     try:
         value = torch.load(fpath, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BundleError(f"refusing {fpath}: it holds a pickled object that is not a tensor or plain "
-                          f"value (bundles load with weights_only=True only): {first}") from e
-    except (OSError, RuntimeError, EOFError) as e:
-        raise BundleError(f"cannot load {fpath}: {e}") from e
+                          f"value (bundles load with weights_only=True only), or is not a valid "
+                          f"pickle: {first}") from e
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file raises anything (struct.error,
+        # UnicodeDecodeError, KeyError, EOFError, RuntimeError, MemoryError...): one typed error
+        raise BundleError(f"cannot load {fpath} (truncated, corrupt or not a torch file): "
+                          f"{_first_line(e)}") from e
     _check_plain(value, fname)
+    if name is not None:
+        _check_shape(fpath, name, value)
     return value
