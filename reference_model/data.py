@@ -28,8 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from sfmonitor.config import ConfigError, Section, option
-
+from ._schema import Config, ConfigError, option
 from .model import PAD
 
 UNK = 1
@@ -46,7 +45,7 @@ class DataError(ValueError):
 
 
 @dataclass
-class DataConfig(Section):
+class DataConfig(Config):
     """Where the pairs come from and how they look."""
 
     folder: str = option("", "real-data folder with captions.jsonl and images; empty: synthetic set")

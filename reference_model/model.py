@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sfmonitor.config import Section, option
+from ._schema import Config, ConfigError, option
 
 # Loss-component names: the keys of forward()'s dict and of monitor.combine()'s weights.
 VISION = "vision"
@@ -36,7 +36,7 @@ PAD = 0  # padding token id; every tokenizer in data.py reserves it
 
 
 @dataclass
-class ModelConfig(Section):
+class ModelConfig(Config):
     """Superfusion's shape and its stability switches."""
 
     vocab_size: int = option(400, "text vocabulary size (data.py sets it from the tokenizer)", lo=2)
@@ -65,7 +65,6 @@ class ModelConfig(Section):
                                    "slower than fp32 on CPU)")
 
     def validate(self) -> None:
-        from sfmonitor.config import ConfigError
         for name in ("text_heads", "fusion_heads"):
             if self.d_model % getattr(self, name):
                 raise ConfigError(f"{self._prefix}{name}: {getattr(self, name)} does not divide "

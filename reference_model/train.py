@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from sfmonitor.config import ConfigError, Section, option
-
+from ._schema import Config, ConfigError, option
 from .data import BucketedLoader, DataConfig, build_data
 from .model import LOSS_NAMES, ModelConfig, build_model
 
@@ -37,7 +36,7 @@ RESULT_KEYS = ("diverged", "first_nan_epoch", "final_top1", "val_loss", "events"
 
 
 @dataclass
-class TrainConfig(Section):
+class TrainConfig(Config):
     """The optimisation recipe."""
 
     epochs: int = option(5, "training epochs (report: first NaN in epochs 3-5)", lo=1)
@@ -64,7 +63,7 @@ class TrainConfig(Section):
 
 
 @dataclass
-class RunConfig(Section):
+class RunConfig(Config):
     """A whole reference run: model, data, train sections (configs/*.yaml)."""
 
     name: str = option("custom", "name printed in the result line")
@@ -359,6 +358,7 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """train the Superfusion reference model (see --help)"""
     p = argparse.ArgumentParser(prog="sfmonitor train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="trap", help="config name in reference_model/configs or a YAML path")
     p.add_argument("--seed", type=int, default=0)
@@ -385,11 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.epochs is not None:
         overrides["train.epochs"] = args.epochs
+    config_errors: tuple[type[Exception], ...] = (ConfigError,)
+    if args.monitor:  # a bad monitor config is reported like a bad run config
+        from sfmonitor import ConfigError as MonitorConfigError
+        config_errors += (MonitorConfigError,)
     try:
         result = train(args.config, seed=args.seed, monitor=args.monitor, run_dir=args.run_dir,
                        monitor_config=args.monitor_config, progress=args.progress, resume=args.resume,
                        overrides=overrides, verbose=args.verbose, sinks=args.sinks)
-    except ConfigError as e:
+    except config_errors as e:
         print(f"sfmonitor train: {e}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:

@@ -38,11 +38,10 @@ from .events import ConfigError, SFMonitorError, jsonable
 
 __all__ = ["BundleConfig", "BundleError", "BatchRecorder", "BundleTracker", "input_stats",
            "batch_input_stats", "capture_rng_state", "restore_rng_state", "write_bundle",
-           "load_bundle", "BUNDLE_FORMAT", "REFERENCE_FACTORY"]
+           "load_bundle", "BUNDLE_FORMAT"]
 
 BUNDLE_FORMAT = 1
 MANIFEST = "manifest.json"
-REFERENCE_FACTORY = "reference_model.model:build_model"
 _TENSOR_FILES = ("model", "optimizer", "batch", "rng")   # kept in this priority order
 _JSON_FILES = ("stats", "event", "config")
 

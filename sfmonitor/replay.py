@@ -1,7 +1,8 @@
 """``sfmonitor replay BUNDLE [--model module:factory] [--ablate]``: rerun an anomaly bundle.
 
-Rebuilds the model (the reference model's factory is trusted from the bundle; any other factory must
-be named with ``--model``, since importing what a file names runs code), loads the pre-step state,
+Rebuilds the model (the bundle's factory is trusted only when an installed package registers it
+under the entry point group ``sfmonitor.replay_factories``; any other factory must be named with
+``--model``, since importing what a file names runs code), loads the pre-step state,
 reruns forward and backward on the saved micro-batches under the recorded autocast dtype and loss
 scale, with the RNG state of the step restored, and reports:
 
@@ -21,18 +22,31 @@ import importlib
 import json
 import math
 import sys
+from importlib.metadata import entry_points
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .events import NONFINITE_GRAD, NONFINITE_LOSS, ACTIVATION_OVERFLOW, jsonable
-from .forensics import REFERENCE_FACTORY, BundleError, load_bundle, restore_rng_state
+from .forensics import BundleError, load_bundle, restore_rng_state
 from .watch import ActivationWatch, WatchConfig
 
-__all__ = ["replay_bundle", "main", "resolve_factory", "first_nonfinite_param"]
+__all__ = ["replay_bundle", "main", "resolve_factory", "trusted_factories", "first_nonfinite_param",
+           "FACTORY_GROUP"]
 
 LIVE_PARAM_KEYS = ("param", "parameter", "first_param", "name")
+# Model factories a bundle may name: a package lists its own in its pyproject.toml,
+#   [project.entry-points."sfmonitor.replay_factories"]
+#   mymodel = "mypackage.model:build_model"
+# A bundle is a file anyone can write; installing a package is the user's own decision. So replay
+# imports what a bundle names only when it is one of these values, compared as exact strings.
+FACTORY_GROUP = "sfmonitor.replay_factories"
+
+
+def trusted_factories() -> set[str]:
+    """The "module:function" factories registered under ``sfmonitor.replay_factories``."""
+    return {f"{ep.module}:{ep.attr}" for ep in entry_points(group=FACTORY_GROUP) if ep.attr}
 
 
 def resolve_factory(spec: str | Callable[..., nn.Module]) -> Callable[..., nn.Module]:
@@ -141,7 +155,8 @@ def replay_bundle(path: str, factory: str | Callable[..., nn.Module] | None = No
     """Replay a bundle; return the report as a dict (see the module doc).
 
     ``factory``: a callable or "module:function" building the model from the bundle's
-    ``model_kwargs``; None: the bundle's factory, trusted only when it is the reference model's.
+    ``model_kwargs``; None: the bundle's factory, trusted only when an installed package registers
+    it under the entry point group ``sfmonitor.replay_factories`` (``trusted_factories()``).
     """
     bundle = load_bundle(path)
     manifest = bundle["manifest"]
@@ -150,10 +165,13 @@ def replay_bundle(path: str, factory: str | Callable[..., nn.Module] | None = No
         raise BundleError(f"{path}: the bundle holds no batch to replay ({why})")
     if factory is None:
         named = manifest.get("model_factory")
-        if named != REFERENCE_FACTORY:
-            raise BundleError(f"{path}: the bundle names model factory {named!r}; only the reference "
-                              f"model's ({REFERENCE_FACTORY}) is trusted from a file -- pass "
-                              f"--model {named or 'module:function'} to use it")
+        trusted = trusted_factories()
+        if not isinstance(named, str) or named not in trusted:
+            listed = ", ".join(sorted(trusted)) or "none installed"
+            raise BundleError(f"{path}: the bundle names model factory {named!r}; only the factories "
+                              f"installed packages register under {FACTORY_GROUP!r} ({listed}) are "
+                              f"trusted from a file -- pass --model {named or 'module:function'} "
+                              f"to use it")
         factory = named
     build = resolve_factory(factory)
     kwargs = manifest.get("model_kwargs") or {}
@@ -244,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("bundle", help="an anomaly bundle folder (run_dir/bundles/<step>-<kind>)")
     p.add_argument("--model", metavar="MODULE:FACTORY",
                    help="factory that builds the model from the bundle's model_kwargs "
-                        f"(default: the bundle's, trusted only for {REFERENCE_FACTORY})")
+                        f"(default: the bundle's, trusted only when an installed package registers "
+                        f"it under the entry point group {FACTORY_GROUP})")
     p.add_argument("--ablate", action="store_true",
                    help="rerun with each loss component alone / left out")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

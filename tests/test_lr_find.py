@@ -1,4 +1,5 @@
-"""Tests for sfmonitor.tools.lr_find: the LR range test and ``sfmonitor lr-find``."""
+"""Tests for sfmonitor.tools.lr_find (the LR range test) and ``sfmonitor lr-find`` (its preset on
+the reference model, reference_model.lr_find)."""
 import json
 import math
 import subprocess
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import sfmonitor
 from sfmonitor.checkpoint import copy_tree
 from sfmonitor.tools import lr_find as L
+from reference_model.lr_find import main as lr_find_main
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,16 +509,16 @@ def test_cli_on_the_tiny_reference_config(tmp_path, capsys):
 
 
 def test_cli_with_fp16_grad_scaler(tmp_path, capsys):
-    rc = L.main(["--config", "tiny", "--num-iter", "4", "--out", str(tmp_path), "--no-plot"])
+    rc = lr_find_main(["--config", "tiny", "--num-iter", "4", "--out", str(tmp_path), "--no-plot"])
     out = capsys.readouterr().out
     assert rc == 0 and "fp16 + GradScaler" in out
     assert json.loads((tmp_path / L.JSON_FILE).read_text())["iterations"] >= 1
 
 
 def test_cli_bad_config_and_arguments(capsys):
-    assert L.main(["--config", "no_such_config", "--num-iter", "4"]) == 2
+    assert lr_find_main(["--config", "no_such_config", "--num-iter", "4"]) == 2
     assert "not found" in capsys.readouterr().err
-    assert L.main(["--config", "tiny", "--num-iter", "1"]) == 2
+    assert lr_find_main(["--config", "tiny", "--num-iter", "1"]) == 2
     assert "num_iter" in capsys.readouterr().err
-    assert L.main(["--config", "tiny", "--set", "train.lr=-1"]) == 2
+    assert lr_find_main(["--config", "tiny", "--set", "train.lr=-1"]) == 2
     assert "train.lr" in capsys.readouterr().err

@@ -6,10 +6,10 @@ import pytest
 import torch
 from PIL import Image
 
+from reference_model import ConfigError
 from reference_model.data import (COLOURS, PATTERNS, SHAPES, BucketedLoader, DataConfig, DataError,
                                   WordTokenizer, caption_lengths, filler_words, load_folder,
                                   make_synthetic)
-from sfmonitor.config import ConfigError
 
 SMALL = dict(n_train=64, n_val=16, filler_vocab=50)
 

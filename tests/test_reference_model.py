@@ -4,9 +4,9 @@ import copy
 import pytest
 import torch
 
+from reference_model import ConfigError
 from reference_model.data import BucketedLoader, DataConfig, make_synthetic
 from reference_model.model import LOSS_NAMES, Fusion, ModelConfig, build_model
-from sfmonitor.config import ConfigError
 
 torch.set_num_threads(1)
 
@@ -53,6 +53,20 @@ def test_build_model_rejects_bad_config():
         build_model({"d_model": 16, "fusion_heads": 3})
     with pytest.raises(TypeError):
         build_model(3)
+
+
+def test_config_errors_are_value_errors_naming_key_and_range():
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ConfigError, match=r"model\.d_model: 4 is out of range; allowed: \[8, inf\]"):
+        build_model({"d_model": 4})
+    with pytest.raises(ConfigError, match=r"mask_ratio: 0\.95 is out of range; allowed: \[0\.0, 0\.9\]"):
+        ModelConfig(mask_ratio=0.95)
+    with pytest.raises(ConfigError, match="model.text_layers: expected an integer"):
+        build_model({"text_layers": "2"})
+    with pytest.raises(ConfigError, match=r"temperature_init: 0\.0 is out of range; allowed: \(0\.0, inf\]"):
+        build_model({"temperature_init": 0.0})
+    cfg = ModelConfig(d_model=16, fusion_heads=4, text_ff=16)
+    assert build_model(cfg.to_dict()).config == cfg          # to_dict / from_dict round trip
 
 
 def test_qk_init_gain_scales_the_fusion_projections():

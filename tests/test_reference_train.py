@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
+from reference_model import ConfigError
 from reference_model.data import BucketedLoader, build_data
 from reference_model.model import build_model
 from reference_model.train import RESULT_KEYS, load_config, main, train
-from sfmonitor.config import ConfigError
 from sfmonitor.sinks.jsonl import read_jsonl
 
 torch.set_num_threads(1)
@@ -141,3 +141,11 @@ def test_cli_sinks_reach_the_monitor(tmp_path, capsys):
     assert main(["--config", "tiny", "--epochs", "1", "--monitor", "--no-progress", "--run-dir", str(tmp_path),
                  "--sinks", "jsonl,tensorboard"]) == 0
     assert os.listdir(tmp_path / "tensorboard") and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_main_reports_a_bad_monitor_config(tmp_path, capsys):
+    bad = tmp_path / "monitor.yaml"
+    bad.write_text("no_such_monitor_key: 1\n")
+    assert main(["--config", "tiny", "--epochs", "1", "--monitor", "--no-progress",
+                 "--monitor-config", str(bad)]) == 2
+    assert "no_such_monitor_key" in capsys.readouterr().err

@@ -4,14 +4,20 @@ The toy is a miniature of the report's late fusion: a text query sum-pooled over
 length-normalised) attends over image tokens with an unscaled q @ k^T written inline, in fp16 under
 CPU autocast. A long caption overflows the fusion logits; the vision and text losses stay finite.
 """
+import json
 import os
+import shutil
+import sys
+from importlib.metadata import EntryPoint
 
 import pytest
 import torch
 from torch import nn
 
 from sfmonitor.forensics import BatchRecorder, BundleError, load_bundle, write_bundle
-from sfmonitor.replay import first_nonfinite_param, main, replay_bundle
+from sfmonitor import replay as replay_module
+from sfmonitor.replay import (FACTORY_GROUP, first_nonfinite_param, main, replay_bundle,
+                              trusted_factories)
 
 WEIGHTS = {"vision": 0.4, "text": 0.3, "fusion": 0.3}   # the report's L_total weights
 
@@ -142,7 +148,56 @@ def test_cli_refuses_untrusted_factory_from_the_bundle(live, capsys):
     path, _, _ = live
     assert main([path]) == 2
     err = capsys.readouterr().err
-    assert "only the reference model's" in err and "--model" in err
+    assert "build_toy" in err and FACTORY_GROUP in err and "--model" in err
+
+
+def _with_factory(src, dst, factory):
+    """A copy of bundle ``src`` whose manifest names ``factory``."""
+    shutil.copytree(src, dst)
+    mpath = os.path.join(dst, "manifest.json")
+    with open(mpath) as fh:
+        manifest = json.load(fh)
+    manifest["model_factory"] = factory
+    with open(mpath, "w") as fh:
+        json.dump(manifest, fh)
+    return str(dst)
+
+
+def test_a_bundle_cannot_make_replay_import_its_module(live, tmp_path, monkeypatch):
+    """The factory a bundle names is imported only when a package registers it; a module on the
+    path that is not registered is never imported, whatever the bundle says."""
+    path, _, _ = live
+    (tmp_path / "mods").mkdir()
+    marker = tmp_path / "imported"
+    (tmp_path / "mods" / "sfm_untrusted_factory.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef build(**kw):\n    raise AssertionError\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    for factory in ("sfm_untrusted_factory:build", "os:system", None):
+        bundle = _with_factory(path, tmp_path / f"b{abs(hash(str(factory)))}", factory)
+        with pytest.raises(BundleError, match="trusted from a file"):
+            replay_bundle(bundle)
+    assert not marker.exists() and "sfm_untrusted_factory" not in sys.modules
+
+
+def test_factories_registered_under_the_entry_point_group_are_trusted(live, monkeypatch):
+    path, live_param, _ = live
+    registered = [EntryPoint(name="toy", value=f"{__name__}:build_toy", group=FACTORY_GROUP)]
+    seen = []
+
+    def fake_entry_points(*, group):
+        seen.append(group)
+        return [ep for ep in registered if ep.group == group]
+
+    monkeypatch.setattr(replay_module, "entry_points", fake_entry_points)
+    assert trusted_factories() == {f"{__name__}:build_toy"}
+    r = replay_bundle(path)                                 # no factory given: the bundle's is registered
+    assert r["reproduced"] is True and r["first_nonfinite_param"] == live_param
+    assert seen and set(seen) == {FACTORY_GROUP}
+
+
+def test_the_reference_model_registers_its_factory():
+    pytest.importorskip("reference_model")
+    assert "reference_model.model:build_model" in trusted_factories()
 
 
 def test_replay_of_bundle_without_batch_says_why(tmp_path):
@@ -176,7 +231,7 @@ def test_reference_model_factory_is_trusted_from_the_bundle(tmp_path):
     """The built-in factory: the Superfusion trap (huge Wq/Wk gain) overflows in `fusion`."""
     ref = pytest.importorskip("reference_model.model")
     data = pytest.importorskip("reference_model.data")
-    from sfmonitor.forensics import REFERENCE_FACTORY
+    factory = "reference_model.model:build_model"   # registered in pyproject.toml
     train, _, tok = data.make_synthetic(data.DataConfig(n_train=16, n_val=8))
     cfg = {"vocab_size": len(tok), "d_model": 16, "text_ff": 16, "qk_init_gain": 200.0}
     model = ref.build_model(cfg)
@@ -185,7 +240,7 @@ def test_reference_model_factory_is_trusted_from_the_bundle(tmp_path):
         losses = model(**train.collate(list(range(4))))
     assert not torch.isfinite(losses["fusion"])
     path = write_bundle(tmp_path, 0, "nonfinite_loss", model_state=model.state_dict(), batch=rec.batches,
-                        rng_state=rec.rng_state, model_factory=REFERENCE_FACTORY,
+                        rng_state=rec.rng_state, model_factory=factory,
                         model_kwargs={"cfg": cfg}, loss_weights=WEIGHTS)
     r = replay_bundle(path, ablate=True)                    # no factory given: the bundle's is trusted
     assert r["reproduced"] is True and r["first_nonfinite_module"] == "fusion"
