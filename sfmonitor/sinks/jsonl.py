@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 from ..events import Event, jsonable
 from .base import Sink
@@ -22,11 +23,21 @@ EVENTS_FILE = "events.jsonl"
 
 
 class JsonlSink(Sink):
+    """Appends to ``metrics.jsonl`` and ``events.jsonl``. The two files fail alone: an error
+    opening or writing one (disk full, a folder in the way...) warns once, naming the file and the
+    error, and turns off that file only, so the events (the rescues) are still written when the
+    metrics cannot be, and the other way round. A record that cannot be encoded is skipped (one
+    warning per file). ``failed`` maps each turned-off file to its error; ``dropped`` counts the
+    records each file lost. No method raises for a file error: training never stops here."""
+
     name = "jsonl"
 
     def __init__(self, run_dir: str | None = None):
         self.run_dir = run_dir
         self._files: dict[str, Any] = {}
+        self.failed: dict[str, str] = {}       # file name -> the error that turned it off
+        self.dropped: dict[str, int] = {}      # file name -> records not written
+        self._warned_encode: set[str] = set()
 
     def open(self, run_dir: str | None, config: dict[str, Any]) -> None:
         self.run_dir = self.run_dir or run_dir
@@ -41,28 +52,66 @@ class JsonlSink(Sink):
             self._files[name] = fh
         return fh
 
-    def _write(self, name: str, record: dict[str, Any]) -> None:
-        fh = self._file(name)
-        fh.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
-        fh.flush()
+    def _fail(self, name: str, where: str, e: BaseException) -> None:
+        """Turn off one file with one warning; the other file goes on."""
+        self.dropped[name] = self.dropped.get(name, 0) + 1
+        if name in self.failed:
+            return
+        self.failed[name] = f"{type(e).__name__}: {e}"
+        fh = self._files.pop(name, None)
+        if fh is not None:
+            try:
+                fh.close()
+            except Exception:  # noqa: BLE001 - the file is already broken
+                pass
+        path = os.path.join(self.run_dir or ".", name)
+        warnings.warn(f"sfmonitor: the jsonl sink cannot {where} {path} ({self.failed[name]}); "
+                      f"nothing more is written to {name} for the rest of the run, the other "
+                      f"file goes on and training goes on", RuntimeWarning, stacklevel=4)
+
+    def _write(self, name: str, record: Callable[[], dict[str, Any]]) -> None:
+        if name in self.failed:
+            self.dropped[name] = self.dropped.get(name, 0) + 1
+            return
+        try:
+            line = json.dumps(jsonable(record()), allow_nan=False, default=str) + "\n"
+        except Exception as e:  # noqa: BLE001 - one bad record (circular data...) is skipped
+            self.dropped[name] = self.dropped.get(name, 0) + 1
+            if name not in self._warned_encode:
+                self._warned_encode.add(name)
+                warnings.warn(f"sfmonitor: the jsonl sink skipped a record of {name} it cannot "
+                              f"encode ({type(e).__name__}: {e}); later records are written",
+                              RuntimeWarning, stacklevel=3)
+            return
+        if self.run_dir is None:
+            raise RuntimeError("the jsonl sink needs a run_dir (Monitor(run_dir=...))")
+        try:
+            fh = self._file(name)
+            fh.write(line)
+            fh.flush()
+        except Exception as e:  # noqa: BLE001 - OSError, a folder in the way, ...
+            self._fail(name, "write", e)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._write(METRICS_FILE, {"step": step, "time": time.time(), **metrics})
+        self._write(METRICS_FILE, lambda: {"step": step, "time": time.time(), **metrics})
 
     def log_event(self, event: Event) -> None:
-        self._write(EVENTS_FILE, {"step": event.step, "time": time.time(),
-                                  **{k: v for k, v in event.to_dict().items() if k != "step"}})
+        self._write(EVENTS_FILE, lambda: {"step": event.step, "time": time.time(),
+                                          **{k: v for k, v in event.to_dict().items() if k != "step"}})
 
     def flush(self) -> None:
-        for fh in self._files.values():
-            fh.flush()
-            os.fsync(fh.fileno())
+        for name, fh in list(self._files.items()):
+            try:
+                fh.flush()
+                os.fsync(fh.fileno())
+            except Exception as e:  # noqa: BLE001
+                self._fail(name, "flush", e)
 
     def close(self) -> None:
         for fh in self._files.values():
             try:
                 fh.close()
-            except OSError:
+            except Exception:  # noqa: BLE001 - closing must not raise (it may flush a full disk)
                 pass
         self._files.clear()
 
