@@ -24,7 +24,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """LR range test on the reference model (see --help)"""
+    """LR range test on the reference model"""
     p = argparse.ArgumentParser(prog="sfmonitor lr-find",
                                 description="LR range test on the Superfusion reference model: "
                                             "sweeps the LR, prints the curve and a suggestion.")
