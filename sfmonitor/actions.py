@@ -34,14 +34,15 @@ from torch import nn
 from .checkpoint import (DEFAULT_SNAPSHOT_EVERY, DEFAULT_SNAPSHOT_KEEP, SnapshotRing,
                          capture_state, restore_state, save_checkpoint)
 from . import stats as S
-from .schema import Section, option
+from .registry import ACTIONS, register_action
+from .schema import Section, SectionTable, option
 from .events import (CHECKPOINT, CLIP, GRAD_NOISE, LR_DROP, PLATEAU, PRECISION_FALLBACK, REWEIGHT,
-                     ROLLBACK, SKIP_STEP, STOP, ACTION_NAMES, ConfigError, Decision, StopTraining)
+                     ROLLBACK, SKIP_STEP, STOP, ConfigError, Decision, StopTraining)
 
 __all__ = [
     "ActionsConfig", "ClipConfig", "ReweightConfig", "LRDropConfig", "RollbackConfig",
     "CheckpointConfig", "GradNoiseConfig", "LossScaleConfig", "StopConfig", "ActionContext",
-    "apply", "ACTIONS", "skip_step", "clip", "clip_gradients", "reweight", "relax_weights",
+    "apply", "skip_step", "clip", "clip_gradients", "reweight", "relax_weights",
     "lr_drop", "apply_lr_scale", "restore_lr", "checkpoint", "rollback", "precision_fallback",
     "remove_precision_fallback", "grad_noise", "grad_noise_std", "stop", "keep_loss_scale_floor",
     "parse_clip_rule",
@@ -155,18 +156,15 @@ class StopConfig(Section):
                                                   "raising StopTraining (early stopping)")
 
 
-@dataclass
-class ActionsConfig(Section):
-    """Every action's settings."""
+class ActionsConfig(SectionTable):
+    """Every registered action's settings (``actions.<name>``), plus the GradScaler floor
+    (``actions.loss_scale``, a standing setting rather than an action)."""
 
-    clip: ClipConfig = option(ClipConfig(), "clip action")
-    reweight: ReweightConfig = option(ReweightConfig(), "reweight action")
-    lr_drop: LRDropConfig = option(LRDropConfig(), "lr_drop action")
-    rollback: RollbackConfig = option(RollbackConfig(), "snapshots and rollback")
-    checkpoint: CheckpointConfig = option(CheckpointConfig(), "emergency checkpoints")
-    grad_noise: GradNoiseConfig = option(GradNoiseConfig(), "gradient noise")
-    loss_scale: LossScaleConfig = option(LossScaleConfig(), "GradScaler floor")
-    stop: StopConfig = option(StopConfig(), "stop action")
+    @classmethod
+    def table(cls) -> dict[str, type[Section]]:
+        out = {name: spec.config for name, spec in ACTIONS.items() if spec.config is not None}
+        out["loss_scale"] = LossScaleConfig
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,6 +210,7 @@ class ActionContext:
 # skip_step
 # --------------------------------------------------------------------------------------------
 
+@register_action(SKIP_STEP, order=20)
 def skip_step(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Mark this step's update as not to be applied; the monitor makes it a bit-identical no-op."""
     ctx.skip = True
@@ -298,6 +297,7 @@ def clip_gradients(groups: dict[str, list[nn.Parameter]], config: ClipConfig, mo
     return before, after, used
 
 
+@register_action(CLIP, order=70, config=ClipConfig)
 def clip(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Clip this step's gradients (mode from ``decision.params['mode']`` or the config)."""
     groups = ctx.params_with_grad()
@@ -318,6 +318,7 @@ def clip(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # reweight
 # --------------------------------------------------------------------------------------------
 
+@register_action(REWEIGHT, order=60, per_finding=True, config=ReweightConfig)
 def reweight(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """The report's rule for the pair (a, b) of the finding, ratio r > t:
     w_a = base_a * t / r, w_b = base_b * r / t (the report: w_v = 0.4 * 2/r, w_f = 0.3 * r/2)."""
@@ -406,6 +407,8 @@ def restore_lr(optimizer: torch.optim.Optimizer, saved: list[Any]) -> None:
             group["lr"] = lr
 
 
+# Cooldown 20: one drop per incident, not one per finding of a burst.
+@register_action(LR_DROP, order=40, budgeted=True, cooldown=20, config=LRDropConfig)
 def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """``ctx.lr_scale *= factor`` (not below ``min_scale``); effective LRs reported per group."""
     cfg = ctx.config.lr_drop
@@ -441,6 +444,8 @@ def _prune(folder: Path, keep: int) -> list[str]:
     return removed
 
 
+# Cooldown 100: emergency checkpoints are big; one per incident.
+@register_action(CHECKPOINT, order=10, cooldown=100, config=CheckpointConfig)
 def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Emergency checkpoint of the last good state: the live state when the finding is about an
     update not yet applied; otherwise the newest snapshot from before the offending update."""
@@ -455,7 +460,7 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     source = "live"
     snap = None
     if not cause.before_update and ctx.snapshots is not None:
-        snap = ctx.snapshots.latest_before(int(cause.data.get("step", ctx.step)))
+        snap = ctx.snapshots.latest_before(cause.step if cause.step is not None else ctx.step)
     if snap is not None:
         label, state = snap
         state = dict(state)
@@ -475,6 +480,8 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # rollback
 # --------------------------------------------------------------------------------------------
 
+# Cooldown 20: a restored run takes a few steps before going back again.
+@register_action(ROLLBACK, order=30, budgeted=True, cooldown=20, config=RollbackConfig)
 def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Restore the newest snapshot taken before the trouble (model, optimizer, scaler, RNG), skip
     this step's update (its gradients belong to the abandoned state) and the next ``skip_batches``
@@ -487,7 +494,10 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     cfg = ctx.config.rollback
     ctx.skip = True
     cause = decision.cause
-    target = int(cause.data.get("step", ctx.step)) if not cause.before_update else ctx.step - 1
+    if cause.before_update:
+        target = ctx.step - 1
+    else:
+        target = cause.step if cause.step is not None else ctx.step
     snap = ctx.snapshots.latest_before(target) if ctx.snapshots is not None else None
     if snap is None:
         have = ctx.snapshots.labels if ctx.snapshots is not None else []
@@ -505,6 +515,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # precision_fallback
 # --------------------------------------------------------------------------------------------
 
+@register_action(PRECISION_FALLBACK, order=50, budgeted=True)
 def precision_fallback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Run the module named by ``decision.params['module']`` or the finding's ``where`` in fp32 from
     now on (``watch.precision_fallback``: autocast off inside it, inputs upcast, outputs cast back to
@@ -542,6 +553,7 @@ def grad_noise_std(epoch: int, eta: float = 0.3, gamma: float = 0.55) -> float:
     return eta / (1.0 + epoch) ** gamma
 
 
+@register_action(GRAD_NOISE, order=80, config=GradNoiseConfig)
 def grad_noise(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Add Gaussian noise to every gradient, from a generator kept apart from the training RNG."""
     cfg = ctx.config.grad_noise
@@ -560,6 +572,7 @@ def grad_noise(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # stop
 # --------------------------------------------------------------------------------------------
 
+@register_action(STOP, order=90, config=StopConfig)
 def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Save a checkpoint (unless one was saved this step), set ``ctx.should_stop``, and raise
     ``StopTraining`` with the reason; causes in ``graceful_kinds`` (plateau) only set the flag.
@@ -576,11 +589,9 @@ def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         facts["graceful"] = True
         return facts
     where = facts.get("checkpoint", {}).get("path")
-    err = StopTraining(f"sfmonitor stopped training at step {ctx.step}: {facts['reason']} "
+    raise StopTraining(f"sfmonitor stopped training at step {ctx.step}: {facts['reason']} "
                        f"(cause: {cause.kind}: {cause.message})"
-                       + (f"; last good state saved to {where}" if where else ""))
-    err.facts = facts  # type: ignore[attr-defined]
-    raise err
+                       + (f"; last good state saved to {where}" if where else ""), facts=facts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -603,16 +614,9 @@ def keep_loss_scale_floor(scaler: Any, min_scale: float) -> bool:
 # Dispatch
 # --------------------------------------------------------------------------------------------
 
-ACTIONS: dict[str, Callable[[ActionContext, Decision], dict[str, Any]]] = {
-    SKIP_STEP: skip_step, CLIP: clip, REWEIGHT: reweight, LR_DROP: lr_drop, CHECKPOINT: checkpoint,
-    ROLLBACK: rollback, PRECISION_FALLBACK: precision_fallback, GRAD_NOISE: grad_noise, STOP: stop,
-}
-assert set(ACTIONS) == set(ACTION_NAMES), "every action name has exactly one function"
-
-
 def apply(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Carry out one decision; returns JSON-able facts for its event. ``stop`` raises StopTraining."""
-    fn = ACTIONS.get(decision.action)
-    if fn is None:
-        raise ConfigError(f"unknown action {decision.action!r}; allowed: {', '.join(ACTION_NAMES)}")
-    return fn(ctx, decision)
+    spec = ACTIONS.get(decision.action)
+    if spec is None:
+        raise ConfigError(f"unknown action {decision.action!r}; allowed: {', '.join(ACTIONS)}")
+    return spec.fn(ctx, decision)

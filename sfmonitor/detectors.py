@@ -1,8 +1,10 @@
 """Detectors: read one step's statistics (plain floats) and return findings. They never touch the
 model, the optimizer or the loss; only ``actions.py`` does.
 
-Every detector has ``kind`` (an event kind), ``after_update`` (True: it judges an update that
-already landed, and the monitor calls it with the previous step's complete statistics),
+Every detector is registered (``registry.register_detector``: its name, config section and the
+kinds it reports with their default ladders) and has ``kind`` (an event kind), ``after_update``
+(True: it judges an update that already landed, and the monitor calls it with the previous step's
+complete statistics),
 ``check(step, stats) -> list[Finding]``, ``observe_eval(step, metrics, chance) -> list[Finding]``
 (evaluation-driven detectors), and ``state_dict()`` / ``load_state_dict()`` holding only plain
 numbers, lists and dicts.
@@ -12,7 +14,7 @@ neither does a spike: the value that crossed the threshold is clamped to the thr
 is added (as ZClip does), so a run that genuinely moves to a new level is followed, slowly, while
 a spike cannot inflate the statistics that judge the next step.
 
-Statistic keys read (see DESIGN.md): ``loss/total``, ``loss/<c>``, ``grad_norm/total``,
+Statistic keys read (listed in stats.py): ``loss/total``, ``loss/<c>``, ``grad_norm/total``,
 ``grad_norm/<group>``, ``update_ratio/<group>``, ``loss_ratio/<a>/<b>``, ``grad_ratio/<a>/<b>``,
 ``amp/loss_scale``.
 """
@@ -24,9 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import stats as S
-from .schema import Section, option
-from .events import (ACCURACY_COLLAPSE, GRAD_RATIO_IMBALANCE, GRAD_SPIKE, LOSS_RATIO_IMBALANCE,
-                     LOSS_SCALE_FLOOR, LOSS_SPIKE, PLATEAU, UPDATE_RATIO_SPIKE, ConfigError, Finding)
+from .events import (ACCURACY_COLLAPSE, CLIP, GRAD_RATIO_IMBALANCE, GRAD_SPIKE, LOSS_RATIO_IMBALANCE,
+                     LOSS_SCALE_FLOOR, LOSS_SPIKE, LR_DROP, PLATEAU, REWEIGHT, ROLLBACK, STOP,
+                     UPDATE_RATIO_SPIKE, ConfigError, Finding)
+from .registry import DETECTORS, register_detector
+from .schema import Section, SectionTable, option
 
 __all__ = [
     "DetectorsConfig", "LossSpikeConfig", "GradSpikeConfig", "UpdateRatioSpikeConfig",
@@ -162,18 +166,13 @@ class PlateauConfig(Section):
     min_delta: float = option(0.0, "an improvement must beat the best by more than this", lo=0)
 
 
-@dataclass
-class DetectorsConfig(Section):
-    """Every detector, one sub-section each."""
+class DetectorsConfig(SectionTable):
+    """Every registered detector, one sub-section each (``detectors.<name>``): the built-ins below
+    and any registered with ``registry.register_detector``."""
 
-    loss_spike: LossSpikeConfig = option(LossSpikeConfig(), "loss spike detector")
-    grad_spike: GradSpikeConfig = option(GradSpikeConfig(), "gradient-norm spike detector")
-    update_ratio_spike: UpdateRatioSpikeConfig = option(UpdateRatioSpikeConfig(), "update-ratio spike detector")
-    loss_ratio_imbalance: RatioImbalanceConfig = option(RatioImbalanceConfig(), "loss ratio a/b detector")
-    grad_ratio_imbalance: RatioImbalanceConfig = option(RatioImbalanceConfig(), "gradient ratio a/b detector")
-    loss_scale_floor: LossScaleFloorConfig = option(LossScaleFloorConfig(), "GradScaler floor detector")
-    accuracy_collapse: AccuracyCollapseConfig = option(AccuracyCollapseConfig(), "accuracy-at-chance detector")
-    plateau: PlateauConfig = option(PlateauConfig(), "plateau (improved early stopping) detector")
+    @classmethod
+    def table(cls) -> dict[str, type[Section]]:
+        return {name: spec.config for name, spec in DETECTORS.items() if spec.config is not None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,8 +215,17 @@ def _fmt(x: float) -> str:
 # --------------------------------------------------------------------------------------------
 
 class Detector:
-    """Base detector: finds nothing. Subclasses set ``kind`` and override what they watch."""
+    """Base detector: finds nothing. A detector is any object with these members; subclass this one
+    and override what you watch, then register the class (``registry.register_detector``) or pass
+    an instance to ``Monitor(detectors=[...])``.
 
+    name: its registry name (config section ``detectors.<name>``, key of its state in
+    ``Monitor.state_dict()``). kind: the event kind it reports. after_update: True when it judges
+    an update that already landed; the monitor then calls ``check`` with the previous step's
+    complete statistics (update ratios included), one step later.
+    """
+
+    name: str = ""
     kind: str = ""
     after_update: bool = False
 
@@ -251,6 +259,10 @@ class _Windowed(Detector):
                         for k, w in state.get("windows", {}).items()}
 
 
+# A loss jump on the step after an update means that update was bad: go back to before it; a second
+# jump within 50 steps also drops the LR.
+@register_detector("loss_spike", config=LossSpikeConfig, window=50,
+                   kinds={LOSS_SPIKE: [(1, [ROLLBACK]), (2, [ROLLBACK, LR_DROP])]})
 class LossSpike(_Windowed):
     """log(loss) above median + z * max(1.4826 * MAD, min_sigma) of the last ``window`` finite values.
 
@@ -291,6 +303,7 @@ class LossSpike(_Windowed):
         return out
 
 
+@register_detector("grad_spike", config=GradSpikeConfig, kinds={GRAD_SPIKE: [(1, [CLIP])]})
 class GradSpike(Detector):
     """ZClip-style z-score of log(grad norm) against an EMA of its mean and variance.
 
@@ -349,6 +362,9 @@ class GradSpike(Detector):
         self.warm = {k: [float(a) for a in v] for k, v in state.get("warm", {}).items()}
 
 
+# A spike seen after the update landed: only going back helps.
+@register_detector("update_ratio_spike", config=UpdateRatioSpikeConfig,
+                   kinds={UPDATE_RATIO_SPIKE: [(1, [ROLLBACK, LR_DROP])]})
 class UpdateRatioSpike(_Windowed):
     """update_ratio/<group> above ``factor`` x its rolling median, or above ``ceiling``.
 
@@ -377,7 +393,7 @@ class UpdateRatioSpike(_Windowed):
                 why = (f"{cfg.factor:g} x its rolling median {_fmt(med)}" if rel_limit <= cfg.ceiling
                        else f"the ceiling {cfg.ceiling:g}")
                 out.append(Finding(
-                    kind=self.kind, where=group, before_update=False,
+                    kind=self.kind, where=group, before_update=False, step=step,
                     message=f"{key} = {_fmt(value)} at step {step} is above {why} (limit {_fmt(limit)})",
                     data={"key": key, "value": value, "median": med, "factor": cfg.factor,
                           "ceiling": cfg.ceiling, "threshold_value": limit, "step": step}))
@@ -436,6 +452,8 @@ class _RatioImbalance(Detector):
         self.last_fire = {k: int(v) for k, v in state.get("last_fire", {}).items()}
 
 
+@register_detector("loss_ratio_imbalance", config=RatioImbalanceConfig,
+                   kinds={LOSS_RATIO_IMBALANCE: [(1, [REWEIGHT])]})
 class LossRatioImbalance(_RatioImbalance):
     """loss_ratio/<a>/<b> above 2 (the report's reweighting trigger). Falls back to
     (loss/<a> + 1e-6) / (loss/<b> + 1e-6) when the ratio key is absent."""
@@ -448,6 +466,8 @@ class LossRatioImbalance(_RatioImbalance):
         return S.loss_ratio_of(stats, a, b)
 
 
+@register_detector("grad_ratio_imbalance", config=RatioImbalanceConfig,
+                   kinds={GRAD_RATIO_IMBALANCE: [(1, [REWEIGHT])]})
 class GradRatioImbalance(_RatioImbalance):
     """grad_ratio/<a>/<b> above 2 on shared parameters (the report's trap 2: conflicting gradients,
     NaN followed with 87% probability). The key exists only on the steps the stats stage measures it."""
@@ -457,6 +477,7 @@ class GradRatioImbalance(_RatioImbalance):
     what = "gradient-norm ratio"
 
 
+@register_detector("loss_scale_floor", config=LossScaleFloorConfig, kinds={LOSS_SCALE_FLOOR: []})
 class LossScaleFloor(Detector):
     """amp/loss_scale <= min_loss_scale; fires once, re-arms when the scale is back above."""
 
@@ -489,6 +510,8 @@ class LossScaleFloor(Detector):
         self.armed = bool(state.get("armed", True))
 
 
+@register_detector("accuracy_collapse", config=AccuracyCollapseConfig,
+                   kinds={ACCURACY_COLLAPSE: [(1, [ROLLBACK, LR_DROP])]})
 class AccuracyCollapse(Detector):
     """Validation accuracy at chance (<= chance + collapse_margin) after it had been clearly above
     (>= chance + above_margin). Fires once per collapse; re-arms when clearly above again."""
@@ -531,6 +554,8 @@ class AccuracyCollapse(Detector):
         self.armed = bool(state.get("armed", False))
 
 
+# The report's improved early stopping: the detector places its findings on the ladder itself.
+@register_detector("plateau", config=PlateauConfig, kinds={PLATEAU: [(1, [LR_DROP]), (2, [STOP])]})
 class Plateau(Detector):
     """No improvement of the eval metric for ``patience`` validations (finding with
     ``data["occurrence"] = 1``), then for ``grace`` more (``occurrence = 2``). The policy uses the
@@ -571,7 +596,8 @@ class Plateau(Detector):
                         message=f"validation {cfg.metric} {value} has not improved on {self.best} for "
                                 f"{n} validations: {what}",
                         data={"metric": cfg.metric, "value": value, "best": self.best, "validations": n,
-                              "occurrence": occurrence, "step": step})]
+                              "occurrence": occurrence, "step": step},
+                        occurrence=occurrence)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "stale": self.stale, "stage": self.stage}
@@ -583,15 +609,14 @@ class Plateau(Detector):
 
 
 def build_detectors(config: DetectorsConfig | None = None) -> list[Detector]:
-    """The enabled detectors, in a fixed order."""
+    """The enabled registered detectors, in registration order (built-ins first)."""
     cfg = config or DetectorsConfig()
     built: list[Detector] = []
-    for section, cls in ((cfg.loss_spike, LossSpike), (cfg.grad_spike, GradSpike),
-                         (cfg.update_ratio_spike, UpdateRatioSpike),
-                         (cfg.loss_ratio_imbalance, LossRatioImbalance),
-                         (cfg.grad_ratio_imbalance, GradRatioImbalance),
-                         (cfg.loss_scale_floor, LossScaleFloor),
-                         (cfg.accuracy_collapse, AccuracyCollapse), (cfg.plateau, Plateau)):
-        if section.enabled:
-            built.append(cls(section))
+    for name, spec in DETECTORS.items():
+        section = getattr(cfg, name) if spec.config is not None else None
+        if section is not None and not getattr(section, "enabled", True):
+            continue
+        det = spec.cls(section) if section is not None else spec.cls()
+        det.name = name
+        built.append(det)
     return built

@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, NonFiniteError, SFMonitorError, StopTraining  # noqa: F401 - re-exported
+from .registry import action_names, event_kinds, register_kind
 
-# Event kinds (DESIGN.md). Detectors name their findings with these constants.
+# Event kinds. Each is registered (registry.KINDS) by the component that reports it, with its
+# default ladder; the names are here so that any module can refer to them without importing that
+# component.
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRAD = "nonfinite_grad"
 NONFINITE_PARAM = "nonfinite_param"
@@ -26,13 +29,7 @@ LOSS_SCALE_FLOOR = "loss_scale_floor"
 ACCURACY_COLLAPSE = "accuracy_collapse"
 PLATEAU = "plateau"
 
-EVENT_KINDS = (
-    NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, GRAD_SPIKE, LOSS_SPIKE, UPDATE_RATIO_SPIKE,
-    GRAD_RATIO_IMBALANCE, LOSS_RATIO_IMBALANCE, ACTIVATION_OVERFLOW, LOSS_SCALE_FLOOR,
-    ACCURACY_COLLAPSE, PLATEAU,
-)
-
-# Action names (DESIGN.md).
+# Action names; each is registered (registry.ACTIONS) in actions.py with its function.
 SKIP_STEP = "skip_step"
 CLIP = "clip"
 REWEIGHT = "reweight"
@@ -43,19 +40,43 @@ PRECISION_FALLBACK = "precision_fallback"
 GRAD_NOISE = "grad_noise"
 STOP = "stop"
 
-ACTION_NAMES = (SKIP_STEP, CLIP, REWEIGHT, LR_DROP, CHECKPOINT, ROLLBACK, PRECISION_FALLBACK,
-                GRAD_NOISE, STOP)
+# The core's own kinds: the monitor checks every step for non-finite values itself (no detector
+# to switch off). A non-finite loss or gradient is skipped; three in a row also go back to the
+# last snapshot and drop the LR. A non-finite parameter means the update already landed: only
+# going back helps.
+_NONFINITE_RUNGS = [(1, [SKIP_STEP]), (3, [SKIP_STEP, ROLLBACK, LR_DROP])]
+register_kind(NONFINITE_LOSS, _NONFINITE_RUNGS, window=1, doc="the step's loss is NaN or inf")
+register_kind(NONFINITE_GRAD, _NONFINITE_RUNGS, window=1, doc="a gradient holds NaN or inf")
+register_kind(NONFINITE_PARAM, [(1, [ROLLBACK, LR_DROP])], doc="a parameter holds NaN or inf")
+
+
+def __getattr__(name: str) -> Any:
+    """EVENT_KINDS and ACTION_NAMES, derived from the registry at the time they are asked for."""
+    if name == "EVENT_KINDS":
+        return event_kinds()
+    if name == "ACTION_NAMES":
+        return action_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
 class Finding:
     """What a detector saw. Detectors return these and never touch the model.
 
-    kind: an event kind above. message: one human sentence with the numbers.
-    data: the numbers that crossed the threshold (JSON-serialisable).
+    kind: a registered event kind. message: one human sentence with the numbers.
+    data: the numbers that crossed the threshold, for people (JSON-serialisable); nothing in the
+    monitor or the policy decides on it. The fields below are what decisions are made on.
     where: the group, module or parameter the finding is about ("" when global).
     before_update: True when the finding is about the step being taken (its update can still be
     stopped); False when the update already landed (e.g. an update-ratio spike seen afterwards).
+    step: the optimizer step the finding is about (None: the step being taken). A finding about a
+    landed update names the step of that update.
+    occurrence: the finding's place on its kind's ladder, set by detectors whose findings are
+    validations apart (plateau); None: the policy counts the streak itself.
+    handled_by_scaler: the GradScaler skips this step itself (finite loss, overflowing scaled
+    gradients: ordinary dynamic loss scaling); recorded, never acted on.
+    urgent: the trouble is already here (e.g. a module produced inf): the finding enters its
+    ladder at the first rung that acts, whatever the streak.
     """
 
     kind: str
@@ -63,6 +84,10 @@ class Finding:
     data: dict[str, Any] = field(default_factory=dict)
     where: str = ""
     before_update: bool = True
+    step: int | None = None
+    occurrence: int | None = None
+    handled_by_scaler: bool = False
+    urgent: bool = False
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The Monitor: attach to any model and optimizer, watch every optimizer step, rescue the run.
 
-Read ``Monitor._run_pipeline`` first: it is the whole per-step story, in this fixed order,
+One optimizer step is one ``StepRecord`` (record.py). Read ``Monitor._run_pipeline`` first: it is
+the whole per-step story, in this fixed order,
 
     1. stats      gather the step's statistics as tensors, read them to the host ONCE
     2. detectors  turn numbers into findings (they never touch the model)
@@ -8,14 +9,21 @@ Read ``Monitor._run_pipeline`` first: it is the whole per-step story, in this fi
     4. actions    the only code that changes training (skip, clip, reweight, lr drop, rollback...)
     5. sinks      every finding becomes an event with the actions it caused; metrics are logged
 
-It runs where the *unscaled* gradients are ready and the update has not landed yet: in the
-optimizer's step pre-hook, or, with a GradScaler, inside ``scaler.step`` right after ``unscale_``
-(the scaler may skip ``optimizer.step`` and then no optimizer hook fires). ``_after_update`` runs in
-the step post-hook (or after the scaler skipped) and measures what the update did.
+Two entry points drive a step, whatever calls them (the optimizer's step hooks, the GradScaler
+wrapper, an integration); both are safe to call twice:
+
+    before_update()  where the unscaled gradients are ready and the update has not landed: runs
+                     the pipeline (record OPEN -> DECIDED)
+    after_update()   once the optimizer ran or was skipped: puts back what the step hid or
+                     changed, measures the update, closes the record (DECIDED -> LANDED)
+
+An exception anywhere in a step closes its record as ABORTED with everything put back, so the
+next step starts clean and is fully checked.
 
 Skipping a step: the pipeline hides every gradient (``p.grad = None``) before the optimizer runs.
 torch.optim optimizers leave parameters without a gradient untouched (no state update, no step
 counter), so parameters and optimizer state stay bit-identical; the gradients are put back after.
+docs/design.md walks through one step from hook to sink.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ import copy
 import os
 import time
 import warnings
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -32,13 +40,15 @@ from . import actions as A
 from . import stats as S
 from .checkpoint import SnapshotRing
 from .config import MonitorConfig
-from .detectors import build_detectors
+from .detectors import Detector, build_detectors
 from .events import (ACTIVATION_OVERFLOW, LOSS_RATIO_IMBALANCE, NONFINITE_GRAD, NONFINITE_LOSS,
                      NONFINITE_PARAM, PRECISION_FALLBACK, REWEIGHT, SKIP_STEP, ConfigError, Decision,
                      Event, Finding, NonFiniteError, StopTraining)
 from .forensics import BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
 from .integrations.distributed import rank, unwrap
-from .policy import OCCURRENCE, Policy
+from .policy import Policy
+from .record import Outcome, Phase, StepRecord
+from .registry import register_kind
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
 from .watch import ActivationWatch
@@ -98,40 +108,6 @@ def resolve_groups(model: nn.Module, groups: Mapping[str, Any] | None = None
     return {g: ps for g, ps in out.items() if ps}
 
 
-class _LossAccumulator:
-    """Loss components recorded by ``combine()`` over the micro-batches of one optimizer step."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.total: torch.Tensor | None = None
-        self.count = 0
-        self.weights: dict[str, float] = {}
-
-    def add(self, components: Mapping[str, torch.Tensor], total: torch.Tensor,
-            weights: Mapping[str, float]) -> None:
-        for k, v in components.items():
-            v = v.detach().float()
-            self.sums[k] = v if k not in self.sums else self.sums[k] + v
-        t = total.detach().float()
-        self.total = t if self.total is None else self.total + t
-        self.count += 1
-        self.weights = dict(weights)
-
-    def tensors(self, pairs: list[list[str]]) -> dict[str, torch.Tensor | float]:
-        if not self.count:
-            return {}
-        out: dict[str, torch.Tensor | float] = {S.LOSS_TOTAL: self.total / self.count}
-        for k, v in self.sums.items():
-            if k != "total":
-                out[S.LOSS.format(k)] = v / self.count
-        if len(self.sums) > 1:
-            for k, w in self.weights.items():
-                out[S.LOSS_WEIGHT.format(k)] = float(w)
-            for a, b in S.pair_keys(self.sums, pairs):
-                out[S.LOSS_RATIO.format(a, b)] = S.ratio(self.sums[a] / self.count, self.sums[b] / self.count)
-        return out
-
-
 class Monitor:
     """Watches a model and optimizer each optimizer step; see the module docstring.
 
@@ -141,10 +117,14 @@ class Monitor:
             folder under ./sfmonitor_runs/ is made on first write.
         sinks: sink names ("jsonl", "console", "tensorboard", "wandb") or Sink objects.
             Default: ["jsonl"] plus one console line per event (``config.console``).
+        detectors: extra detector instances (``detectors.Detector`` subclasses, each with its own
+            ``name`` and ``kind``) run after the registered ones; see docs/design.md.
     """
 
     def __init__(self, config: MonitorConfig | dict | str | os.PathLike | None = None,
-                 run_dir: str | os.PathLike | None = None, sinks: Iterable[Any] | None = None):
+                 run_dir: str | os.PathLike | None = None, sinks: Iterable[Any] | None = None,
+                 detectors: Sequence[Detector] | None = None):
+        extra = self._check_detectors(detectors)
         self.config = MonitorConfig.from_any(config)
         self.run_dir = os.fspath(run_dir) if run_dir is not None else None
         if isinstance(sinks, (str, bytes)):
@@ -160,39 +140,70 @@ class Monitor:
         self._router: SinkRouter | None = None
         self._hooks: list[Any] = []
         self._undo: list[Any] = []  # callables that restore whatever attach() replaced
-        self._losses = _LossAccumulator()
         self._base_weights: dict[str, float] = {}
         self._weights: dict[str, float] = {}  # current (possibly rescued) loss weights
-        self._grad_ratio_tensors: dict[str, torch.Tensor] = {}
-        self._stats: dict[str, float] = {}
-        self._pending: dict[str, torch.Tensor] = {}  # after-update tensors of the last step
-        self._pending_step: int | None = None
-        self._amp_skipped = 0
-        self._pipeline_done = False  # the pipeline already ran for the step in flight
-        self._skipping = False
-        self._hidden_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._before_params: list[torch.Tensor] | None = None
+        self._amp_skipped = 0  # steps the GradScaler skipped so far
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
-        self._stepped = False
-        self._scaler_skips = False  # the GradScaler found inf/NaN in this step's gradients
-        self._external = False  # an integration calls before_update()/after_update()
-        self._prev_record: tuple[int, dict[str, float]] | None = None  # for after-update detectors
-        self._saved_lr: list[Any] = []
+        self._driven_externally = False  # an integration calls before_update()/after_update()
         self._model_factory: tuple[str, dict[str, Any]] | None = None
+        # The step in flight, and the last closed one: its update ratios are read with the next
+        # step's single read, then its after-update detectors judge it and it goes to the sinks.
+        self._record = StepRecord(step=0)
+        self._last: StepRecord | None = None
+        self._stats: dict[str, float] = {}
         # The stages. Detectors and policy hold windows, streaks and cooldowns (state_dict).
-        self._detectors = build_detectors(self.config.detectors)
+        self._detectors: list[Detector] = build_detectors(self.config.detectors) + extra
         self._policy = Policy(self.config.policy)
         self._watch = ActivationWatch(self.config.watch)
         self._recorder = BatchRecorder()
         self._bundles = BundleTracker(self.config.bundle)
         self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
-        self._bundle_requested = False
+        self._bundle_next = False  # request_bundle(): write one for the next step
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
+        names = [d.name for d in self._detectors]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"detectors: two detectors are named {dup[0]!r}; each needs its own name "
+                              f"(it keys the detector's state in state_dict)")
+
+    @staticmethod
+    def _check_detectors(detectors: Sequence[Detector] | None) -> list[Detector]:
+        """A user's own detector instances; their kinds are registered (with no ladder unless
+        registered before) so that events and ``policy.ladders`` know them."""
+        if detectors is None:
+            return []
+        if isinstance(detectors, (str, bytes)) or not isinstance(detectors, Iterable):
+            raise ConfigError(f"detectors: expected a list of detector instances, got {detectors!r}")
+        out = list(detectors)
+        for i, d in enumerate(out):
+            if isinstance(d, type):
+                raise ConfigError(f"detectors[{i}]: expected a detector instance, got the class "
+                                  f"{d.__name__}; pass {d.__name__}(...)")
+            missing = [m for m in ("check", "observe_eval", "state_dict", "load_state_dict")
+                       if not callable(getattr(d, m, None))]
+            if missing:
+                raise ConfigError(f"detectors[{i}]: {type(d).__name__} lacks {', '.join(missing)} "
+                                  f"(subclass sfmonitor.Detector)")
+            name, kind = getattr(d, "name", ""), getattr(d, "kind", "")
+            if not name or not isinstance(name, str):
+                raise ConfigError(f"detectors[{i}]: {type(d).__name__} has no name (set the class "
+                                  f"attribute `name`; it keys the detector's state)")
+            if not kind or not isinstance(kind, str):
+                raise ConfigError(f"detectors[{i}]: {type(d).__name__} has no kind (set the class "
+                                  f"attribute `kind`: the event kind of its findings)")
+            from .registry import KINDS
+            if kind not in KINDS:
+                register_kind(kind)
+        return out
 
     # ------------------------------------------------------------------------------------------
     # attach / detach
     # ------------------------------------------------------------------------------------------
+    @property
+    def attached(self) -> bool:
+        return self.model is not None
+
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None,
                groups: Mapping[str, Any] | None = None) -> "Monitor":
         if self.model is not None:
@@ -245,6 +256,7 @@ class Monitor:
             monitor_state=self.state_dict)
         self._watch.attach(unwrap(model))
         self._watch.reset(self.step)
+        self._record = StepRecord(step=self.step)
         self._recorder.attach(model)
         self._undo.append(self._watch.detach)
         self._undo.append(self._recorder.detach)
@@ -264,8 +276,8 @@ class Monitor:
         if self.model is None:
             return
         try:
-            if self._pipeline_done:  # a step was interrupted: put gradients and LR back
-                self._after_update(aborted=True)
+            if self._record.phase is Phase.DECIDED:  # a step was interrupted: put everything back
+                self._close(aborted=True)
             self._finish_pending()
         except Exception as e:  # noqa: BLE001 - detach must go on removing hooks; say what failed
             warnings.warn(f"sfmonitor: detach could not finish the last step ({type(e).__name__}: {e})",
@@ -287,7 +299,9 @@ class Monitor:
                                  if k in ("lr_scale", "batches_to_skip", "reweighted", "epoch")}
             self._should_stop = self.should_stop
         self._ctx = None
-        self._update_buf = self._before_params = None
+        self._update_buf = None
+        self._record = StepRecord(step=self.step)
+        self._last = None
         self._params, self._index_cache, self.groups = [], {}, {}
         self.model = self.optimizer = self.scaler = None
 
@@ -307,30 +321,28 @@ class Monitor:
     def _wrap_scaler(self, scaler: Any) -> None:
         """The one patch: GradScaler.step may skip optimizer.step, so no optimizer hook would fire.
 
-        The step wrapper unscales first (as scaler.step would), runs the pipeline on the unscaled
-        gradients, then calls the original. With ``actions.loss_scale.enforce_floor`` the update
+        The step wrapper unscales first (as scaler.step would), calls ``before_update()`` on the
+        unscaled gradients, then the original, then ``after_update()`` (a no-op when the optimizer
+        post-hook already closed the step). With ``actions.loss_scale.enforce_floor`` the update
         wrapper keeps the new scale >= ``min_loss_scale`` (a standing setting, no event).
         ``detach()`` puts both originals back.
         """
+        from torch.amp.grad_scaler import OptState
         original = scaler.step
         original_update = scaler.update
         monitor = self
         floor = self.config.actions.loss_scale
 
         def step(optimizer, *args, **kwargs):
-            if optimizer is not monitor.optimizer or monitor.model is None:
+            if optimizer is not monitor.optimizer:
                 return original(optimizer, *args, **kwargs)
-            from torch.amp.grad_scaler import OptState
             if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
                 scaler.unscale_(optimizer)
-            if not monitor._pipeline_done:  # an integration may have run it already
-                monitor._run_pipeline()
-            monitor._stepped = False
+            monitor.before_update()
             try:
                 return original(optimizer, *args, **kwargs)
             finally:
-                if not monitor._stepped:  # the scaler found inf/NaN and skipped optimizer.step
-                    monitor._after_update()
+                monitor.after_update()  # the scaler found inf/NaN and skipped optimizer.step
 
         def update(*args, **kwargs):
             out = original_update(*args, **kwargs)
@@ -351,8 +363,9 @@ class Monitor:
         ``weights`` are the base weights (default 1 each); a reweight rescue changes the current
         ones, and ``loss_weight/<c>`` shows them. Call once per micro-batch.
         """
+        rec = self._open_record()
         if isinstance(losses, torch.Tensor):
-            self._losses.add({}, losses, {})
+            rec.losses.add({}, losses, {})
             return losses
         if not isinstance(losses, Mapping) or not losses:
             raise TypeError("combine: expected a non-empty dict {name: loss tensor} or a tensor")
@@ -369,15 +382,22 @@ class Monitor:
             self._weights.clear()
             self._weights.update(self._base_weights)
         total = sum(self._weights[k] * v for k, v in losses.items())
-        if self._losses.count == 0 and self._grad_ratio_due():
-            self._grad_ratio_tensors = self._component_grad_stats(losses)
-        self._losses.add(losses, total, self._weights)
+        if rec.losses.count == 0 and self._grad_ratio_due():
+            rec.grad_ratio = self._component_grad_stats(losses)
+        rec.losses.add(losses, total, self._weights)
         return total
+
+    def _open_record(self) -> StepRecord:
+        """The record of the step in flight, ready for this step's inputs. A record left DECIDED
+        means its step never finished (the optimizer raised before its post-hook): it is closed
+        as ABORTED first, with everything put back."""
+        if self._record.phase is Phase.DECIDED:
+            self._close(aborted=True)
+        return self._record
 
     def _grad_ratio_due(self) -> bool:
         every = self.config.stats.grad_ratio_every
         return bool(every) and self.model is not None and self.step % every == 0 and torch.is_grad_enabled()
-
     def _component_grad_stats(self, losses: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """grad_ratio/<a>/<b> and grad_cos/<a>/<b> on the parameters both components reach.
 
@@ -442,21 +462,25 @@ class Monitor:
         values = {k: float(v) for k, v in metrics.items()}
         self._ctx.epoch += 1  # validations mark epochs (the gradient-noise decay counts them)
         findings = [f for d in self._detectors for f in d.observe_eval(self.step, values, chance)]
-        return self._decide_and_act(self.step, findings, during_step=False)
+        return self._decide_and_act(self.step, findings, None)
 
     # ------------------------------------------------------------------------------------------
     # hooks
     # ------------------------------------------------------------------------------------------
+    # ------------------------------------------------------------------------------------------
+    # the drivers: optimizer hooks, the GradScaler wrapper (above), integrations. Each calls the
+    # same two entry points, before_update() and after_update().
+    # ------------------------------------------------------------------------------------------
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
         # With a scaler the pipeline already ran inside scaler.step; driven externally, the
         # framework calls before_update() where its gradients are ready.
-        if self.scaler is None and not self._external and not self._pipeline_done:
-            self._run_pipeline()
-        self._stepped = True
+        if self.scaler is None and not self._driven_externally:
+            self.before_update()
+        self._record.stepped = True
 
-    # ------------------------------------------------------------------------------------------
-    # integrations (Lightning, transformers): frameworks that call optimizer.step(closure)
-    # ------------------------------------------------------------------------------------------
+    def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
+        self.after_update()
+
     def drive_externally(self) -> "Monitor":
         """Let a framework tell the monitor where the unscaled gradients are ready.
 
@@ -466,161 +490,169 @@ class Monitor:
         unscaling) and before the update, and ``after_update()`` once the step is over (it is a
         no-op when the optimizer post-hook already finished the step).
         """
-        self._external = True
+        self._driven_externally = True
         return self
 
     def before_update(self) -> None:
-        """Run the pipeline for the step in flight (integrations; see ``drive_externally``)."""
-        if self.model is not None and not self._pipeline_done:
-            self._run_pipeline()
+        """Entry point 1: run the pipeline for the step in flight, where the unscaled gradients are
+        ready and the update has not landed. A no-op when it already ran for this step. An
+        exception inside closes the step as ABORTED (everything put back) and propagates."""
+        if self.model is None:
+            return
+        rec = self._open_record()
+        if rec.phase is not Phase.OPEN:
+            return
+        try:
+            self._run_pipeline(rec)
+        except BaseException:
+            self._close(aborted=True)
+            raise
 
     def after_update(self) -> None:
-        """Finish the step in flight if the optimizer post-hook did not (e.g. a skipped AMP step)."""
-        if self.model is not None:
-            self._after_update()
-
-    def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
-        self._after_update()
+        """Entry point 2: close the step in flight once the optimizer ran or was skipped. A no-op
+        when no step is in flight (e.g. the optimizer post-hook already closed it)."""
+        if self.model is not None and self._record.phase is Phase.DECIDED:
+            self._close(aborted=False)
 
     # ------------------------------------------------------------------------------------------
     # the per-step pipeline
     # ------------------------------------------------------------------------------------------
-    def _run_pipeline(self) -> None:
+    def _run_pipeline(self, rec: StepRecord) -> None:
         """Everything the monitor does before an update lands, in this fixed order."""
-        step = self.step
+        step = rec.step
 
         # 1. stats: every number of this step as a tensor, then ONE host read. The previous
         #    step's update ratios (measured after its update landed) ride along in the same read.
-        tensors, per_param = self._collect_tensors([p.grad for p in self._params])
+        tensors, grad_index = self._collect_tensors(rec, [p.grad for p in self._params])
         tensors.update(self._watch.pending())
-        prev = {f"prev:{k}": v for k, v in self._pending.items()}
+        last = self._last if self._last is not None and self._last.after else None
+        prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
-        self._complete_previous({k[len("prev:"):]: values.pop(k) for k in prev})
-        stats = {k: v for k, v in values.items() if not k.startswith("_")}
+        if last is not None:
+            self._publish(last, {k[len("prev:"):]: values.pop(k) for k in prev})
+        rec.internal = {k: values.pop(k) for k in list(values) if k in S.INTERNAL}
+        rec.stats = values
         # The scaler will skip this very step (itself, or inside a fused optimizer): count it in
         # this step's record and in the running total.
-        self._scaler_skips = values.get("_amp_found_inf", 0.0) > 0
-        if self._scaler_skips:
-            stats[S.AMP_SKIPPED] += 1
-        self._stats = stats
+        rec.scaler_skips = rec.internal.get(S.AMP_FOUND_INF, 0.0) > 0
+        if rec.scaler_skips:
+            rec.stats[S.AMP_SKIPPED] += 1
+        self._stats = rec.stats
 
         # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
         #    judge the update the previous step landed); the activation watch.
-        findings = self._nonfinite_findings(step, values, per_param)
-        if self._prev_record is not None:
-            prev_step, prev_stats = self._prev_record
-            findings += [f for d in self._detectors if d.after_update for f in d.check(prev_step, prev_stats)]
-            self._prev_record = None
-        findings += [f for d in self._detectors if not d.after_update for f in d.check(step, stats)]
-        findings += self._watch_findings(step, values)
+        findings = self._nonfinite_findings(rec, grad_index)
+        if self._last is not None and self._last.phase is not Phase.ABORTED:
+            prev_rec, self._last = self._last, None
+            findings += [f for d in self._detectors if d.after_update
+                         for f in d.check(prev_rec.step, prev_rec.stats)]
+        findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
+        if self._watch.attached:
+            findings += self._watch.findings(step, {**rec.stats, **rec.internal})
 
         # A healthy step starts from a good state to come back to: snapshot it, at the first
         # healthy step once `snapshot_every` steps have passed since the last snapshot.
-        if all(f.data.get("skipped_by") == "grad_scaler" for f in findings):
+        if all(f.handled_by_scaler for f in findings):
             self._ctx.snapshots.maybe_take(step, self.model, self.optimizer, self.scaler, {"step": step})
 
-        if self._bundle_requested and self._writer:  # request_bundle(): this step, as it is now
-            self._bundle_requested = False
+        if self._bundle_next and self._writer:  # request_bundle(): this step, as it is now
+            self._bundle_next = False
             self.bundles.append(self._write_bundle(step, ON_DEMAND, {"step": step, "kind": ON_DEMAND,
                                                                      "message": "requested by the user"}))
 
         # 3. policy, 4. actions, 5. sinks (events): shared with observe_eval(). The step counts
-        # as in flight from here, so an interrupted one (StopTraining) is finished by detach().
-        self._pipeline_done = True
-        self._decide_and_act(step, findings, during_step=True)
+        # as in flight from here: whatever ends it (hook, scaler, integration, exception) closes it.
+        rec.phase = Phase.DECIDED
+        self._decide_and_act(step, findings, rec)
 
-    def _decide_and_act(self, step: int, findings: list[Finding], during_step: bool) -> list[Event]:
-        """Stages 3-5 for a list of findings: policy -> actions -> one event per finding."""
+    def _decide_and_act(self, step: int, findings: list[Finding], rec: StepRecord | None) -> list[Event]:
+        """Stages 3-5 for a list of findings: policy -> actions -> one event per finding.
+        ``rec``: the step in flight (None for findings of an evaluation, between steps)."""
         ctx = self._ctx
+        outcomes = [Outcome(f) for f in findings]
+        if rec is not None:
+            rec.outcomes = outcomes
         # The scaler's own skips (finite loss, overflowing scaled gradients) are ordinary dynamic
         # loss scaling: recorded as events, never acted on.
-        actionable = [f for f in findings if f.data.get("skipped_by") != "grad_scaler"]
+        actionable = [f for f in findings if not f.handled_by_scaler]
         nonfinite = [f for f in actionable if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD)]
         if nonfinite and self.config.strict:
-            events = [self._emit(Event(step, f.kind, f.message, dict(f.data), [])) for f in findings]
-            if during_step:
-                self._after_update(aborted=True)
+            events = [self._emit(self._event(step, o, rec)) for o in outcomes]
             raise NonFiniteError(f"step {step}: {nonfinite[0].message}", events[0])
         # 3. policy: findings -> decisions (ladders, cooldowns, budget).
         decisions = self._policy.decide(step, actionable)
-        if during_step and nonfinite and not any(d.action == SKIP_STEP for d in decisions):
+        if rec is not None and nonfinite and not any(d.action == SKIP_STEP for d in decisions):
             # The promise holds whatever the ladder says: a non-finite step never lands.
             decisions.insert(0, Decision(SKIP_STEP, nonfinite[0], {"enforced": True}))
         # Evidence for the anomalies (non-finite values, findings that trigger actions), taken
         # before any action changes the state; warnings that trigger nothing cost nothing here.
         causes = {id(d.cause) for d in decisions}
         anomalies = [f for f in actionable if id(f) in causes or f.kind in NONFINITE_KINDS]
-        if during_step and anomalies:
+        if rec is not None and anomalies:
             self._gather_evidence(step, anomalies)
 
-        # 4. actions: the only code that changes training.
+        # 4. actions: the only code that changes training. A failing action is told in its event
+        #    and as a warning; the others still run (a skip still keeps the update out).
         ctx.step, ctx.stats = step, self._stats
-        taken: dict[int, list[str]] = {id(f): [] for f in findings}
-        results: dict[int, dict[str, Any]] = {id(f): {} for f in findings}
-        stop_error: StopTraining | None = None
-        stop_cause: Finding | None = None
-        for d in decisions:
-            try:
-                facts = A.apply(ctx, d)
-            except StopTraining as e:
-                facts, stop_error, stop_cause = getattr(e, "facts", {"reason": str(e)}), e, d.cause
-            taken[id(d.cause)].append(d.action)
-            results[id(d.cause)][d.action] = facts
-            if "streak" in d.params:  # why this rung: how many times the kind came, how close
-                d.cause.data.setdefault("policy", {"streak": d.params["streak"], "rung": d.params.get("rung_after")})
-            if stop_error is not None:
-                break
-        if during_step:
-            if ctx.skip:
-                self._skip_current_step()
-            relaxed = A.relax_weights(ctx)
-            if relaxed.get("restored"):
-                findings.append(Finding(
-                    LOSS_RATIO_IMBALANCE, f"loss ratio back under its threshold: weights restored to their "
-                                   f"base {self._base_weights}", {"restored": relaxed["restored"]}))
-                taken[id(findings[-1])] = [REWEIGHT]
-                results[id(findings[-1])] = {REWEIGHT: relaxed}
-            # The LR scale (lr_drop) applies around this update only; the user's own LR and
-            # scheduler are put back after it (see actions.py).
-            self._saved_lr = A.apply_lr_scale(self.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
-            for i, pg in enumerate(self.optimizer.param_groups):
-                self._stats[S.LR.format(i)] = float(pg["lr"])
-        ctx.skip = False
+        by_cause = {id(o.finding): o for o in outcomes}
+        stop: tuple[StopTraining, Outcome] | None = None
+        try:
+            for d in decisions:
+                outcome = by_cause[id(d.cause)]
+                try:
+                    facts = A.apply(ctx, d)
+                except StopTraining as e:
+                    facts, stop = dict(e.facts or {"reason": str(e)}), (e, outcome)
+                except Exception as e:  # noqa: BLE001 - one failing action must not cost the step
+                    facts = {"failed": f"{type(e).__name__}: {e}"}
+                    warnings.warn(f"sfmonitor: action {d.action} failed at step {step} "
+                                  f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
+                outcome.actions.append(d.action)
+                outcome.results[d.action] = facts
+                if "streak" in d.params:  # why this rung: how many times the kind came, how close
+                    d.cause.data.setdefault("policy", {"streak": d.params["streak"], "rung": d.params.get("rung_after")})
+                if stop is not None:
+                    break
+            if rec is not None:
+                if ctx.skip:
+                    rec.hide_grads(self.optimizer)
+                relaxed = A.relax_weights(ctx)
+                if relaxed.get("restored"):
+                    outcomes.append(Outcome(
+                        Finding(LOSS_RATIO_IMBALANCE, f"loss ratio back under its threshold: weights restored "
+                                                      f"to their base {self._base_weights}",
+                                {"restored": relaxed["restored"]}), [REWEIGHT], {REWEIGHT: relaxed}))
+                # The LR scale (lr_drop) applies around this update only; the user's own LR and
+                # scheduler are put back when the step closes (see actions.py).
+                rec.saved_lr = A.apply_lr_scale(self.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
+                for i, pg in enumerate(self.optimizer.param_groups):
+                    self._stats[S.LR.format(i)] = float(pg["lr"])
+        finally:
+            ctx.skip = False
 
         # 5. sinks: one event per finding, with the actions it caused and what they did.
-        suppressed = self._policy.suppressed
-        events = []
-        for f in findings:
-            data = dict(f.data)
-            if results[id(f)]:
-                data["action_results"] = results[id(f)]
-            held = [s for s in suppressed if s["kind"] == f.kind]
-            if held:
-                data["suppressed"] = held
-            if during_step and self._skipping and f.kind in NONFINITE_KINDS and not taken[id(f)]:
-                data["step_skipped"] = True  # by another finding's skip_step in this same step
-            # A finding about an update that already landed names the step of that update.
-            at = step if f.before_update else int(f.data.get("step", step))
-            events.append(self._emit(Event(at, f.kind, f.message, data, taken[id(f)])))
-        if stop_error is not None:
-            stop_error.event = events[[id(f) for f in findings].index(id(stop_cause))]
-            if during_step:  # the update never lands; gradients and LR go back now
-                self._after_update(aborted=True)
-            raise stop_error
+        events = [self._emit(self._event(step, o, rec)) for o in outcomes]
+        if stop is not None:
+            error, outcome = stop
+            error.event = events[outcomes.index(outcome)]
+            raise error  # before_update() closes the step as ABORTED: the update never lands
         return events
 
-    def _watch_findings(self, step: int, values: dict[str, float]) -> list[Finding]:
-        """activation_overflow findings. A module that actually produced inf/NaN has overflowed
-        for real: its finding enters the ladder at the precision_fallback rung at once."""
-        if not self._watch.attached:
-            return []
-        found = self._watch.findings(step, values)
-        ladder = self.config.policy.ladders.get(ACTIVATION_OVERFLOW)
-        fallback_at = next((r.after for r in ladder.rungs if PRECISION_FALLBACK in r.actions), None) if ladder else None
-        for f in found:
-            if f.data.get("recommend") == PRECISION_FALLBACK and fallback_at is not None:
-                f.data[OCCURRENCE] = fallback_at
-        return found
+    def _event(self, step: int, outcome: Outcome, rec: StepRecord | None) -> Event:
+        f = outcome.finding
+        data = dict(f.data)
+        if outcome.results:
+            data["action_results"] = outcome.results
+        held = [s for s in self._policy.suppressed if s["kind"] == f.kind]
+        if held:
+            data["suppressed"] = held
+        if f.handled_by_scaler:
+            data["skipped_by"] = "grad_scaler"
+        if rec is not None and rec.skip and f.kind in NONFINITE_KINDS and not outcome.actions:
+            data["step_skipped"] = True  # by another finding's skip_step in this same step
+        # A finding about an update that already landed names the step of that update.
+        at = f.step if f.step is not None else step
+        return Event(at, f.kind, f.message, data, list(outcome.actions))
 
     def _gather_evidence(self, step: int, findings: list[Finding]) -> None:
         """The playbook: per-input statistics of the step's batch on every anomaly, and one anomaly
@@ -637,6 +669,8 @@ class Monitor:
                                                          "data": first.data, "where": first.where})
         except Exception as e:  # noqa: BLE001 - evidence must never stop training
             first.data["bundle_error"] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"sfmonitor: the anomaly bundle of step {step} could not be written "
+                          f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
             return
         dropped = load_manifest(path).get("batch_dropped_reason")
         for f in new:  # one bundle serves every finding of the step
@@ -661,12 +695,13 @@ class Monitor:
         Its path lands in ``monitor.bundles``. Needs ``bundle.on_demand`` (default true)."""
         if not self._bundles.should_write(ON_DEMAND, on_demand=True):
             raise ConfigError("request_bundle: bundle.on_demand is false (or bundle.enabled is false)")
-        self._bundle_requested = True
+        self._bundle_next = True
 
-    def _collect_tensors(self, grads: list[torch.Tensor | None]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """All statistics of the step as 0-d tensors (or Python numbers); nothing is read here."""
+    def _collect_tensors(self, rec: StepRecord, grads: list[torch.Tensor | None]) -> tuple[dict[str, Any], list[int]]:
+        """All values of the step as 0-d tensors (or Python numbers); nothing is read here.
+        Returns them and the indices of the parameters that have a gradient."""
         out: dict[str, Any] = {}
-        out.update(self._losses.tensors(self.config.stats.loss_ratio_pairs))
+        out.update(rec.losses.tensors(self.config.stats.loss_ratio_pairs))
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
         grad_norms = S.norms([g for _, g in present])
         key = tuple(i for i, _ in present)  # which parameters have gradients: stable across steps
@@ -684,35 +719,34 @@ class Monitor:
         for i, pg in enumerate(self.optimizer.param_groups):
             lr = pg["lr"]
             out[S.LR.format(i)] = lr if isinstance(lr, torch.Tensor) else float(lr)
-        out.update(self._grad_ratio_tensors)
+        out.update(rec.grad_ratio)
         if self.scaler is not None:
             scale = self.scaler._scale
             out[S.AMP_LOSS_SCALE] = scale if scale is not None else float(self.scaler.get_scale())
             out[S.AMP_SKIPPED] = float(self._amp_skipped)
             found = self.scaler._per_optimizer_states[id(self.optimizer)].get("found_inf_per_device", {})
             if found:
-                out["_amp_found_inf"] = sum(v.to(next(iter(found.values())).device) for v in found.values())
+                out[S.AMP_FOUND_INF] = sum(v.to(next(iter(found.values())).device) for v in found.values())
         # Which gradients / parameters are non-finite: first index, count (resolved at the read).
         bad_grad = ~torch.isfinite(grad_norms)
-        out["_local/grad_first_bad"] = S.first_true(bad_grad)
-        out["_grad_bad_count"] = bad_grad.sum()
+        out[S.GRAD_FIRST_NONFINITE] = S.first_true(bad_grad)
+        out[S.GRAD_NONFINITE_COUNT] = bad_grad.sum()
         bad_param = ~torch.isfinite(param_norms)
-        out["_local/param_first_bad"] = S.first_true(bad_param)
-        out["_param_bad_count"] = bad_param.sum()
-        per_param = {"grad_index": [i for i, _ in present]}
-        if self.config.stats.update_ratio_every and self.step % self.config.stats.update_ratio_every == 0:
+        out[S.PARAM_FIRST_NONFINITE] = S.first_true(bad_param)
+        out[S.PARAM_NONFINITE_COUNT] = bad_param.sum()
+        if self.config.stats.update_ratio_every and rec.step % self.config.stats.update_ratio_every == 0:
             # One buffer per parameter, allocated once and reused: copying into warm memory is
             # several times cheaper than a fresh clone each step.
             if self._update_buf is None:
                 self._update_buf = [torch.empty_like(p, memory_format=torch.preserve_format) for p in self._params]
             torch._foreach_copy_(self._update_buf, params)
-            self._before_params = self._update_buf
-            self._before_norms = per_group_p
-        return out, per_param
+            rec.before_params = self._update_buf
+            rec.before_norms = per_group_p
+        return out, key
 
-    def _nonfinite_findings(self, step: int, v: dict[str, float], per_param: dict[str, Any]) -> list[Finding]:
+    def _nonfinite_findings(self, rec: StepRecord, grad_index: Sequence[int]) -> list[Finding]:
+        v, i = rec.stats, rec.internal
         findings: list[Finding] = []
-        scaler_skips = v.get("_amp_found_inf", 0.0) > 0
         loss = v.get(S.LOSS_TOTAL)
         if loss is not None and not S.finite(loss):
             comps = {k[5:]: x for k, x in v.items() if k.startswith("loss/") and k != S.LOSS_TOTAL}
@@ -720,101 +754,78 @@ class Monitor:
             findings.append(Finding(NONFINITE_LOSS,
                                     f"loss is {loss}" + (f" (non-finite components: {', '.join(bad)})" if bad else ""),
                                     {"loss": loss, "components": comps, "nonfinite_components": bad}))
-        if v["_grad_bad_count"] > 0:
-            first = int(v["_local/grad_first_bad"])  # -1: the bad values were on another rank
-            name = self._param_names[per_param["grad_index"][first]] if first >= 0 else "(another rank)"
-            n_bad = int(v["_grad_bad_count"])
+        # Finite loss, overflowing scaled gradients: ordinary dynamic loss scaling.
+        by_scaler = rec.scaler_skips and not findings
+        if i[S.GRAD_NONFINITE_COUNT] > 0:
+            first = int(i[S.GRAD_FIRST_NONFINITE])  # -1: the bad values were on another rank
+            name = self._param_names[grad_index[first]] if first >= 0 else "(another rank)"
+            n_bad = int(i[S.GRAD_NONFINITE_COUNT])
             data = {"param": name, "group": self._name_to_group.get(name, "?"), "count": n_bad,
                     "grad_norm": v[S.GRAD_NORM_TOTAL]}
             msg = (f"non-finite gradient in {name} (group {data['group']}); "
                    f"{n_bad} parameter(s) with non-finite gradients")
-            if scaler_skips and not findings:
-                # Finite loss, overflowing scaled gradients: ordinary dynamic loss scaling.
-                data["skipped_by"] = "grad_scaler"
-                scale = v.get(S.AMP_LOSS_SCALE)
-                msg += f"; the GradScaler skips this step and lowers its scale from {scale:g}"
-            findings.append(Finding(NONFINITE_GRAD, msg, data, where=name))
-        elif scaler_skips and not findings:
+            if by_scaler:
+                msg += f"; the GradScaler skips this step and lowers its scale from {v.get(S.AMP_LOSS_SCALE):g}"
+            findings.append(Finding(NONFINITE_GRAD, msg, data, where=name, handled_by_scaler=by_scaler))
+        elif by_scaler:
             findings.append(Finding(NONFINITE_GRAD, "the GradScaler found inf/NaN gradients and skips this step",
-                                    {"skipped_by": "grad_scaler"}))
-        if v["_param_bad_count"] > 0:
-            first = int(v["_local/param_first_bad"])
+                                    {}, handled_by_scaler=True))
+        if i[S.PARAM_NONFINITE_COUNT] > 0:
+            first = int(i[S.PARAM_FIRST_NONFINITE])
             name = self._param_names[first] if first >= 0 else "(another rank)"
             group = self._name_to_group.get(name, "?")
             findings.append(Finding(NONFINITE_PARAM, f"non-finite parameter {name} (group {group})",
                                     {"param": name, "group": group,
-                                     "count": int(v["_param_bad_count"])}, where=name))
+                                     "count": int(i[S.PARAM_NONFINITE_COUNT])}, where=name))
         return findings
 
-    def _skip_current_step(self) -> None:
-        """Hide every gradient so the optimizer leaves parameters and state untouched."""
-        if self._skipping:
-            return
-        self._skipping = True
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                self._hidden_grads.append((p, p.grad))
-                p.grad = None
-
-    def _after_update(self, aborted: bool = False) -> None:
-        """After the optimizer ran (or was skipped): restore hidden grads, measure the update.
-        ``aborted``: the step was interrupted by an exception (strict mode, StopTraining); no
-        update landed, and the next step must run the pipeline again if the user carries on."""
-        if not self._pipeline_done:
-            return
-        skipped = aborted or self._skipping or not self._stepped or self._scaler_skips
-        for p, g in self._hidden_grads:
-            p.grad = g
-        self._hidden_grads.clear()
-        A.restore_lr(self.optimizer, self._saved_lr)  # the user's LR and scheduler, untouched
-        self._saved_lr = []
-        if self._scaler_skips and not aborted:
-            self._amp_skipped += 1
-        if self._before_params is not None:
-            if not skipped:
-                upd = S.update_norms_(self._before_params, [p.detach() for p in self._params])
-                per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))
-                for gi, g in enumerate(self._group_names):
-                    self._pending[S.UPDATE_RATIO.format(g)] = per_group[gi] / self._before_norms[gi].clamp_min(1e-12)
-            else:
-                for g in self._group_names:
-                    self._pending[S.UPDATE_RATIO.format(g)] = torch.zeros(())
-            self._before_params = None
-        self._pending_step = self.step
-        if not self._pending:
-            self._complete_previous({})
-        # Reset per-step state; the step counter counts skipped steps too. After a non-finite
-        # loss the watch samples the next step whatever its stride.
-        if not S.finite(self._stats.get(S.LOSS_TOTAL, 0.0)):
-            self._watch.sample_next()
-        self._watch.reset(self.step + 1)
-        self._recorder.clear()
-        self._losses = _LossAccumulator()
-        self._grad_ratio_tensors = {}
-        self._skipping = False
-        self._stepped = False
-        self._scaler_skips = False
-        self._pipeline_done = False
-        self.step += 1
+    def _close(self, aborted: bool) -> None:
+        """End the step in flight, whatever path got here: put back what it hid or changed,
+        measure the update, and open the next step's record."""
+        rec = self._record
+        try:
+            rec.put_back(self.optimizer)  # gradients hidden for a skip; the user's LR
+            rec.phase = Phase.ABORTED if aborted else Phase.LANDED
+            if rec.scaler_skips and not aborted:
+                self._amp_skipped += 1
+            if rec.before_params is not None:
+                if rec.update_landed:
+                    upd = S.update_norms_(rec.before_params, [p.detach() for p in self._params])
+                    per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))
+                    for gi, g in enumerate(self._group_names):
+                        rec.after[S.UPDATE_RATIO.format(g)] = per_group[gi] / rec.before_norms[gi].clamp_min(1e-12)
+                else:
+                    for g in self._group_names:
+                        rec.after[S.UPDATE_RATIO.format(g)] = torch.zeros(())
+                rec.before_params = None
+            if rec.stats or rec.internal:  # the pipeline read this step: it goes to the sinks
+                self._last = rec
+                if not rec.after:
+                    self._publish(rec, {})
+            # After a non-finite loss the watch samples the next step whatever its stride.
+            if not S.finite(rec.stats.get(S.LOSS_TOTAL, 0.0)):
+                self._watch.sample_next()
+        finally:
+            # The step counter counts skipped and aborted steps too.
+            self.step = rec.step + 1
+            self._record = StepRecord(step=self.step)
+            self._watch.reset(self.step)
+            self._recorder.clear()
 
     def _finish_pending(self) -> None:
-        """Read the pending after-update tensors now (used by ``stats`` and ``detach``)."""
-        if self._pending_step is not None:
+        """Read the last step's update ratios now (used by ``stats`` and ``detach``)."""
+        last = self._last
+        if last is not None and last.after:
             # Local: one rank may read monitor.stats alone (e.g. to log on rank 0), so no
             # collective here; the update ratios are the same on every rank anyway.
-            self._complete_previous(S.read_all(self._pending, agree=False))
+            self._publish(last, S.read_all(last.after, agree=False))
 
-    def _complete_previous(self, values: dict[str, float]) -> None:
-        """The last step's record is complete: add its update ratios and send it to the sinks."""
-        if self._pending_step is None:
-            return
-        self._stats.update(values)
-        step = self._pending_step
-        self._pending = {}
-        self._pending_step = None
-        self._prev_record = (step, dict(self._stats))  # for the after-update detectors
+    def _publish(self, rec: StepRecord, after: dict[str, float]) -> None:
+        """The record's statistics are complete (its update ratios added): send them to the sinks."""
+        rec.stats.update(after)
+        rec.after = {}
         if self._router is not None:
-            self._router.log_metrics(step, dict(self._stats))
+            self._router.log_metrics(rec.step, dict(rec.stats))
 
     def _emit(self, event: Event) -> Event:
         self.events.append(event)
@@ -826,8 +837,8 @@ class Monitor:
     # state
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: step, loss weights, LR scale, detector windows, policy streaks and
-        cooldowns, watch streaks, bundles written. Snapshots and hooks are not included."""
+        """Plain data: step, loss weights, LR scale, detector windows (by detector name), policy
+        streaks and cooldowns, watch streaks, bundles written. Snapshots and hooks are not included."""
         ctx = self._ctx
         return {
             "step": self.step, "amp_skipped": self._amp_skipped, "should_stop": self.should_stop,
@@ -836,7 +847,7 @@ class Monitor:
             "batches_to_skip": ctx.batches_to_skip if ctx else self._pending_ctx.get("batches_to_skip", 0),
             "reweighted": copy.deepcopy(ctx.reweighted) if ctx else self._pending_ctx.get("reweighted", {}),
             "fp32_modules": list(ctx.fp32_modules) if ctx else self._pending_ctx.get("fp32_modules", []),
-            "detectors": [d.state_dict() for d in self._detectors],
+            "detectors": {d.name: d.state_dict() for d in self._detectors},
             "policy": self._policy.state_dict(),
             "watch": self._watch.state_dict(),
             "bundles": self._bundles.state_dict(),
@@ -844,19 +855,17 @@ class Monitor:
         }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned; works before or after ``attach``."""
+        """Restore what ``state_dict`` returned; works before or after ``attach``. Detector state
+        is matched by detector name: state of a detector this monitor does not run is ignored
+        with a warning, and a detector without saved state starts fresh."""
         self.step = int(sd["step"])
+        self._record = StepRecord(step=self.step)
         self._amp_skipped = int(sd.get("amp_skipped", 0))
         self._base_weights.clear()
         self._base_weights.update(sd.get("base_weights", {}))
         self._weights.clear()
         self._weights.update(sd.get("weights", {}))
-        dets = sd.get("detectors", [])
-        if dets and len(dets) != len(self._detectors):
-            raise ConfigError(f"state_dict has {len(dets)} detector states, this monitor has "
-                              f"{len(self._detectors)} detectors (different detectors config)")
-        for d, st in zip(self._detectors, dets):
-            d.load_state_dict(st)
+        self._load_detector_states(sd.get("detectors", {}))
         self._policy.load_state_dict(sd.get("policy", {}))
         self._watch.load_state_dict(sd.get("watch", {}))
         self._bundles.load_state_dict(sd.get("bundles", {}))
@@ -874,6 +883,25 @@ class Monitor:
                     A.precision_fallback(ctx, Decision(PRECISION_FALLBACK, Finding(ACTIVATION_OVERFLOW, "restored"),
                                                        {"module": name}))
             self._pending_ctx = {}
+
+    def _load_detector_states(self, states: Any) -> None:
+        if isinstance(states, (list, tuple)):
+            if states:
+                warnings.warn("sfmonitor: the detector state was saved by an older sfmonitor, as a "
+                              "list without detector names; it is ignored and detector windows start "
+                              "empty", RuntimeWarning, stacklevel=3)
+            return
+        if not isinstance(states, Mapping):
+            raise ConfigError(f"state_dict['detectors']: expected a mapping of detector name -> state, "
+                              f"got {type(states).__name__}")
+        mine = {d.name: d for d in self._detectors}
+        gone = sorted(set(states) - set(mine))
+        if gone:
+            warnings.warn(f"sfmonitor: state of detector(s) {', '.join(gone)} ignored: this monitor does "
+                          f"not run them (running: {', '.join(mine) or 'none'})", RuntimeWarning, stacklevel=3)
+        for name, state in states.items():
+            if name in mine:
+                mine[name].load_state_dict(state)
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None,

@@ -179,7 +179,11 @@ def _check_range(value: Any, meta: Any, key: str) -> None:
 
 def describe(section: type[Section], prefix: str = "") -> list[tuple[str, Any, str]]:
     """(key, default, doc) for every field, recursively; used by the docs table."""
-    rows = []
+    rows: list[tuple[str, Any, str]] = []
+    if issubclass(section, SectionTable):
+        for name, cls in section.table().items():
+            rows.extend(describe(cls, prefix + name + "."))
+        return rows
     inst = section()
     for f in dataclasses.fields(section):
         if f.name.startswith("_"):
@@ -190,3 +194,87 @@ def describe(section: type[Section], prefix: str = "") -> list[tuple[str, Any, s
         else:
             rows.append((prefix + f.name, v, f.metadata.get("doc", "")))
     return rows
+
+
+class SectionTable(Section):
+    """A section whose sub-sections come from a table of registered components (``detectors``,
+    ``actions``): one sub-section per registered name, so a component registered by a user is
+    configured and validated under its own name like a built-in one.
+
+    Subclasses define ``table() -> {name: Section subclass}``. A name missing from the input gets
+    its section's defaults; an unknown name is a ConfigError listing the registered ones.
+    """
+
+    def __init__(self, **sections: Any) -> None:
+        object.__setattr__(self, "_prefix", "")
+        object.__setattr__(self, "_sections", {})
+        self._fill(sections)
+
+    @classmethod
+    def table(cls) -> dict[str, type[Section]]:
+        raise NotImplementedError
+
+    def _fill(self, given: dict[str, Any]) -> None:
+        table = self.table()
+        unknown = sorted(set(given) - set(table))
+        if unknown:
+            where = f" under {self._prefix.rstrip('.')}" if self._prefix else ""
+            raise ConfigError(f"unknown config key {self._prefix}{unknown[0]}; allowed keys{where}: "
+                              f"{', '.join(sorted(table))}")
+        for name, cls in table.items():
+            value = given.get(name)
+            key = f"{self._prefix}{name}"
+            if value is None:
+                value = cls.from_dict({}, prefix=key + ".")
+            elif not isinstance(value, cls):
+                value = _coerce(value, cls, key)
+            self._sections[name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        sections = self.__dict__.get("_sections")
+        if sections is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name in sections:
+            return sections[name]
+        cls = self.table().get(name)  # registered after this config was built: its defaults
+        if cls is None:
+            raise AttributeError(f"{type(self).__name__} has no section {name!r}")
+        sections[name] = cls.from_dict({}, prefix=f"{self._prefix}{name}.")
+        return sections[name]
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.to_dict() == other.to_dict()  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._sections.items())})"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "SectionTable":
+        import copy
+        new = type(self).__new__(type(self))
+        object.__setattr__(new, "_prefix", self._prefix)
+        object.__setattr__(new, "_sections", copy.deepcopy(self._sections, memo))
+        return new
+
+    def __post_init__(self) -> None:  # sections validate themselves when built
+        pass
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> "SectionTable":
+        obj = cls.__new__(cls)
+        object.__setattr__(obj, "_prefix", prefix)
+        object.__setattr__(obj, "_sections", {})
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+        obj._fill(dict(data or {}))
+        return obj
+
+    def to_dict(self) -> dict[str, Any]:
+        for name in self.table():  # include sections registered since
+            getattr(self, name)
+        return {name: s.to_dict() for name, s in self._sections.items()}
+
+    def sections(self) -> dict[str, Section]:
+        """name -> section, every registered component included."""
+        for name in self.table():
+            getattr(self, name)
+        return dict(self._sections)

@@ -3,7 +3,7 @@
 The monitor gathers every tensor of a step into one dict and calls ``read_all`` once: that is the
 step's single host synchronisation. Per-parameter norms come from fused ``torch._foreach_norm``.
 
-Metric keys (DESIGN.md), built by the functions below:
+Metric keys, built by the functions below (how each combines across ranks: ``REDUCTIONS``):
 
 =============================  ==============================================================
 key                            meaning
@@ -26,6 +26,7 @@ key                            meaning
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -51,6 +52,43 @@ LR = "lr/{}"
 ACT_ABSMAX = "act_absmax/{}"
 
 RATIO_EPS = 1e-6  # the report's epsilon in r = (L_v + 1e-6) / (L_f + 1e-6)
+
+# Internal values of a step: read in the same single host read as the statistics, used by the
+# monitor's own checks, never shown in ``monitor.stats`` or sent to sinks.
+GRAD_NONFINITE_COUNT = "internal/grad_nonfinite_count"    # parameters with a non-finite gradient
+GRAD_FIRST_NONFINITE = "internal/grad_first_nonfinite"    # index of the first one (-1: none here)
+PARAM_NONFINITE_COUNT = "internal/param_nonfinite_count"
+PARAM_FIRST_NONFINITE = "internal/param_first_nonfinite"
+AMP_FOUND_INF = "internal/amp_found_inf"                  # the GradScaler's found-inf, summed
+ACT_FIRST_NONFINITE = "internal/act_first_nonfinite"      # watch: first module with inf/NaN
+INTERNAL = frozenset({GRAD_NONFINITE_COUNT, GRAD_FIRST_NONFINITE, PARAM_NONFINITE_COUNT,
+                      PARAM_FIRST_NONFINITE, AMP_FOUND_INF, ACT_FIRST_NONFINITE})
+
+
+class Reduce(enum.Enum):
+    """How a value combines across ranks in the step's read (``read_all`` under torch.distributed)."""
+
+    MEAN = "mean"    # identical or comparable on every rank (DDP gradients, losses)
+    SUM = "sum"      # counts: a NaN on one rank is a NaN on all
+    MAX = "max"      # maxima: one rank near a limit must not be diluted by the others
+    LOCAL = "local"  # indices into this rank's own lists: kept as they are
+
+
+# The table: exact keys, then key families (a format string's prefix). Anything else: MEAN.
+REDUCTIONS: dict[str, Reduce] = {
+    GRAD_NONFINITE_COUNT: Reduce.SUM, PARAM_NONFINITE_COUNT: Reduce.SUM, AMP_FOUND_INF: Reduce.SUM,
+    GRAD_FIRST_NONFINITE: Reduce.LOCAL, PARAM_FIRST_NONFINITE: Reduce.LOCAL,
+    ACT_FIRST_NONFINITE: Reduce.LOCAL,
+    ACT_ABSMAX.format(""): Reduce.MAX,
+}
+
+
+def reduction_of(key: str) -> Reduce:
+    """How ``key`` combines across ranks: its own entry in REDUCTIONS, else its family's, else MEAN."""
+    if key in REDUCTIONS:
+        return REDUCTIONS[key]
+    family = key[:key.find("/") + 1] if "/" in key else None
+    return REDUCTIONS.get(family, Reduce.MEAN) if family else Reduce.MEAN
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -122,9 +160,9 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
     device (tensors are stacked where they live, then read with one ``tolist()``).
 
     With ``agree`` and a process group up, the stacked vector is first all-reduced
-    (``integrations.distributed``): public statistics are averaged over ranks, private ``_``-keys
-    summed, activation maxima maxed, ``_local/`` keys kept, so every rank reads the same numbers
-    and takes the same decision. Reads that only one rank may make (``monitor.stats``) pass ``agree=False``.
+    (``integrations.distributed.agree``), each value as the REDUCTIONS table says, so every rank
+    reads the same numbers and takes the same decision. Reads that only one rank may make
+    (``monitor.stats``) pass ``agree=False``.
     """
     from .integrations.distributed import agree as all_ranks_agree, world_size
     distributed = agree and world_size() > 1
@@ -138,10 +176,10 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
                            else torch.tensor(float(named[k]), dtype=dtype).to(device, non_blocking=True)
                            for k in ks])
         if distributed:
-            is_max = [k.startswith(ACT_ABSMAX.format("")) for k in ks]
-            masks = torch.tensor([[not k.startswith("_") and not m for k, m in zip(ks, is_max)],
-                                  [k.startswith("_local/") for k in ks], is_max]).to(device, non_blocking=True)
-            vec = all_ranks_agree(vec, masks[0], masks[1], masks[2] if any(is_max) else None)
+            how = [reduction_of(k) for k in ks]
+            masks = torch.tensor([[r is Reduce.MEAN for r in how], [r is Reduce.LOCAL for r in how],
+                                  [r is Reduce.MAX for r in how]]).to(device, non_blocking=True)
+            vec = all_ranks_agree(vec, masks[0], masks[1], masks[2] if Reduce.MAX in how else None)
         out.update(zip(ks, vec.tolist()))  # the host synchronisation
     return {k: out[k] for k in named}
 

@@ -25,7 +25,7 @@ Statistic keys (``pending()``):
 =============================  =========================================================
 ``act_absmax/<module>``         max |value| of the module's outputs and inline ops this step,
                                 in its narrowest floating dtype (inf/NaN when non-finite)
-``_local/act_first_nonfinite``  index into ``ActivationWatch.module_names`` of the first module
+``internal/act_first_nonfinite`` index into ``ActivationWatch.module_names`` of the first module
                                 (in forward order) that produced inf/NaN this step; -1: none
 =============================  =========================================================
 """
@@ -41,16 +41,22 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .schema import Section, option
-from .stats import finite
-from .events import ACTIVATION_OVERFLOW, ConfigError, Finding, PRECISION_FALLBACK
+from .events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError, Finding
+from .registry import register_kind
+from .stats import ACT_FIRST_NONFINITE, finite
+
+# A first warning (|x| >= half the dtype's max) is told; a second within 100 steps means the module
+# keeps living near the limit: run it in fp32 before it overflows. A real overflow, or a warning
+# that persisted, is urgent: it goes straight to that rung.
+register_kind(ACTIVATION_OVERFLOW, [(1, []), (2, [PRECISION_FALLBACK])], window=100,
+              doc="a watched module's activations near or past its dtype's limit")
 
 __all__ = ["WatchConfig", "ActivationWatch", "precision_fallback", "FallbackHandle",
            "ACT_ABSMAX_PREFIX", "FIRST_NONFINITE_KEY", "dtype_limit"]
 
 ACT_ABSMAX_PREFIX = "act_absmax/"
-# An index, private and per rank: the "_local/" prefix keeps it out of monitor.stats and out of the
-# cross-rank averaging of the monitor's single read (stats.read_all).
-FIRST_NONFINITE_KEY = "_local/act_first_nonfinite"
+# An index, internal and per rank (stats.REDUCTIONS: LOCAL): never in monitor.stats.
+FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
 _NO_NONFINITE = 2 ** 62  # sentinel sequence number: "no non-finite record"
 
 # Default module selection: attention-like modules by name or class, and every nn.Linear.
@@ -338,7 +344,7 @@ class ActivationWatch:
                 data={"module": name, "absmax": value, "limit": dtype_limit(dtype),
                       "dtype": _dtype_name(dtype), "nonfinite": True, "nonfinite_modules": bad,
                       "recommend": PRECISION_FALLBACK},
-                where=name))
+                where=name, urgent=True))
             seen.add(name)
         for name in self._order:
             key = ACT_ABSMAX_PREFIX + name
@@ -363,7 +369,7 @@ class ActivationWatch:
                       "fraction": value / limit, "warn_fraction": cfg.warn_fraction,
                       "nonfinite": False, "consecutive": streak,
                       "recommend": PRECISION_FALLBACK if recommend else None},
-                where=name))
+                where=name, urgent=recommend))
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -40,8 +40,8 @@ def set_grads(model, norms):
             p.grad = torch.full_like(p, n / math.sqrt(total))
 
 
-def D(action, kind="grad_spike", before_update=True, params=None, **data):
-    return Decision(action=action, cause=Finding(kind=kind, message=f"{kind}!", data=data,
+def D(action, kind="grad_spike", before_update=True, params=None, step=None, **data):
+    return Decision(action=action, cause=Finding(kind=kind, message=f"{kind}!", data=data, step=step,
                                                  before_update=before_update), params=params or {})
 
 

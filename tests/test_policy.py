@@ -5,11 +5,13 @@ import pytest
 import yaml
 
 from sfmonitor.events import Finding, ConfigError
-from sfmonitor.policy import ACTION_ORDER, Policy, PolicyConfig
+from sfmonitor.policy import Policy, PolicyConfig
+from sfmonitor.registry import action_order
 
 
-def F(kind, **data):
-    return Finding(kind=kind, message=f"{kind} seen", data=data)
+def F(kind, occurrence=None, **data):
+    return Finding(kind=kind, message=f"{kind} seen", data=data, occurrence=occurrence,
+                   where=f"{data['a']}/{data['b']}" if "a" in data and "b" in data else "")
 
 
 def acts(decisions):
@@ -73,7 +75,7 @@ def test_several_findings_one_step_dedupe_and_order_and_per_finding_reweight():
           F("loss_spike")]
     d = p.decide(0, fs)
     names = acts(d)
-    assert names == sorted(names, key=ACTION_ORDER.index)
+    assert names == sorted(names, key=action_order().index)
     assert names.count("skip_step") == 1 and names.count("rollback") == 1 and names.count("reweight") == 2
     assert {x.cause.data.get("a") for x in d if x.action == "reweight"} == {"vision", "text"}
     assert p.rescues_used == 1  # one rescue per step

@@ -1,0 +1,135 @@
+"""One optimizer step, one record: everything the monitor knows and changed about the step in flight.
+
+A ``StepRecord`` goes through these phases (docs/design.md has the picture):
+
+    OPEN      created when the previous step closed; ``combine()`` adds loss components to it
+    DECIDED   the pipeline ran (stats read, findings, decisions, actions): the update may land
+    LANDED    the optimizer ran, or was skipped on purpose (``skip``); nothing is left to put back
+    ABORTED   an exception ended the step (strict mode, StopTraining, a failing detector...):
+              the update never landed, and everything the monitor changed was put back
+
+What the monitor hides or changes for one step lives here and nowhere else: the gradients hidden
+to skip the update, the user's LRs while an ``lr_drop`` scale applies, the parameter copy that
+measures the update ratio. ``put_back`` restores the first two and is safe to call twice, so
+closing a record -- by whatever path -- always leaves the optimizer as the user left it.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from . import stats as S
+from .actions import restore_lr
+from .events import Finding
+
+__all__ = ["Phase", "Outcome", "StepRecord", "LossAccumulator"]
+
+
+class Phase(enum.Enum):
+    OPEN = "open"
+    DECIDED = "decided"
+    LANDED = "landed"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Outcome:
+    """One finding of the step and what came of it: the actions it caused and what each did."""
+
+    finding: Finding
+    actions: list[str] = field(default_factory=list)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class LossAccumulator:
+    """Loss components recorded by ``combine()`` over the micro-batches of one optimizer step."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.total: torch.Tensor | None = None
+        self.count = 0
+        self.weights: dict[str, float] = {}
+
+    def add(self, components: Mapping[str, torch.Tensor], total: torch.Tensor,
+            weights: Mapping[str, float]) -> None:
+        for k, v in components.items():
+            v = v.detach().float()
+            self.sums[k] = v if k not in self.sums else self.sums[k] + v
+        t = total.detach().float()
+        self.total = t if self.total is None else self.total + t
+        self.count += 1
+        self.weights = dict(weights)
+
+    def tensors(self, pairs: list[list[str]]) -> dict[str, torch.Tensor | float]:
+        """``loss/*``, ``loss_weight/*`` and ``loss_ratio/*`` as 0-d tensors (nothing is read)."""
+        if not self.count or self.total is None:
+            return {}
+        out: dict[str, torch.Tensor | float] = {S.LOSS_TOTAL: self.total / self.count}
+        for k, v in self.sums.items():
+            if k != "total":
+                out[S.LOSS.format(k)] = v / self.count
+        if len(self.sums) > 1:
+            for k, w in self.weights.items():
+                out[S.LOSS_WEIGHT.format(k)] = float(w)
+            for a, b in S.pair_keys(self.sums, pairs):
+                out[S.LOSS_RATIO.format(a, b)] = S.ratio(self.sums[a] / self.count, self.sums[b] / self.count)
+        return out
+
+
+@dataclass(eq=False)
+class StepRecord:
+    """The step in flight (see the module docstring). ``step`` is 0-based."""
+
+    step: int
+    phase: Phase = Phase.OPEN
+    losses: LossAccumulator = field(default_factory=LossAccumulator)
+    grad_ratio: dict[str, torch.Tensor] = field(default_factory=dict)  # from combine(), per step
+    stats: dict[str, float] = field(default_factory=dict)       # the values read (public)
+    internal: dict[str, float] = field(default_factory=dict)    # the values read (stats.INTERNAL)
+    outcomes: list[Outcome] = field(default_factory=list)       # one per finding, in order
+    stepped: bool = False        # the optimizer's step ran (its pre-hook fired)
+    skip: bool = False           # a decision keeps this step's update from landing
+    scaler_skips: bool = False   # the GradScaler found inf/NaN and skips the step itself
+    hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    saved_lr: list[Any] = field(default_factory=list)           # the user's LRs during an lr_drop
+    before_params: list[torch.Tensor] | None = None             # parameters before the update
+    before_norms: torch.Tensor | None = None                    # their norms per group
+    after: dict[str, torch.Tensor] = field(default_factory=dict)  # update ratios, read next step
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [o.finding for o in self.outcomes]
+
+    @property
+    def closed(self) -> bool:
+        return self.phase in (Phase.LANDED, Phase.ABORTED)
+
+    @property
+    def update_landed(self) -> bool:
+        """The optimizer's update reached the parameters."""
+        return self.phase is Phase.LANDED and self.stepped and not self.skip and not self.scaler_skips
+
+    def hide_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make this step's update a no-op: torch.optim optimizers leave parameters without a
+        gradient untouched (no state update, no step counter), so parameters and optimizer state
+        stay bit-identical. ``put_back`` restores the gradients."""
+        self.skip = True
+        if self.hidden_grads:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self.hidden_grads.append((p, p.grad))
+                p.grad = None
+
+    def put_back(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Restore what the monitor hid or changed for this step (gradients, the user's LRs).
+        Safe to call twice."""
+        for p, g in self.hidden_grads:
+            p.grad = g
+        self.hidden_grads = []
+        if optimizer is not None and self.saved_lr:
+            restore_lr(optimizer, self.saved_lr)
+        self.saved_lr = []
