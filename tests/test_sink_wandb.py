@@ -1,4 +1,5 @@
-"""W&B sink, offline: history, events table, alerts and summary read back from the .wandb file."""
+"""W&B sink, offline: history, events table, alerts and summary read back from the .wandb file;
+W&B that hangs or fails never blocks a training step; WANDB_DIR is honoured."""
 from __future__ import annotations
 
 import glob
@@ -103,6 +104,7 @@ def test_offline_history_table_alerts_summary(tmp_path):
     for s in range(4):
         sink.log_metrics(s, {"loss/total": 1.0 / (s + 1) if s != 2 else float("nan"),
                              "grad_norm/fusion": 1.0 + s, "amp/loss_scale": 65536.0})
+    assert sink.drain(60)  # the background thread started the run and sent the rows
     assert sink.owns_run and wandb.run is sink.run
     sink.log_event(Event(2, "nonfinite_loss", "loss/total is nan", {"loss": float("nan")},
                          ["skip_step", "rollback"]))                     # alert (first)
@@ -116,7 +118,8 @@ def test_offline_history_table_alerts_summary(tmp_path):
     sink.close()  # safe twice
     assert wandb.run is None  # the sink's own run is finished
 
-    got = parse_run(str(tmp_path))
+    got = parse_run(str(tmp_path / "wandb_dir"))  # WANDB_DIR (set by the fixture) wins over run_dir
+    assert not os.path.exists(tmp_path / "wandb")
     rows = [h for h in got["history"] if "sfmonitor/grad_norm/fusion" in h]
     assert [r["sfmonitor/step"] for r in rows] == [0, 1, 2, 3]
     assert [r["sfmonitor/grad_norm/fusion"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
@@ -156,6 +159,7 @@ def test_reuses_active_run_and_leaves_it_open(tmp_path):
     sink = make_sink("wandb")
     sink.open(str(tmp_path), {})
     sink.log_metrics(0, {"grad_norm/total": 2.5})
+    assert sink.drain(60)
     assert sink.run is run and not sink.owns_run
     sink.close()
     assert wandb.run is run  # the script's run is the script's to finish
@@ -202,3 +206,128 @@ def test_config_validation_and_install_hint(tmp_path, monkeypatch):
     sink.open(str(tmp_path), {})
     with pytest.raises(ImportError, match=r"sfmonitor\[wandb\]"):
         sink.log_metrics(0, {"loss/total": 1.0})
+
+
+def test_run_dir_is_used_when_wandb_dir_is_not_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_DIR")
+    run_dir = tmp_path / "run"
+    sink = WandbSink()
+    sink.open(str(run_dir), {})
+    sink.log_metrics(0, {"loss/total": 0.25})
+    sink.close()
+    got = parse_run(str(run_dir))
+    assert any(h.get("sfmonitor/loss/total") == 0.25 for h in got["history"])
+
+
+def _steps(router, n):
+    """n training steps' worth of sink calls; returns the slowest call, in seconds."""
+    slowest = 0.0
+    for s in range(n):
+        t = time.perf_counter()
+        router.log_metrics(s, {"loss/total": 1.0 / (s + 1), "grad_norm/total": 2.0})
+        if s % 5 == 4:
+            router.log_event(Event(s, "loss_spike", "loss jumped", {}, ["skip_step"]))
+        slowest = max(slowest, time.perf_counter() - t)
+    return slowest
+
+
+def test_slow_wandb_init_never_blocks_a_step_and_close_delivers_the_buffer(tmp_path, monkeypatch):
+    real_init = wandb.init
+    started = []
+
+    def slow_init(**kwargs):
+        started.append(time.monotonic())
+        time.sleep(3.0)          # a W&B server that takes its time
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", slow_init)
+    sink = WandbSink(table_interval_s=0)
+    router = SinkRouter([sink])
+    router.open(str(tmp_path), {})
+    t0 = time.monotonic()
+    slowest = _steps(router, 20)
+    assert time.monotonic() - t0 < 1.0 and slowest < 0.5, "a training-side call waited for W&B"
+    for _ in range(200):
+        if started:
+            break
+        time.sleep(0.01)
+    assert started, "W&B is started in the background at the first write"
+    router.flush()
+    router.close()               # waits for the run, sends the 20 buffered rows, finishes
+    assert not router.disabled and sink.failed is None and sink.dropped == 0, (sink.failed, sink.dropped)
+    got = parse_run(str(tmp_path / "wandb_dir"))
+    steps = [h["sfmonitor/step"] for h in got["history"] if "sfmonitor/loss/total" in h]
+    assert steps == list(range(20))
+    assert got["summary"]["sfmonitor/events_total"] == 4
+    assert len(got["alerts"]) == 1
+
+
+@pytest.mark.parametrize("delay", [0.0, 2.0])
+def test_failing_wandb_init_returns_fast_and_warns_once(tmp_path, monkeypatch, delay):
+    def failing_init(**kwargs):
+        time.sleep(delay)
+        raise ConnectionError("api.wandb.ai unreachable")
+
+    monkeypatch.setattr(wandb, "init", failing_init)
+    sink = WandbSink()
+    router = SinkRouter([sink])
+    router.open(str(tmp_path), {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.monotonic()
+        slowest = _steps(router, 20)
+        assert time.monotonic() - t0 < 1.0 and slowest < 0.5
+        router.close()
+    msgs = [str(w.message) for w in caught if "W&B" in str(w.message)]
+    assert len(msgs) == 1 and "unreachable" in msgs[0], msgs
+    assert not router.disabled and sink.failed
+
+
+def test_hung_wandb_init_close_gives_up_after_close_timeout(tmp_path, monkeypatch):
+    import threading
+    release = threading.Event()
+
+    def hung_init(**kwargs):
+        release.wait(30)
+        raise ConnectionError("never answered")
+
+    monkeypatch.setattr(wandb, "init", hung_init)
+    sink = WandbSink(close_timeout_s=0.5)
+    router = SinkRouter([sink])
+    router.open(str(tmp_path), {})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _steps(router, 10) < 0.5
+            t0 = time.monotonic()
+            router.close()
+            assert time.monotonic() - t0 < 3.0
+        msgs = [str(w.message) for w in caught if "W&B" in str(w.message)]
+        assert len(msgs) == 1 and "close_timeout_s" in msgs[0], msgs
+    finally:
+        release.set()
+
+
+def test_a_full_buffer_drops_rows_with_one_warning_and_keeps_events(tmp_path, monkeypatch):
+    import threading
+    release = threading.Event()
+    real_init = wandb.init
+
+    def gated_init(**kwargs):
+        release.wait(30)
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", gated_init)
+    sink = WandbSink(max_buffer=5, table_interval_s=0)
+    router = SinkRouter([sink])
+    router.open(str(tmp_path), {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(router, 20)   # the first row is taken by the worker (waiting in init), 5 wait
+        release.set()
+        router.close()
+    msgs = [str(w.message) for w in caught if "max_buffer" in str(w.message)]
+    assert len(msgs) == 1, [str(w.message) for w in caught]
+    assert sink.dropped >= 20 - 6
+    got = parse_run(str(tmp_path / "wandb_dir"))
+    assert got["summary"]["sfmonitor/events_total"] == 4  # events are never dropped
