@@ -3,7 +3,7 @@
 Backends are named here and imported only when a run asks for them, so ``import sfmonitor``
 imports neither wandb nor tensorboard.
 """
-from .base import MemorySink, Sink, SinkRouter, make_sink
+from .base import SINK_METHODS, DuckSink, MemorySink, Sink, SinkRouter, make_sink
 
 # name -> "relative module:class"; adding a sink is one file plus one line here.
 SINKS = {
@@ -13,4 +13,4 @@ SINKS = {
     "wandb": ".wandb:WandbSink",
 }
 
-__all__ = ["Sink", "SinkRouter", "MemorySink", "make_sink", "SINKS"]
+__all__ = ["Sink", "SinkRouter", "MemorySink", "DuckSink", "make_sink", "SINKS", "SINK_METHODS"]

@@ -5,13 +5,31 @@ already happened) and each event. Every method does nothing by default, so a sin
 what it needs. Backends import their library lazily, inside the sink, never at module import.
 
 A sink that raises is disabled by the router with one warning; training goes on.
+
+Duck-typed sinks: ``make_sink`` also takes an object that is not a ``Sink`` subclass if it has
+at least one of the sink methods (``SINK_METHODS``). It is wrapped in a ``DuckSink`` whose
+missing methods do nothing, as ``Sink``'s do, so such a sink is never disabled later for an
+``AttributeError``. Everything is checked when the sink is made (at ``attach``): an object with
+none of the methods, a method attribute that is not callable, or one that cannot take the
+arguments the router passes is a ``ConfigError`` naming the method and its expected signature.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Iterable
 
+from ..errors import ConfigError
 from ..events import Event
+
+# The methods the router calls, with the arguments it passes (for the signature check).
+SINK_METHODS: dict[str, tuple[str, ...]] = {
+    "open": ("run_dir", "config"),
+    "log_metrics": ("step", "metrics"),
+    "log_event": ("event",),
+    "flush": (),
+    "close": (),
+}
 
 
 class Sink:
@@ -55,11 +73,53 @@ class MemorySink(Sink):
         self.closed += 1
 
 
+class DuckSink(Sink):
+    """A duck-typed sink object made whole: its own methods where it has them, no-ops elsewhere.
+    ``sink`` is the wrapped object; ``name`` its ``name`` attribute or its class name."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+        label = getattr(sink, "name", None)
+        self.name = label if isinstance(label, str) and label else type(sink).__name__
+        for method in SINK_METHODS:
+            if callable(getattr(sink, method, None)):
+                setattr(self, method, getattr(sink, method))  # instance attribute wins
+
+    def __repr__(self) -> str:
+        return f"DuckSink({self.sink!r})"
+
+
+def _check_duck(spec: Any) -> DuckSink:
+    """Wrap a duck-typed sink, or raise ConfigError naming what is wrong with it."""
+    present = [m for m in SINK_METHODS if getattr(spec, m, None) is not None]
+    what = type(spec).__name__
+    if not present:
+        sigs = ", ".join(f"{m}({', '.join(a)})" for m, a in SINK_METHODS.items())
+        raise ConfigError(f"sinks: a {what} has none of the sink methods ({sigs}); pass a sink name, "
+                          f"a sfmonitor.sinks.Sink subclass, or an object with at least one of them")
+    for method in present:
+        fn = getattr(spec, method)
+        expected = f"{method}({', '.join(SINK_METHODS[method])})"
+        if not callable(fn):
+            raise ConfigError(f"sinks: {what}.{method} is not callable; a sink method is {expected}")
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # builtins without a signature: trust them
+            continue
+        try:
+            sig.bind(*SINK_METHODS[method])
+        except TypeError as e:
+            raise ConfigError(f"sinks: {what}.{method}{sig} cannot be called as {expected} "
+                              f"({e})") from None
+    return DuckSink(spec)
+
+
 class SinkRouter:
-    """Fans every call out to all sinks; a sink that raises is disabled with a single warning."""
+    """Fans every call out to all sinks; a sink that raises is disabled with a single warning.
+    Objects that are not ``Sink`` instances go through ``make_sink`` (checked, wrapped)."""
 
     def __init__(self, sinks: Iterable[Sink]):
-        self.sinks: list[Sink] = list(sinks)
+        self.sinks: list[Sink] = [s if isinstance(s, Sink) else make_sink(s) for s in sinks]
         self.disabled: dict[str, str] = {}
 
     def _call(self, method: str, *args: Any) -> None:
@@ -90,18 +150,16 @@ class SinkRouter:
         self._call("close")
 
 
-def make_sink(spec: "str | Sink") -> Sink:
-    """A sink from its name ("jsonl", "console", "tensorboard", "wandb") or a Sink object."""
+def make_sink(spec: "str | Sink | Any") -> Sink:
+    """A sink from its name ("jsonl", "console", "tensorboard", "wandb"), a Sink object (returned
+    as it is), or a duck-typed object with at least one sink method (wrapped in ``DuckSink``; its
+    missing methods are no-ops). Anything else is a ConfigError naming what is missing."""
     if isinstance(spec, Sink):
         return spec
     if not isinstance(spec, str):
-        # Duck-typed sinks are accepted if they have at least one sink method.
-        if any(hasattr(spec, m) for m in ("log_metrics", "log_event")):
-            return spec  # type: ignore[return-value]
-        raise TypeError(f"sinks: expected a sink name or a Sink object, got {type(spec).__name__}")
+        return _check_duck(spec)
     from . import SINKS  # name -> "module:Class", imported only when asked for
     if spec not in SINKS:
-        from ..events import ConfigError
         raise ConfigError(f"sinks: unknown sink {spec!r}; choose from {', '.join(sorted(SINKS))}")
     module, cls = SINKS[spec].split(":")
     import importlib
