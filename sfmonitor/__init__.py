@@ -4,12 +4,14 @@
     loss = monitor.combine({"vision": l_v, "text": l_t, "fusion": l_f},
                            weights={"vision": 0.4, "text": 0.3, "fusion": 0.3})
 
-See DESIGN.md / docs/ for the public contract. Importing this package imports neither wandb
-nor tensorboard.
+docs/design.md describes the pipeline and how to add a detector, an action or a sink. Importing
+this package imports neither wandb nor tensorboard.
 """
 from .config import MonitorConfig
-from .events import ConfigError, Event, NonFiniteError, StopTraining
+from .detectors import Detector
+from .events import ConfigError, Decision, Event, Finding, NonFiniteError, StopTraining
 from .monitor import Monitor, attach
+from .registry import register_action, register_detector, register_kind
 
 __version__ = "0.1.0"
 
@@ -20,5 +22,6 @@ def lr_find(*args, **kwargs):
     return _lr_find(*args, **kwargs)
 
 
-__all__ = ["Monitor", "MonitorConfig", "Event", "ConfigError", "NonFiniteError", "StopTraining",
-           "attach", "lr_find", "__version__"]
+__all__ = ["Monitor", "MonitorConfig", "Event", "Finding", "Decision", "Detector", "ConfigError",
+           "NonFiniteError", "StopTraining", "attach", "lr_find", "register_action",
+           "register_detector", "register_kind", "__version__"]

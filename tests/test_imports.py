@@ -113,3 +113,96 @@ def test_a_broken_registered_command_is_reported(monkeypatch, capsys):
     assert "cannot load no_such_module_xyz:main" in capsys.readouterr().out
     assert cli.main(["broken"]) == 2
     assert "cannot be loaded" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# Every module of sfmonitor imports on its own, and the module-level import graph has no cycle.
+# ------------------------------------------------------------------------------------------------
+def _modules():
+    out = []
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, ".")
+                out.append(rel[: -len(".__init__")] if rel.endswith(".__init__") else rel)
+    return sorted(out)
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    # One interpreter per module, each importing that module first; four at a time.
+    failures, procs = {}, []
+    for module in _modules():
+        procs.append((module, subprocess.Popen(
+            [sys.executable, "-c", f"import importlib; importlib.import_module({module!r})"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+        while sum(p.poll() is None for _, p in procs) >= 4:
+            procs[[p.poll() is None for _, p in procs].index(True)][1].wait()
+    for module, proc in procs:
+        _, err = proc.communicate(timeout=120)
+        if proc.returncode != 0:
+            failures[module] = err.strip().splitlines()[-1]
+    assert not failures, failures
+
+
+def _imports_of(module):
+    """Modules of sfmonitor that ``module`` imports at module level (functions' imports are lazy)."""
+    import ast
+    path = os.path.join(ROOT, *module.split(".")) + ".py"
+    if not os.path.exists(path):
+        path = os.path.join(ROOT, *module.split("."), "__init__.py")
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    found = set()
+    for node in tree.body:  # top level only
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "sfmonitor"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base.split(".")[0] != "sfmonitor":
+                continue
+            for a in node.names:  # `from . import stats` names a submodule
+                sub = f"{base}.{a.name}"
+                found.add(sub if sub in MODULES else base)
+    return found & set(MODULES)
+
+
+MODULES = _modules()
+
+
+def test_the_module_import_graph_has_no_cycle():
+    graph = {m: _imports_of(m) for m in MODULES}
+    assert graph["sfmonitor.schema"] <= {"sfmonitor.errors"}, "the schema imports no component"
+    assert graph["sfmonitor.registry"] <= {"sfmonitor.errors", "sfmonitor.schema"}
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in MODULES:
+        if m not in state:
+            visit(m)
+
+
+def test_the_cycle_check_sees_a_cycle(monkeypatch):
+    """The check above can fail: a graph with a cycle is reported."""
+    fake = {"a": {"b"}, "b": {"a"}}
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", list(fake))
+    monkeypatch.setattr(sys.modules[__name__], "_imports_of", lambda m: fake[m])
+    graph = {"sfmonitor.schema": set(), "sfmonitor.registry": set()}
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", list(fake) + list(graph))
+    fake.update(graph)
+    with pytest.raises(AssertionError, match="import cycle: a -> b -> a"):
+        test_the_module_import_graph_has_no_cycle()
