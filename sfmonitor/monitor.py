@@ -340,9 +340,12 @@ class Monitor:
                 scaler.unscale_(optimizer)
             monitor.before_update()
             try:
-                return original(optimizer, *args, **kwargs)
-            finally:
-                monitor.after_update()  # the scaler found inf/NaN and skipped optimizer.step
+                out = original(optimizer, *args, **kwargs)
+            except BaseException:
+                monitor.after_update(aborted=True)
+                raise
+            monitor.after_update()  # the scaler found inf/NaN and skipped optimizer.step
+            return out
 
         def update(*args, **kwargs):
             out = original_update(*args, **kwargs)
@@ -472,6 +475,8 @@ class Monitor:
     # same two entry points, before_update() and after_update().
     # ------------------------------------------------------------------------------------------
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
+        if self._record.stepped:  # the last optimizer.step raised before its post-hook
+            self._close(aborted=True)
         # With a scaler the pipeline already ran inside scaler.step; driven externally, the
         # framework calls before_update() where its gradients are ready.
         if self.scaler is None and not self._driven_externally:
@@ -497,10 +502,8 @@ class Monitor:
         """Entry point 1: run the pipeline for the step in flight, where the unscaled gradients are
         ready and the update has not landed. A no-op when it already ran for this step. An
         exception inside closes the step as ABORTED (everything put back) and propagates."""
-        if self.model is None:
-            return
-        rec = self._open_record()
-        if rec.phase is not Phase.OPEN:
+        rec = self._record
+        if self.model is None or rec.phase is not Phase.OPEN:
             return
         try:
             self._run_pipeline(rec)
@@ -508,11 +511,12 @@ class Monitor:
             self._close(aborted=True)
             raise
 
-    def after_update(self) -> None:
-        """Entry point 2: close the step in flight once the optimizer ran or was skipped. A no-op
-        when no step is in flight (e.g. the optimizer post-hook already closed it)."""
+    def after_update(self, *, aborted: bool = False) -> None:
+        """Entry point 2: close the step in flight once the optimizer ran or was skipped
+        (``aborted``: an exception ended it before the update could land). A no-op when no step
+        is in flight (e.g. the optimizer post-hook already closed it)."""
         if self.model is not None and self._record.phase is Phase.DECIDED:
-            self._close(aborted=False)
+            self._close(aborted=aborted)
 
     # ------------------------------------------------------------------------------------------
     # the per-step pipeline
