@@ -149,3 +149,123 @@ def test_cli_writes_the_file(tmp_path, capsys):
     from sfmonitor import cli
     assert cli.main(["report", str(tmp_path)]) == 0
     assert (tmp_path / report.REPORT_FILE).exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: skipped lines are counted on the page; any bytes give a page or a ReportError
+# --------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from sfmonitor.sinks.jsonl import read_jsonl  # noqa: E402
+
+def _fuzz(n: int):
+    return settings(max_examples=n, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def _page(run_dir) -> str:
+    return open(report.render_report(str(run_dir)), encoding="utf-8").read()
+
+
+def test_invalid_utf8_a_non_object_line_and_a_null_step_are_skipped_and_counted(tmp_path):
+    write_run(tmp_path, steps=20, events=STORY_EVENTS[:1])
+    with open(tmp_path / METRICS_FILE, "ab") as fh:
+        fh.write(b'{"step": 20, "loss/total": 0.5, "name": "\xff\xfe"}\n')   # not UTF-8
+        fh.write(b'[1, 2, 3]\n')                                           # not an object
+        fh.write(b'{"step": null, "loss/total": 0.5}\n')                   # null step
+        fh.write(b'garbage in the middle\n')
+        fh.write(b'{"step": 21, "loss/total": 0.25}\n')
+    with open(tmp_path / EVENTS_FILE, "ab") as fh:
+        fh.write(b'{"step": null, "kind": "loss_spike"}\n"just a string"\n\xff\n')
+        fh.write(b'{"step": 21, "kind": "loss_spike", "message": "m", "actions": "skip_step"}\n')
+    run = report.load_run(str(tmp_path))
+    assert run["steps"] == list(range(20)) + [21]
+    assert run["bad_lines"] == {METRICS_FILE: 4, EVENTS_FILE: 3} and run["cut"] == []
+    assert run["events"][-1]["actions"] == ["skip_step"]  # one action written as a string
+    page = _page(tmp_path)
+    assert "4 lines of metrics.jsonl could not be read and were skipped (lines 21, 22, 23, 24)" in page
+    assert "3 lines of events.jsonl could not be read and were skipped" in page
+
+
+def test_a_garbage_line_mid_file_is_not_dropped_silently(tmp_path):
+    write_run(tmp_path, steps=5, events=[])
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines(keepends=True)
+    lines.insert(2, '{"step": 2, "loss/tot\n')
+    (tmp_path / METRICS_FILE).write_text("".join(lines))
+    assert len(read_jsonl(str(tmp_path / METRICS_FILE))) == 5
+    page = _page(tmp_path)
+    assert "1 line of metrics.jsonl could not be read and was skipped (line 3)" in page
+
+
+def test_a_non_numeric_metric_value_is_not_drawn_as_a_non_finite_loss(tmp_path):
+    sink = JsonlSink(str(tmp_path))
+    for s in range(6):
+        sink.log_metrics(s, {"loss/total": 1.0 / (s + 1), "grad_norm/total": 1.0,
+                             "loss/extra": {"nested": 1} if s == 3 else 0.5})
+    sink.close()
+    run = report.load_run(str(tmp_path))
+    assert run["series"]["loss/extra"][0] == [0, 1, 2, 4, 5]  # step 3 left out, not NaN
+    assert all(math.isfinite(v) for _, vals in run["series"].values() for v in vals)
+    page = _page(tmp_path)
+    assert "non-finite loss" not in page
+    assert "1 value that is not a number was left out (loss/extra)" in page
+
+
+def test_a_folder_in_place_of_a_log_is_a_report_error(tmp_path):
+    (tmp_path / METRICS_FILE).mkdir()
+    with pytest.raises(report.ReportError, match="metrics.jsonl"):
+        report.render_report(tmp_path)
+    assert report.main([str(tmp_path)]) == 2
+
+
+def _page_or_report_error(run_dir):
+    try:
+        page = _page(run_dir)
+    except report.ReportError:
+        return None
+    assert page.startswith("<!DOCTYPE html>")
+    return page
+
+
+@_fuzz(150)
+@given(metrics=st.binary(max_size=600), events=st.binary(max_size=600))
+@example(metrics=b'{"step": 0, "loss/total": 1}\n\xff\n', events=b"\xff\xfe")
+@example(metrics=b'{"step": 1e400}\n', events=b"")
+@example(metrics=b'{"step": ' + b"9" * 5000 + b"}\n", events=b"")
+@example(metrics=b"[" * 5000 + b"\n", events=b"{" * 3)
+@example(metrics=b'{"step": true, "loss/total": 1}\n{"step": -1, "loss/total": 1}\n', events=b"")
+def test_any_bytes_as_the_logs_give_a_page_or_a_report_error(tmp_path, metrics, events):
+    (tmp_path / METRICS_FILE).write_bytes(metrics)
+    (tmp_path / EVENTS_FILE).write_bytes(events)
+    _page_or_report_error(tmp_path)
+
+
+_values = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6)
+           | st.sampled_from(["nan", "inf", "-inf"]) | st.lists(st.integers(), max_size=2)
+           | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_keys = st.sampled_from(["loss/total", "loss/a", "loss_weight/a", "grad_norm/total", "grad_norm/$x$",
+                         "update_ratio/g", "amp/loss_scale", "amp/skipped_steps", "act_absmax/m",
+                         "lr/0", "loss_ratio/a/b", "time", "step"]) | st.text(max_size=5)
+_records = st.lists(st.builds(lambda step, rest: {**rest, "step": step},
+                              st.integers(0, 1000) | _values, st.dictionaries(_keys, _values, max_size=6)),
+                    min_size=1, max_size=8)
+_events = st.lists(st.builds(lambda step, rest: {**rest, "step": step}, st.integers(0, 1000) | _values,
+                             st.dictionaries(st.sampled_from(["kind", "message", "actions", "data"]),
+                                             _values | st.lists(st.text(max_size=4), max_size=2),
+                                             max_size=4)),
+                   max_size=4)
+
+
+@_fuzz(25)
+@given(records=_records, events=_events)
+def test_any_json_records_give_a_page_or_a_report_error(tmp_path, records, events):
+    import json
+    with open(tmp_path / METRICS_FILE, "w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    with open(tmp_path / EVENTS_FILE, "w", encoding="utf-8") as fh:
+        for e in events:
+            fh.write(json.dumps(e) + "\n")
+    _page_or_report_error(tmp_path)

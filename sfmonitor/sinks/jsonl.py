@@ -13,6 +13,7 @@ import json
 import os
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..events import Event, jsonable
@@ -116,21 +117,56 @@ class JsonlSink(Sink):
         self._files.clear()
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Read a JSONL file written by this sink, tolerating a cut last line (a crashed run)."""
-    out = []
+@dataclass
+class JsonlScan:
+    """What ``scan_jsonl`` found: the records, the lines it skipped, and whether the file ends in
+    a cut line."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)      # line number of each record
+    bad_lines: list[int] = field(default_factory=list)  # 1-based numbers of skipped lines
+    cut: bool = False  # the last line has no newline and does not parse: the writer died mid-line
+
+
+def scan_jsonl(path: str | os.PathLike) -> JsonlScan:
+    """Read a JSONL file line by line, whatever bytes it holds.
+
+    A line that is not UTF-8, not JSON (or too deep / too large a number for Python's parser),
+    or not a JSON object is skipped and its number kept in ``bad_lines``; the last line, when it
+    has no newline and does not parse, is the one a crash cut (``cut``) and is not counted as
+    bad. A missing file reads as empty. Raises OSError only when the file cannot be read at all
+    (a folder in its place, no permission).
+    """
+    out = JsonlScan()
     if not os.path.exists(path):
         return out
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
+    last_bad_unterminated = False
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            last_bad_unterminated = False
+            if not raw.strip():
                 continue
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # the line being written when the process died
+                value = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError):  # bad UTF-8, bad JSON, a 5000-digit number
+                value = None
+            if isinstance(value, dict):
+                out.records.append(value)
+                out.lines.append(lineno)
+                continue
+            if not raw.endswith(b"\n"):
+                last_bad_unterminated = True
+            out.bad_lines.append(lineno)
+    if last_bad_unterminated:
+        out.bad_lines.pop()
+        out.cut = True
     return out
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file written by this sink. Tolerates a cut last line (a crashed
+    run) and skips lines that are not UTF-8 JSON objects; ``scan_jsonl`` says which."""
+    return scan_jsonl(path).records
 
 
 def to_float(v: Any) -> float:

@@ -1,7 +1,10 @@
 """``sfmonitor report RUN_DIR [-o out.html]``: one self-contained HTML page telling a run's story.
 
 Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/events.jsonl`` (the JSONL sink's files; a cut last
-line, as a crash leaves it, is tolerated and reported) and draws, against the optimizer step:
+line, as a crash leaves it, is tolerated and reported; a line that is not a UTF-8 JSON object with
+a valid step -- a non-negative integer -- is skipped and counted on the page; a metric value that
+is not a number is left out of its chart, not drawn as NaN, and counted) and draws, against the
+optimizer step:
 
 - loss components (with their weights on a second axis),
 - gradient norm by group, update ratio by group (log scale),
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import SFMonitorError
-from ..sinks.jsonl import EVENTS_FILE, METRICS_FILE, read_jsonl
+from ..sinks.jsonl import EVENTS_FILE, METRICS_FILE, scan_jsonl
 
 INSTALL_HINT = "pip install 'sfmonitor[report]'"
 REPORT_FILE = "report.html"     # default output: RUN_DIR/report.html
@@ -40,6 +43,8 @@ MAX_TABLE_EVENTS = 2000         # rows of the events table (the counts above it 
 ACTION_COLOR = "#d62728"        # event that triggered an action
 REPORTED_COLOR = "#ff9f1c"      # event reported only
 NON_RECORD_KEYS = ("step", "time")
+MAX_STEP = 2 ** 53                # steps beyond this are no optimizer steps (and lose precision)
+MAX_LISTED = 20                   # line numbers / keys named in a warning
 TOTAL_SUFFIX = "/total"         # loss/total, grad_norm/total: drawn black and thicker
 
 
@@ -72,69 +77,106 @@ class ReportError(SFMonitorError, ValueError):
     """The run folder cannot be reported on; the message says why."""
 
 
-def _float(v: Any) -> float:
+def _float(v: Any) -> float | None:
+    """A metric value as a float; None when it is not a number (a dict, a list, null, a bool, a
+    string other than a number such as "nan"/"inf" as the JSONL sink writes them)."""
     if isinstance(v, bool):
-        return float(v)
+        return None
     if isinstance(v, (int, float)):
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:  # an integer too large for a float
+            return None
     if isinstance(v, str):
         try:
             return float(v)  # "nan", "inf", "-inf" as the JSONL sink writes them
         except ValueError:
-            return math.nan
-    return math.nan
+            return None
+    return None
 
 
-def _last_line_cut(path: str) -> bool:
-    """True when the file's last non-empty line is not valid JSON (the process died mid-write)."""
-    if not os.path.exists(path):
-        return False
-    with open(path, "rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        size = fh.tell()
-        fh.seek(max(0, size - 65536))
-        tail = fh.read().decode("utf-8", errors="replace")
-    lines = [ln for ln in tail.splitlines() if ln.strip()]
-    if not lines:
-        return False
+def _step(v: Any) -> int | None:
+    """A record's step: a non-negative integer (an integral float is accepted); else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, int) and 0 <= v < MAX_STEP:
+        return v
+    return None
+
+
+def _actions(v: Any) -> list[str] | None:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v] if v else []
+    if isinstance(v, list):
+        return [str(a) for a in v]
+    return None
+
+
+def _scan(path: str):
     try:
-        json.loads(lines[-1])
-        return False
-    except json.JSONDecodeError:
-        return True
+        return scan_jsonl(path)
+    except OSError as e:
+        raise ReportError(f"cannot read {path!r}: {e}") from e
 
 
 def load_run(run_dir: str) -> dict[str, Any]:
-    """The run's metrics as series {key: (steps, values)}, its events, and what was cut."""
+    """The run's metrics as series {key: (steps, values)}, its events, what was cut, and what
+    was skipped: ``bad_lines`` {file: count}, ``bad_line_numbers`` {file: [line, ...]} (lines
+    that are not a UTF-8 JSON object with a valid step, or an event whose actions are not a
+    list), ``non_numeric`` {key: count} (metric values that are not numbers, left out)."""
     if not os.path.isdir(run_dir):
         raise ReportError(f"{run_dir!r} is not a folder")
     mpath = os.path.join(run_dir, METRICS_FILE)
     if not os.path.exists(mpath):
         raise ReportError(f"{run_dir!r} has no {METRICS_FILE}: not a run folder written by the "
                           f"JSONL sink (Monitor(run_dir=..., sinks=['jsonl']))")
-    records = read_jsonl(mpath)
-    if not records:
-        raise ReportError(f"{mpath!r} holds no complete metrics line")
+    epath = os.path.join(run_dir, EVENTS_FILE)
+    mscan, escan = _scan(mpath), _scan(epath)
+    bad: dict[str, list[int]] = {METRICS_FILE: list(mscan.bad_lines), EVENTS_FILE: list(escan.bad_lines)}
     series: dict[str, tuple[list[int], list[float]]] = {}
-    for i, rec in enumerate(records):
-        step = int(rec.get("step", i))
+    non_numeric: Counter[str] = Counter()
+    steps: list[int] = []
+    times: list[float] = []
+    for rec, lineno in zip(mscan.records, mscan.lines):
+        step = _step(rec.get("step"))
+        if step is None:
+            bad[METRICS_FILE].append(lineno)
+            continue
+        steps.append(step)
+        t = _float(rec.get("time"))
+        if t is not None and math.isfinite(t):
+            times.append(t)
         for key, value in rec.items():
             if key in NON_RECORD_KEYS:
                 continue
-            steps, values = series.setdefault(key, ([], []))
-            steps.append(step)
-            values.append(_float(value))
-    epath = os.path.join(run_dir, EVENTS_FILE)
-    events = read_jsonl(epath)
-    for ev in events:
-        ev["step"] = int(ev.get("step", 0))
-        ev["actions"] = list(ev.get("actions") or [])
-    times = [r["time"] for r in records if isinstance(r.get("time"), (int, float))]
-    return {"run_dir": run_dir, "series": series, "events": events,
-            "steps": [int(r.get("step", i)) for i, r in enumerate(records)],
-            "times": times,
-            "cut": [name for name, p in ((METRICS_FILE, mpath), (EVENTS_FILE, epath))
-                    if _last_line_cut(p)]}
+            v = _float(value)
+            if v is None:
+                non_numeric[key] += 1
+                continue
+            s_list, v_list = series.setdefault(key, ([], []))
+            s_list.append(step)
+            v_list.append(v)
+    if not steps:
+        skipped = len(bad[METRICS_FILE])
+        raise ReportError(f"{mpath!r} holds no complete metrics line"
+                          + (f" ({skipped} line{'s' if skipped != 1 else ''} could not be read)"
+                             if skipped else ""))
+    events = []
+    for ev, lineno in zip(escan.records, escan.lines):
+        step, actions = _step(ev.get("step")), _actions(ev.get("actions"))
+        if step is None or actions is None:
+            bad[EVENTS_FILE].append(lineno)
+            continue
+        events.append({**ev, "step": step, "actions": actions})
+    return {"run_dir": run_dir, "series": series, "events": events, "steps": steps, "times": times,
+            "cut": [name for name, sc in ((METRICS_FILE, mscan), (EVENTS_FILE, escan)) if sc.cut],
+            "bad_lines": {name: len(v) for name, v in bad.items() if v},
+            "bad_line_numbers": {name: sorted(v) for name, v in bad.items() if v},
+            "non_numeric": dict(non_numeric)}
 
 
 def _keys_for(series: dict, prefixes: tuple[str, ...]) -> list[str]:
@@ -156,7 +198,7 @@ def _draw_series(ax, series: dict, keys: list[str], style: str = "-", named: boo
     for i, key in enumerate(keys):
         steps, values = series[key]
         finite = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
-        label = key if named and i < MAX_LEGEND else None
+        label = key.replace("$", r"\$") if named and i < MAX_LEGEND else None  # no mathtext
         if finite:
             xs, ys = zip(*finite)
             # Break the line where a value is missing or non-finite, so a NaN shows as a gap.
@@ -297,6 +339,21 @@ def build_html(run: dict[str, Any]) -> str:
         parts.append(f"<div class='warn'>{html.escape(fname)} ends in a cut line: the run stopped "
                      f"while writing it (crash or kill). The report shows everything up to the last "
                      f"complete line.</div>")
+    for fname, numbers in run.get("bad_line_numbers", {}).items():
+        n = len(numbers)
+        listed = ", ".join(map(str, numbers[:MAX_LISTED])) + (" ..." if n > MAX_LISTED else "")
+        parts.append(f"<div class='warn'>{n} line{'s' if n != 1 else ''} of {html.escape(fname)} "
+                     f"could not be read and {'were' if n != 1 else 'was'} skipped "
+                     f"(line{'s' if n != 1 else ''} {listed}): not a UTF-8 JSON object with a "
+                     f"valid step. Everything else is shown.</div>")
+    non_numeric = run.get("non_numeric") or {}
+    if non_numeric:
+        n = sum(non_numeric.values())
+        keys = sorted(non_numeric)
+        listed = ", ".join(keys[:MAX_LISTED]) + (" ..." if len(keys) > MAX_LISTED else "")
+        parts.append(f"<div class='warn'>{n} value{'s' if n != 1 else ''} that "
+                     f"{'are' if n != 1 else 'is'} not {'numbers' if n != 1 else 'a number'} "
+                     f"{'were' if n != 1 else 'was'} left out ({html.escape(listed)}).</div>")
     nonfinite = sorted({s for k in ("loss/total", "grad_norm/total") if k in run["series"]
                         for s, v in zip(*run["series"][k]) if not math.isfinite(v)})
     if nonfinite:
