@@ -8,6 +8,7 @@ ratio. The model is a small transformer classifier whose step takes ~50-150 ms o
 
 Not a test: it prints a table. Latest results: docs/benchmarks.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,13 +28,13 @@ class Model(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.encoder = nn.TransformerEncoder(
-            nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True), layers)
+            nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True), layers
+        )
         self.head = nn.Linear(d, classes)
 
     def forward(self, tokens, labels):
         h = self.encoder(self.embed(tokens)).mean(1)
-        return {"cls": nn.functional.cross_entropy(self.head(h), labels),
-                "reg": 1e-3 * h.pow(2).mean()}
+        return {"cls": nn.functional.cross_entropy(self.head(h), labels), "reg": 1e-3 * h.pow(2).mean()}
 
 
 VARIANTS = {  # name -> monitor config (None: bare training)
@@ -76,33 +77,39 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 1000, (args.batch, args.seq), generator=g),
-                torch.randint(0, 10, (args.batch,), generator=g)) for _ in range(8)]
+    batches = [
+        (torch.randint(0, 1000, (args.batch, args.seq), generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+        for _ in range(8)
+    ]
     with tempfile.TemporaryDirectory() as run_dir:
         runs = {name: make(0, cfg, f"{run_dir}/{i}", args) for i, (name, cfg) in enumerate(VARIANTS.items())}
         times = {name: [] for name in VARIANTS}
         names = list(VARIANTS)
         for i in range(args.steps + 5):
             b = batches[i % len(batches)]
-            for name in names[i % len(names):] + names[:i % len(names)]:  # rotate the order
+            for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order
                 m, o, mo = runs[name]
                 t = step(m, o, mo, b)
                 if i >= 5:
                     times[name].append(t)
         n_params = sum(p.numel() for p in runs["bare"][0].parameters())
-        for m, o, mo in runs.values():
+        for _m, _o, mo in runs.values():
             if mo is not None:
                 mo.detach()
     med = {k: statistics.median(v) for k, v in times.items()}
     mean = {k: statistics.fmean(v) for k, v in times.items()}
-    print(f"# monitor overhead ({platform.machine()}, {torch.get_num_threads()} thread(s), "
-          f"torch {torch.__version__}, d={args.d} x {args.layers} layers, {n_params / 1e6:.2f}M params, "
-          f"batch {args.batch}x{args.seq}, {args.steps} interleaved steps each)")
+    print(
+        f"# monitor overhead ({platform.machine()}, {torch.get_num_threads()} thread(s), "
+        f"torch {torch.__version__}, d={args.d} x {args.layers} layers, {n_params / 1e6:.2f}M params, "
+        f"batch {args.batch}x{args.seq}, {args.steps} interleaved steps each)"
+    )
     print("| variant | median step (ms) | median ratio | mean step (ms) | mean ratio |")
     print("|---|---|---|---|---|")
     for name in names:
-        print(f"| {name} | {med[name] * 1e3:.1f} | {med[name] / med['bare']:.3f} "
-              f"| {mean[name] * 1e3:.1f} | {mean[name] / mean['bare']:.3f} |")
+        print(
+            f"| {name} | {med[name] * 1e3:.1f} | {med[name] / med['bare']:.3f} "
+            f"| {mean[name] * 1e3:.1f} | {mean[name] / mean['bare']:.3f} |"
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ The model and the data import nothing of sfmonitor; the trainer attaches it. The
 ``sfmonitor train``, ``sfmonitor lr-find`` and its replay factory through entry points
 (pyproject.toml).
 """
+
 from ._schema import ConfigError
 from .model import ModelConfig, Superfusion, build_model
 

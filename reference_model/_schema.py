@@ -8,6 +8,7 @@ and what is allowed.
 
 The reference model keeps its own schema so that importing it loads nothing of sfmonitor.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,15 +18,22 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ConfigError", "Config", "option"]
+__all__ = ["Config", "ConfigError", "option"]
 
 
 class ConfigError(ValueError):
     """A reference config key is unknown or its value is out of range; the message names both."""
 
 
-def option(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
-           lo_open: bool = False, choices: tuple | None = None) -> Any:
+def option(
+    default: Any,
+    doc: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    choices: tuple | None = None,
+) -> Any:
     """A config field: default, one-line doc, optional numeric range [lo, hi] (or (lo, hi]) or
     choices. Mutable defaults (lists, dicts, configs) are copied per instance."""
     meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices}
@@ -103,7 +111,7 @@ class Config:
         return sorted(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> "Config":
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> Config:
         """Build from a dict; unknown keys raise ConfigError naming the key and the allowed ones.
         ``prefix`` (``"model."``) goes in front of every key in the error messages."""
         data = dict(data or {})
@@ -111,10 +119,9 @@ class Config:
         unknown = sorted(set(data) - set(names), key=str)
         if unknown:
             under = f" under {prefix.rstrip('.')}" if prefix else ""
-            raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}; "
-                              f"allowed keys{under}: {', '.join(names)}")
+            raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}; allowed keys{under}: {', '.join(names)}")
         obj = cls.__new__(cls)
-        object.__setattr__(obj, "_prefix", prefix)   # kept for the messages of __post_init__
+        object.__setattr__(obj, "_prefix", prefix)  # kept for the messages of __post_init__
         for f in dataclasses.fields(cls):
             if not f.init:
                 continue
@@ -130,6 +137,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (nested configs as dicts): YAML/JSON-able, and ``from_dict`` takes it back."""
+
         def plain(v: Any) -> Any:
             if isinstance(v, Config):
                 return v.to_dict()
@@ -138,5 +146,5 @@ class Config:
             if isinstance(v, (list, tuple)):
                 return [plain(x) for x in v]
             return v
-        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if not f.name.startswith("_")}
+
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self) if not f.name.startswith("_")}

@@ -16,14 +16,15 @@ Batches are dicts of tensors, passed as ``model(**batch)``:
   images (B, 3, 32, 32) float32, captions (B, K, T) int64 (0 = padding),
   target (B,) index of the true caption, category (B,) class, lengths (B, K) caption lengths.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import os
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,9 +34,16 @@ from .model import PAD
 
 UNK = 1
 SHAPES = ("circle", "square", "triangle", "diamond", "ring", "cross", "hbar", "vbar")
-COLOURS = {"red": (0.9, 0.1, 0.1), "green": (0.1, 0.8, 0.2), "blue": (0.15, 0.25, 0.95),
-           "yellow": (0.95, 0.9, 0.1), "purple": (0.6, 0.15, 0.75), "orange": (1.0, 0.55, 0.0),
-           "white": (0.95, 0.95, 0.95), "cyan": (0.1, 0.85, 0.9)}
+COLOURS = {
+    "red": (0.9, 0.1, 0.1),
+    "green": (0.1, 0.8, 0.2),
+    "blue": (0.15, 0.25, 0.95),
+    "yellow": (0.95, 0.9, 0.1),
+    "purple": (0.6, 0.15, 0.75),
+    "orange": (1.0, 0.55, 0.0),
+    "white": (0.95, 0.95, 0.95),
+    "cyan": (0.1, 0.85, 0.9),
+}
 PATTERNS = ("solid", "striped", "checked", "dotted")
 IMAGE_SIZE = 32
 
@@ -53,9 +61,13 @@ class DataConfig(Config):
     n_train: int = option(2048, "synthetic training pairs (proving ground: 2048)", lo=1)
     n_val: int = option(512, "synthetic validation pairs (proving ground: 512)", lo=1)
     val_fraction: float = option(0.2, "share of a folder's rows held out for validation", lo=0.0, hi=0.9)
-    negative_share: float = option(0.9, "share of negative captions among each image's candidates "
-                                        "(report: 90%); K = 1/(1-share) candidates", lo=0.0, hi=0.99,
-                                   lo_open=True)
+    negative_share: float = option(
+        0.9,
+        "share of negative captions among each image's candidates (report: 90%); K = 1/(1-share) candidates",
+        lo=0.0,
+        hi=0.99,
+        lo_open=True,
+    )
     length_median: float = option(50.0, "median caption length in tokens (lognormal)", lo=1.0)
     length_sigma: float = option(1.0, "sigma of log caption length (1.0: p90 ~ 180, p99 ~ 500)", lo=0.0)
     min_len: int = option(10, "shortest caption (tokens)", lo=3)
@@ -70,7 +82,7 @@ class DataConfig(Config):
     @property
     def num_candidates(self) -> int:
         """K: 1 true caption + K-1 negatives."""
-        return max(2, int(round(1.0 / (1.0 - self.negative_share))))
+        return max(2, round(1.0 / (1.0 - self.negative_share)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,7 +104,7 @@ class WordTokenizer:
         return _WORD.findall(text.lower())
 
     @classmethod
-    def build(cls, texts: Sequence[str]) -> "WordTokenizer":
+    def build(cls, texts: Sequence[str]) -> WordTokenizer:
         """Vocabulary: every word of ``texts``, most frequent first (ties alphabetical)."""
         counts: dict[str, int] = {}
         for t in texts:
@@ -114,16 +126,17 @@ class WordTokenizer:
 # Pair sets
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class PairSet:
     """N images, each with K candidate captions (true one at ``target``)."""
 
-    images: torch.Tensor           # (N, 3, 32, 32) float32
+    images: torch.Tensor  # (N, 3, 32, 32) float32
     candidates: list[torch.Tensor]  # N x (K, L_i) int64, padded with 0
-    lengths: torch.Tensor          # (N, K) int64
-    target: torch.Tensor           # (N,) int64
-    category: torch.Tensor         # (N,) int64
-    texts: list[str]               # N true captions (for inspection)
+    lengths: torch.Tensor  # (N, K) int64
+    target: torch.Tensor  # (N,) int64
+    category: torch.Tensor  # (N,) int64
+    texts: list[str]  # N true captions (for inspection)
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -141,8 +154,13 @@ class PairSet:
             c = self.candidates[i]
             caps[j, :, : c.shape[1]] = c
         ix = torch.tensor(idx)
-        return {"images": self.images[ix], "captions": caps, "target": self.target[ix],
-                "category": self.category[ix], "lengths": self.lengths[ix]}
+        return {
+            "images": self.images[ix],
+            "captions": caps,
+            "target": self.target[ix],
+            "category": self.category[ix],
+            "lengths": self.lengths[ix],
+        }
 
 
 def filler_words(n: int) -> list[str]:
@@ -173,7 +191,7 @@ def render(shape: int, colour: int, pattern: int, rng: np.random.Generator, nois
     cy, cx = rng.uniform(12, 20, size=2)
     R = rng.uniform(8, 11)
     dy, dx = yy - cy, xx - cx
-    r = np.sqrt(dx ** 2 + dy ** 2)
+    r = np.sqrt(dx**2 + dy**2)
     name = SHAPES[shape]
     if name == "circle":
         m = r < R
@@ -214,8 +232,10 @@ def make_synthetic(cfg: DataConfig | None = None) -> tuple[PairSet, PairSet, Wor
     K = cfg.num_candidates
     n_combo = len(COLOURS) * len(PATTERNS)
     if K > n_combo:
-        raise ConfigError(f"data.negative_share: {cfg.negative_share} asks {K} candidates per image; "
-                          f"the synthetic set has only {n_combo} colour/pattern variants per category")
+        raise ConfigError(
+            f"data.negative_share: {cfg.negative_share} asks {K} candidates per image; "
+            f"the synthetic set has only {n_combo} colour/pattern variants per category"
+        )
     rng = np.random.default_rng(cfg.seed)
     fill = filler_words(cfg.filler_vocab)
     colour_names = list(COLOURS)
@@ -235,7 +255,7 @@ def make_synthetic(cfg: DataConfig | None = None) -> tuple[PairSet, PairSet, Wor
         for i in range(n):
             L = int(lens[i])
             ids = fill_ids[rng.integers(0, len(fill_ids), L)]
-            pos = rng.choice(L, size=3, replace=False)       # where the attribute words go
+            pos = rng.choice(L, size=3, replace=False)  # where the attribute words go
             ids[pos[0]] = shape_id[shapes[i]]
             ids[pos[1]] = colour_id[colours[i]]
             ids[pos[2]] = pattern_id[patterns[i]]
@@ -250,10 +270,14 @@ def make_synthetic(cfg: DataConfig | None = None) -> tuple[PairSet, PairSet, Wor
             cands.append(torch.from_numpy(rows.astype(np.int64)))
             texts.append(tok.decode(ids.tolist()))
             targets.append(t)
-        return PairSet(images=torch.from_numpy(images), candidates=cands,
-                       lengths=torch.from_numpy(np.repeat(lens[:, None], K, axis=1)),
-                       target=torch.tensor(targets, dtype=torch.long),
-                       category=torch.from_numpy(shapes.astype(np.int64)), texts=texts)
+        return PairSet(
+            images=torch.from_numpy(images),
+            candidates=cands,
+            lengths=torch.from_numpy(np.repeat(lens[:, None], K, axis=1)),
+            target=torch.tensor(targets, dtype=torch.long),
+            category=torch.from_numpy(shapes.astype(np.int64)),
+            texts=texts,
+        )
 
     return split(cfg.n_train), split(cfg.n_val), tok
 
@@ -307,13 +331,15 @@ def load_folder(cfg: DataConfig, max_len: int | None = None) -> tuple[PairSet, P
             cats.append(str(cat))
     K = cfg.num_candidates
     if len(texts) < K:
-        raise DataError(f"{path}: {len(texts)} rows, but data.negative_share={cfg.negative_share} "
-                        f"needs at least {K} captions per image")
+        raise DataError(
+            f"{path}: {len(texts)} rows, but data.negative_share={cfg.negative_share} "
+            f"needs at least {K} captions per image"
+        )
     names = sorted(set(cats))
     cat_ids = np.array([names.index(c) for c in cats])
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(texts))
-    n_val = int(round(len(texts) * cfg.val_fraction))
+    n_val = round(len(texts) * cfg.val_fraction)
     val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
     tok = WordTokenizer.build([texts[i] for i in train_idx])
     encoded = [tok.encode(t)[:max_len] or [UNK] for t in texts]
@@ -336,13 +362,16 @@ def load_folder(cfg: DataConfig, max_len: int | None = None) -> tuple[PairSet, P
             cands.append(c)
             lens.append([len(r) for r in rows])
             targets.append(t)
-        return PairSet(images=torch.from_numpy(np.stack([images[i] for i in idx])) if idx else
-                       torch.zeros(0, 3, IMAGE_SIZE, IMAGE_SIZE),
-                       candidates=cands, lengths=torch.tensor(lens, dtype=torch.long).reshape(len(idx), K),
-                       target=torch.tensor(targets, dtype=torch.long),
-                       category=torch.from_numpy(cat_ids[idx].astype(np.int64)) if idx else
-                       torch.zeros(0, dtype=torch.long),
-                       texts=[texts[i] for i in idx])
+        return PairSet(
+            images=torch.from_numpy(np.stack([images[i] for i in idx]))
+            if idx
+            else torch.zeros(0, 3, IMAGE_SIZE, IMAGE_SIZE),
+            candidates=cands,
+            lengths=torch.tensor(lens, dtype=torch.long).reshape(len(idx), K),
+            target=torch.tensor(targets, dtype=torch.long),
+            category=torch.from_numpy(cat_ids[idx].astype(np.int64)) if idx else torch.zeros(0, dtype=torch.long),
+            texts=[texts[i] for i in idx],
+        )
 
     return split(train_idx), split(val_idx), tok, names
 
@@ -366,8 +395,17 @@ class BucketedLoader:
     dicts. ``rank``/``world`` give each DDP rank every world-th micro-batch (same count on all).
     """
 
-    def __init__(self, data: PairSet, batch_size: int, *, seed: int, shuffle: bool = True,
-                 pool: int = 32, rank: int = 0, world: int = 1):
+    def __init__(
+        self,
+        data: PairSet,
+        batch_size: int,
+        *,
+        seed: int,
+        shuffle: bool = True,
+        pool: int = 32,
+        rank: int = 0,
+        world: int = 1,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.data, self.batch_size, self.seed, self.shuffle = data, batch_size, seed, shuffle
@@ -382,19 +420,19 @@ class BucketedLoader:
         max_len = self.data.lengths.max(1).values
         if not self.shuffle:
             order = torch.argsort(max_len, stable=True).tolist()
-            batches = [order[i:i + bs] for i in range(0, n, bs)]
+            batches = [order[i : i + bs] for i in range(0, n, bs)]
         else:
             g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
             perm = torch.randperm(n, generator=g).tolist()
             batches = []
             step = bs * self.pool
             for s in range(0, n, step):
-                chunk = sorted(perm[s:s + step], key=lambda i: int(max_len[i]))
-                batches += [chunk[i:i + bs] for i in range(0, len(chunk), bs)]
+                chunk = sorted(perm[s : s + step], key=lambda i: int(max_len[i]))
+                batches += [chunk[i : i + bs] for i in range(0, len(chunk), bs)]
             batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
         if self.world > 1:
             usable = len(batches) - len(batches) % self.world
-            batches = batches[self.rank:usable:self.world]
+            batches = batches[self.rank : usable : self.world]
         return batches
 
     def __len__(self) -> int:

@@ -6,6 +6,7 @@ DEMO_SEED is a seed that diverges without the monitor (see docs/reference_model.
 calibration table). Logs: runs/demo/bare-seed<N>/ (checkpoint) and runs/demo/monitored-seed<N>/
 (events.jsonl, metrics.jsonl, checkpoints/, bundles/ written by the monitor).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,20 @@ from sfmonitor.tools.report import render_report
 from .train import train
 
 DEMO_SEED = 0  # diverges bare under configs/trap.yaml (calibration table in docs/reference_model.md)
-ROWS = ("diverged", "first_nan_epoch", "final_top1", "val_loss", "nonfinite_microbatches",
-        "skipped_steps", "loss_scale", "max_logit", "events", "actions", "seconds", "run_dir")
+ROWS = (
+    "diverged",
+    "first_nan_epoch",
+    "final_top1",
+    "val_loss",
+    "nonfinite_microbatches",
+    "skipped_steps",
+    "loss_scale",
+    "max_logit",
+    "events",
+    "actions",
+    "seconds",
+    "run_dir",
+)
 
 
 def side_by_side(bare: dict, monitored: dict) -> str:
@@ -53,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         if e["actions"]:
             print(f"  step {e['step']}: {e['kind']}: {e['message']} -> {', '.join(e['actions'])}")
     print()
-    print(f"logs: {dirs['bare']}/ (checkpoint) and {dirs['monitored']}/ (events.jsonl, metrics.jsonl, "
-          f"checkpoints/, bundles/)")
+    print(
+        f"logs: {dirs['bare']}/ (checkpoint) and {dirs['monitored']}/ (events.jsonl, metrics.jsonl, "
+        f"checkpoints/, bundles/)"
+    )
     try:
         report = render_report(dirs["monitored"])
         print(f"report: {report} (the monitored run's charts, every event on the time axis)")

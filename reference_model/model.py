@@ -15,6 +15,7 @@ key norm, and the longest captions eventually push a score past float16's 65504:
 the softmax -> NaN loss. Nothing is injected: switch ``length_norm``, ``scaled_attention`` or
 ``fp32_attention`` on and it does not happen.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,28 +48,45 @@ class ModelConfig(Config):
     text_ff: int = option(128, "feed-forward width of the text encoder", lo=8)
     fusion_heads: int = option(2, "heads of the fusion cross-attention (2 x 32 at d=64)", lo=1)
     num_classes: int = option(8, "classes of the vision and text heads (product category)", lo=2)
-    length_norm: bool = option(False, "mean-pool the text tokens for the fusion query; off (sum "
-                                      "pooling, the report's 'not length-normalised') in the trap")
+    length_norm: bool = option(
+        False,
+        "mean-pool the text tokens for the fusion query; off (sum "
+        "pooling, the report's 'not length-normalised') in the trap",
+    )
     scaled_attention: bool = option(False, "divide the fusion's q k^T by sqrt(d_head); off in the trap")
-    fp32_attention: bool = option(False, "compute the fusion logits and softmax in fp32 under "
-                                         "autocast; off in the trap (the monitor's precision fallback "
-                                         "turns it on at run time via model.fusion.fp32_attention)")
-    qk_init_gain: float = option(1.0, "multiplier on the default init of the fusion's Wq and Wk; "
-                                      "the calibration knob of the trap", lo=0.0, lo_open=True)
-    temperature_init: float = option(0.07, "initial softmax temperature tau of the matching "
-                                           "cross-entropy (report: 0.07)", lo=0.0, lo_open=True)
+    fp32_attention: bool = option(
+        False,
+        "compute the fusion logits and softmax in fp32 under "
+        "autocast; off in the trap (the monitor's precision fallback "
+        "turns it on at run time via model.fusion.fp32_attention)",
+    )
+    qk_init_gain: float = option(
+        1.0,
+        "multiplier on the default init of the fusion's Wq and Wk; the calibration knob of the trap",
+        lo=0.0,
+        lo_open=True,
+    )
+    temperature_init: float = option(
+        0.07, "initial softmax temperature tau of the matching cross-entropy (report: 0.07)", lo=0.0, lo_open=True
+    )
     learn_temperature: bool = option(True, "tau is a learned parameter (else fixed)")
-    mask_ratio: float = option(0.0, "modality masking: share of image patches and text tokens "
-                                    "dropped at random in training (report: 0.15)", lo=0.0, hi=0.9)
+    mask_ratio: float = option(
+        0.0,
+        "modality masking: share of image patches and text tokens dropped at random in training (report: 0.15)",
+        lo=0.0,
+        hi=0.9,
+    )
     dropout: float = option(0.0, "dropout in the text encoder and the fusion output", lo=0.0, hi=0.9)
-    text_fp32: bool = option(True, "run the text encoder with autocast off (fp16 matmuls are ~10x "
-                                   "slower than fp32 on CPU)")
+    text_fp32: bool = option(
+        True, "run the text encoder with autocast off (fp16 matmuls are ~10x slower than fp32 on CPU)"
+    )
 
     def validate(self) -> None:
         for name in ("text_heads", "fusion_heads"):
             if self.d_model % getattr(self, name):
-                raise ConfigError(f"{self._prefix}{name}: {getattr(self, name)} does not divide "
-                                  f"{self._prefix}d_model={self.d_model}")
+                raise ConfigError(
+                    f"{self._prefix}{name}: {getattr(self, name)} does not divide {self._prefix}d_model={self.d_model}"
+                )
 
 
 class VisionBranch(nn.Module):
@@ -84,13 +102,13 @@ class VisionBranch(nn.Module):
         self.mask_ratio = cfg.mask_ratio
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = F.gelu(self.patch(images))                       # (B, d/2, 8, 8)
-        x = self.merge(x)                                    # (B, d, 4, 4)
-        tokens = x.flatten(2).transpose(1, 2) + self.pos     # (B, 16, d)
-        if self.training and self.mask_ratio > 0:            # modality masking: drop patches
+        x = F.gelu(self.patch(images))  # (B, d/2, 8, 8)
+        x = self.merge(x)  # (B, d, 4, 4)
+        tokens = x.flatten(2).transpose(1, 2) + self.pos  # (B, 16, d)
+        if self.training and self.mask_ratio > 0:  # modality masking: drop patches
             keep = torch.rand(tokens.shape[:2], device=tokens.device) >= self.mask_ratio
             tokens = tokens * keep.unsqueeze(-1).to(tokens.dtype)
-        logits = self.head(tokens.mean(1))                   # (B, classes)
+        logits = self.head(tokens.mean(1))  # (B, classes)
         return tokens, logits
 
 
@@ -102,8 +120,7 @@ class TextBranch(nn.Module):
         d = cfg.d_model
         self.embed = nn.Embedding(cfg.vocab_size, d, padding_idx=PAD)
         self.pos = nn.Embedding(cfg.max_len, d)
-        layer = nn.TransformerEncoderLayer(d, cfg.text_heads, cfg.text_ff, dropout=cfg.dropout,
-                                           batch_first=True)
+        layer = nn.TransformerEncoderLayer(d, cfg.text_heads, cfg.text_ff, dropout=cfg.dropout, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, cfg.text_layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, cfg.num_classes)
         self.mask_ratio = cfg.mask_ratio
@@ -113,16 +130,16 @@ class TextBranch(nn.Module):
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if ids.shape[1] > self.max_len:
             raise ValueError(f"caption of {ids.shape[1]} tokens exceeds model.max_len={self.max_len}")
-        pad = ids == PAD                                     # (N, T)
-        if self.training and self.mask_ratio > 0:            # modality masking: drop tokens
+        pad = ids == PAD  # (N, T)
+        if self.training and self.mask_ratio > 0:  # modality masking: drop tokens
             drop = torch.rand(ids.shape, device=ids.device) < self.mask_ratio
             drop &= ~pad
-            drop[:, 0] = False                               # keep at least one token
+            drop[:, 0] = False  # keep at least one token
             pad = pad | drop
         with torch.autocast(ids.device.type, enabled=not self.fp32 and torch.is_autocast_enabled(ids.device.type)):
             pos = torch.arange(ids.shape[1], device=ids.device)
-            x = self.embed(ids) + self.pos(pos)              # (N, T, d)
-            x = self.encoder(x, src_key_padding_mask=pad)    # (N, T, d)
+            x = self.embed(ids) + self.pos(pos)  # (N, T, d)
+            x = self.encoder(x, src_key_padding_mask=pad)  # (N, T, d)
             x = x.masked_fill(pad.unsqueeze(-1), 0.0)
         return x, pad
 
@@ -144,7 +161,7 @@ class Fusion(nn.Module):
         self.out = nn.Linear(d, d)
         self.text_proj = nn.Linear(d, d)
         self.drop = nn.Dropout(cfg.dropout)
-        with torch.no_grad():                                # the calibration knob
+        with torch.no_grad():  # the calibration knob
             self.wq.weight.mul_(cfg.qk_init_gain)
             self.wk.weight.mul_(cfg.qk_init_gain)
         log_tau = torch.tensor(math.log(cfg.temperature_init))
@@ -159,7 +176,7 @@ class Fusion(nn.Module):
 
     def pool(self, text: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """(N, T, d) -> (N, d): sum over tokens, or mean with length_norm."""
-        pooled = text.sum(1)                                 # padded positions are zero
+        pooled = text.sum(1)  # padded positions are zero
         if self.length_norm:
             pooled = pooled / (~pad).sum(1, keepdim=True).clamp(min=1)
         return pooled
@@ -172,20 +189,20 @@ class Fusion(nn.Module):
         with torch.autocast(image_tokens.device.type, enabled=False) if self.fp32_attention else _null():
             if self.fp32_attention:
                 pooled, image_tokens = pooled.float(), image_tokens.float()
-            q = self.wq(pooled).reshape(B, K, self.heads, self.d_head).transpose(1, 2)   # (B, H, K, dh)
+            q = self.wq(pooled).reshape(B, K, self.heads, self.d_head).transpose(1, 2)  # (B, H, K, dh)
             k = self.wk(image_tokens).reshape(B, P, self.heads, self.d_head).transpose(1, 2)  # (B, H, P, dh)
             v = self.wv(image_tokens).reshape(B, P, self.heads, self.d_head).transpose(1, 2)  # (B, H, P, dh)
             if self.fp32_attention:
                 q, k, v = q.float(), k.float(), v.float()
-            scores = q @ k.transpose(-1, -2)                 # (B, H, K, P)  <- overflows in fp16
+            scores = q @ k.transpose(-1, -2)  # (B, H, K, P)  <- overflows in fp16
             if self.scaled_attention:
                 scores = scores / math.sqrt(self.d_head)
-            attn = scores.softmax(dim=-1)                    # (B, H, K, P)
-            ctx = attn @ v                                   # (B, H, K, dh)
+            attn = scores.softmax(dim=-1)  # (B, H, K, P)
+            ctx = attn @ v  # (B, H, K, dh)
         self.last_max_logit = scores.detach().abs().amax()  # 0-d tensor, no host read
-        ctx = ctx.transpose(1, 2).reshape(B, K, d)           # (B, K, d)
-        fused = self.drop(self.out(ctx))                     # (B, K, d)
-        cap = self.text_proj(pooled)                         # (B, K, d)
+        ctx = ctx.transpose(1, 2).reshape(B, K, d)  # (B, K, d)
+        fused = self.drop(self.out(ctx))  # (B, K, d)
+        cap = self.text_proj(pooled)  # (B, K, d)
         cos = F.cosine_similarity(fused.float(), cap.float(), dim=-1)  # (B, K)
         return cos / self.log_tau.exp()
 
@@ -208,19 +225,20 @@ class Superfusion(nn.Module):
         self.text = TextBranch(cfg)
         self.fusion = Fusion(cfg)
 
-    def scores_and_losses(self, images: torch.Tensor, captions: torch.Tensor, target: torch.Tensor,
-                          category: torch.Tensor, **_: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def scores_and_losses(
+        self, images: torch.Tensor, captions: torch.Tensor, target: torch.Tensor, category: torch.Tensor, **_: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """images (B, 3, 32, 32), captions (B, K, T) ids, target (B,) index of the true caption,
         category (B,) class -> (match logits (B, K), {"vision", "text", "fusion"} scalar losses)."""
         B, K, T = captions.shape
-        image_tokens, v_logits = self.vision(images)                         # (B, 16, d), (B, C)
-        text, pad = self.text(captions.reshape(B * K, T))                    # (B*K, T, d), (B*K, T)
+        image_tokens, v_logits = self.vision(images)  # (B, 16, d), (B, C)
+        text, pad = self.text(captions.reshape(B * K, T))  # (B*K, T, d), (B*K, T)
         text, pad = text.reshape(B, K, T, -1), pad.reshape(B, K, T)
-        true_text = text[torch.arange(B), target]                            # (B, T, d)
-        true_pad = pad[torch.arange(B), target]                              # (B, T)
+        true_text = text[torch.arange(B), target]  # (B, T, d)
+        true_pad = pad[torch.arange(B), target]  # (B, T)
         n_tok = (~true_pad).sum(1, keepdim=True).clamp(min=1)
         t_logits = self.text.head((true_text.sum(1) / n_tok).to(true_text.dtype))  # (B, C)
-        scores = self.fusion(image_tokens, text, pad)                        # (B, K)
+        scores = self.fusion(image_tokens, text, pad)  # (B, K)
         losses = {
             VISION: F.cross_entropy(v_logits.float(), category),
             TEXT: F.cross_entropy(t_logits.float(), category),
@@ -238,7 +256,7 @@ class Superfusion(nn.Module):
         return self.scores_and_losses(**batch)[0]
 
 
-def build_model(cfg: "ModelConfig | dict | None" = None) -> Superfusion:
+def build_model(cfg: ModelConfig | dict | None = None) -> Superfusion:
     """Build Superfusion from a ModelConfig or a dict of its keys (unknown keys raise ConfigError)."""
     if cfg is None:
         cfg = ModelConfig()

@@ -9,6 +9,7 @@ The last line printed is a JSON result: diverged, first_nan_epoch, final_top1, v
 events {kind: count}, actions {name: count}, seed, config, seconds (and a few extras).
 A run "diverged" when its final validation loss is non-finite or its Top-1 is at chance.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,17 @@ from .model import LOSS_NAMES, ModelConfig, build_model
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CHANCE_MARGIN = 0.05  # Top-1 below chance + this counts as "at chance"
-RESULT_KEYS = ("diverged", "first_nan_epoch", "final_top1", "val_loss", "events", "actions", "seed",
-               "config", "seconds")
+RESULT_KEYS = (
+    "diverged",
+    "first_nan_epoch",
+    "final_top1",
+    "val_loss",
+    "events",
+    "actions",
+    "seed",
+    "config",
+    "seconds",
+)
 
 
 @dataclass
@@ -45,21 +55,25 @@ class TrainConfig(Config):
     optimizer: str = option("adamw", "adamw or radam (torch.optim.RAdam)", choices=("adamw", "radam"))
     lr: float = option(3e-4, "learning rate (report's trap: AdamW 3e-4)", lo=0.0, lo_open=True)
     weight_decay: float = option(0.01, "decoupled weight decay", lo=0.0)
-    schedule: str = option("constant", "constant or cyclic (triangular CyclicLR from lr/10 to lr)",
-                           choices=("constant", "cyclic"))
+    schedule: str = option(
+        "constant", "constant or cyclic (triangular CyclicLR from lr/10 to lr)", choices=("constant", "cyclic")
+    )
     cycle_steps: int = option(64, "optimizer steps per half cycle of the cyclic schedule", lo=1)
     amp: bool = option(True, "fp16 autocast + GradScaler (the report: fp16 on)")
     init_scale: float = option(65536.0, "GradScaler initial loss scale (report: 65536)", lo=1.0)
     max_grad_norm: float = option(0.0, "clip the total gradient norm (0: off; report's fix: 1.0)", lo=0.0)
-    loss_weights: dict[str, float] = option({"vision": 0.4, "text": 0.3, "fusion": 0.3},
-                                            "weights of L_v, L_t, L_f (report: 0.4/0.3/0.3)")
+    loss_weights: dict[str, float] = option(
+        {"vision": 0.4, "text": 0.3, "fusion": 0.3}, "weights of L_v, L_t, L_f (report: 0.4/0.3/0.3)"
+    )
     threads: int = option(1, "torch.set_num_threads per process (0: leave as is)", lo=0)
     eval_batch: int = option(8, "images per validation batch", lo=1)
 
     def validate(self) -> None:
         if set(self.loss_weights) != set(LOSS_NAMES):
-            raise ConfigError(f"{self._prefix}loss_weights: expected keys {', '.join(LOSS_NAMES)}, "
-                              f"got {', '.join(sorted(self.loss_weights))}")
+            raise ConfigError(
+                f"{self._prefix}loss_weights: expected keys {', '.join(LOSS_NAMES)}, "
+                f"got {', '.join(sorted(self.loss_weights))}"
+            )
 
 
 @dataclass
@@ -91,9 +105,10 @@ def set_key(data: dict, dotted: str, value: Any) -> None:
     data[last] = value
 
 
-def load_config(cfg: "RunConfig | dict | str | None", overrides: dict[str, Any] | None = None) -> RunConfig:
+def load_config(cfg: RunConfig | dict | str | None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """RunConfig from a RunConfig, dict, config name or YAML path, with dotted-key overrides."""
     import yaml
+
     if isinstance(cfg, RunConfig):
         data = cfg.to_dict()
     elif isinstance(cfg, dict):
@@ -116,6 +131,7 @@ def load_config(cfg: "RunConfig | dict | str | None", overrides: dict[str, Any] 
 # Pieces of the loop
 # --------------------------------------------------------------------------------------------
 
+
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if tc.optimizer == "adamw" else torch.optim.RAdam
     kwargs = {"decoupled_weight_decay": True} if tc.optimizer == "radam" else {}
@@ -125,9 +141,9 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optim
 def make_scheduler(opt: torch.optim.Optimizer, tc: TrainConfig):
     if tc.schedule == "constant":
         return None
-    return torch.optim.lr_scheduler.CyclicLR(opt, base_lr=tc.lr / 10, max_lr=tc.lr,
-                                             step_size_up=tc.cycle_steps, mode="triangular",
-                                             cycle_momentum=False)
+    return torch.optim.lr_scheduler.CyclicLR(
+        opt, base_lr=tc.lr / 10, max_lr=tc.lr, step_size_up=tc.cycle_steps, mode="triangular", cycle_momentum=False
+    )
 
 
 def autocast(device: torch.device, enabled: bool):
@@ -151,8 +167,7 @@ def evaluate(model, data, tc: TrainConfig, device: torch.device) -> dict[str, fl
         loss_sum += sum(tc.loss_weights[k] * losses[k].float() for k in LOSS_NAMES).cpu() * n
         max_logit = torch.maximum(max_logit, model.fusion.last_max_logit.float().cpu())
     model.train(was)
-    return {"top1": correct / max(total, 1), "loss": float(loss_sum) / max(total, 1),
-            "max_logit": float(max_logit)}
+    return {"top1": correct / max(total, 1), "loss": float(loss_sum) / max(total, 1), "max_logit": float(max_logit)}
 
 
 def save_checkpoint(path: str, state: dict) -> None:
@@ -182,6 +197,7 @@ def _progress(total: int, enabled: bool | None):
     if not enabled:
         return None
     from tqdm import tqdm
+
     return tqdm(total=total, unit="mb", dynamic_ncols=True, leave=False)
 
 
@@ -189,10 +205,20 @@ def _progress(total: int, enabled: bool | None):
 # The loop
 # --------------------------------------------------------------------------------------------
 
-def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, run_dir: str | None = None,
-          monitor_config: Any = None, *, progress: bool | None = False, resume: str | None = None,
-          sinks: list[str] | None = None,
-          overrides: dict[str, Any] | None = None, verbose: bool = False) -> dict[str, Any]:
+
+def train(
+    cfg: RunConfig | dict | str,
+    seed: int = 0,
+    monitor: bool = False,
+    run_dir: str | None = None,
+    monitor_config: Any = None,
+    *,
+    progress: bool | None = False,
+    resume: str | None = None,
+    sinks: list[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    verbose: bool = False,
+) -> dict[str, Any]:
     """Train one run and return its result dict (the JSON line main() prints)."""
     t0 = time.perf_counter()
     cfg = load_config(cfg, overrides)
@@ -201,8 +227,9 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
         torch.set_num_threads(tc.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
@@ -242,8 +269,15 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
     mon = None
     if monitor:
         import sfmonitor  # lazy: the bare trainer needs nothing of the plugin
-        mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=run_dir, sinks=sinks,
-                               config=monitor_config if monitor_config is not None else config_path("monitor"))
+
+        mon = sfmonitor.attach(
+            model,
+            opt,
+            scaler=scaler,
+            run_dir=run_dir,
+            sinks=sinks,
+            config=monitor_config if monitor_config is not None else config_path("monitor"),
+        )
         # `sfmonitor replay BUNDLE` rebuilds this model from its anomaly bundles.
         mon.set_model_factory("reference_model.model:build_model", cfg=mcfg.to_dict())
         if monitor_state is not None:  # resume: windows, rescued LR scale and weights, budget
@@ -294,23 +328,36 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
                         last_event = mon.events[-1].kind
                     gn = mon.stats.get("grad_norm/total", float("nan")) if mon is not None else float("nan")
                     bar.set_description(f"epoch {epoch + 1}/{tc.epochs}")
-                    bar.set_postfix(loss=f"{loss_value:.3f}", gnorm=f"{gn:.3g}", event=last_event,
-                                    refresh=False)
+                    bar.set_postfix(loss=f"{loss_value:.3f}", gnorm=f"{gn:.3g}", event=last_event, refresh=False)
                     bar.update(1)
             ev = evaluate(model, val_set, tc, device)
-            hist.append({"epoch": epoch + 1, "top1": ev["top1"], "val_loss": ev["loss"],
-                         "max_logit": ev["max_logit"],
-                         "loss_scale": scaler.get_scale() if tc.amp else 1.0})
+            hist.append(
+                {
+                    "epoch": epoch + 1,
+                    "top1": ev["top1"],
+                    "val_loss": ev["loss"],
+                    "max_logit": ev["max_logit"],
+                    "loss_scale": scaler.get_scale() if tc.amp else 1.0,
+                }
+            )
             if verbose and rank == 0:
                 print(json.dumps(_json_safe(hist[-1])), file=sys.stderr, flush=True)
             if run_dir and rank == 0:
-                save_checkpoint(os.path.join(run_dir, "checkpoint.pt"), {
-                    "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "scaler": scaler.state_dict(),
-                    "scheduler": sched.state_dict() if sched is not None else {},
-                    "rng": torch.get_rng_state(), "epoch": epoch + 1, "history": hist,
-                    "counters": dict(counters), "monitor": mon.state_dict() if mon is not None else {},
-                    "first_nan_epoch": first_nan_epoch if first_nan_epoch is not None else -1})
+                save_checkpoint(
+                    os.path.join(run_dir, "checkpoint.pt"),
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "scheduler": sched.state_dict() if sched is not None else {},
+                        "rng": torch.get_rng_state(),
+                        "epoch": epoch + 1,
+                        "history": hist,
+                        "counters": dict(counters),
+                        "monitor": mon.state_dict() if mon is not None else {},
+                        "first_nan_epoch": first_nan_epoch if first_nan_epoch is not None else -1,
+                    },
+                )
             if mon is not None:
                 mon.observe_eval({"accuracy": ev["top1"], "loss": ev["loss"]}, chance=chance)
                 if mon.should_stop:
@@ -332,14 +379,24 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
     actions = Counter(a for e in mon.events for a in e.actions) if mon is not None else Counter()
     diverged = not _finite(ev["loss"]) or ev["top1"] < chance + CHANCE_MARGIN
     result = {
-        "diverged": diverged, "first_nan_epoch": first_nan_epoch, "final_top1": round(ev["top1"], 4),
+        "diverged": diverged,
+        "first_nan_epoch": first_nan_epoch,
+        "final_top1": round(ev["top1"], 4),
         "val_loss": round(ev["loss"], 4) if _finite(ev["loss"]) else ev["loss"],
-        "events": dict(events), "actions": dict(actions), "seed": seed, "config": cfg.name,
-        "seconds": round(time.perf_counter() - t0, 1), "monitor": bool(monitor),
+        "events": dict(events),
+        "actions": dict(actions),
+        "seed": seed,
+        "config": cfg.name,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "monitor": bool(monitor),
         "nonfinite_microbatches": counters["nonfinite_microbatches"],
-        "skipped_steps": counters["skipped_steps"], "optimizer_steps": counters["optimizer_steps"],
-        "loss_scale": scaler.get_scale() if tc.amp else 1.0, "max_logit": ev["max_logit"],
-        "stopped": stopped, "history": hist, "world_size": world,
+        "skipped_steps": counters["skipped_steps"],
+        "optimizer_steps": counters["optimizer_steps"],
+        "loss_scale": scaler.get_scale() if tc.amp else 1.0,
+        "max_logit": ev["max_logit"],
+        "stopped": stopped,
+        "history": hist,
+        "world_size": world,
         "run_dir": mon.run_dir if mon is not None else run_dir,  # the monitor picks one if not given
     }
     return _json_safe(result)
@@ -348,6 +405,7 @@ def train(cfg: "RunConfig | dict | str", seed: int = 0, monitor: bool = False, r
 def parse_sets(items: list[str]) -> dict[str, Any]:
     """``--set KEY=VALUE`` arguments as overrides (values parsed as YAML: 12, true, [a, b])."""
     import yaml
+
     out = {}
     for item in items:
         if "=" not in item:
@@ -365,18 +423,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--monitor", dest="monitor", action="store_true", help="attach sfmonitor")
     p.add_argument("--no-monitor", dest="monitor", action="store_false", help="train bare (default)")
     p.set_defaults(monitor=False)
-    p.add_argument("--sinks", default=None, type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
-                   help="where the monitor writes: comma-separated jsonl,console,tensorboard,wandb "
-                        "(default: jsonl and one console line per event)")
-    p.add_argument("--monitor-config", default=None,
-                   help="sfmonitor YAML config (default: reference_model/configs/monitor.yaml)")
+    p.add_argument(
+        "--sinks",
+        default=None,
+        type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
+        help="where the monitor writes: comma-separated jsonl,console,tensorboard,wandb "
+        "(default: jsonl and one console line per event)",
+    )
+    p.add_argument(
+        "--monitor-config", default=None, help="sfmonitor YAML config (default: reference_model/configs/monitor.yaml)"
+    )
     p.add_argument("--run-dir", default=None, help="folder for the checkpoint and the monitor's logs")
     p.add_argument("--epochs", type=int, default=None, help="override train.epochs")
     p.add_argument("--resume", default=None, help="checkpoint.pt to resume from")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set model.qk_init_gain=12 (repeatable)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
-                   help="no progress bar (it is off anyway when stderr is not a terminal)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set model.qk_init_gain=12 (repeatable)",
+    )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        default=None,
+        help="no progress bar (it is off anyway when stderr is not a terminal)",
+    )
     p.add_argument("--verbose", action="store_true", help="print one JSON line per epoch to stderr")
     args = p.parse_args(argv)
     try:
@@ -388,11 +461,21 @@ def main(argv: list[str] | None = None) -> int:
     config_errors: tuple[type[Exception], ...] = (ConfigError,)
     if args.monitor:  # a bad monitor config is reported like a bad run config
         from sfmonitor import ConfigError as MonitorConfigError
+
         config_errors += (MonitorConfigError,)
     try:
-        result = train(args.config, seed=args.seed, monitor=args.monitor, run_dir=args.run_dir,
-                       monitor_config=args.monitor_config, progress=args.progress, resume=args.resume,
-                       overrides=overrides, verbose=args.verbose, sinks=args.sinks)
+        result = train(
+            args.config,
+            seed=args.seed,
+            monitor=args.monitor,
+            run_dir=args.run_dir,
+            monitor_config=args.monitor_config,
+            progress=args.progress,
+            resume=args.resume,
+            overrides=overrides,
+            verbose=args.verbose,
+            sinks=args.sinks,
+        )
     except config_errors as e:
         print(f"sfmonitor train: {e}", file=sys.stderr)
         return 2

@@ -19,33 +19,76 @@ actions, and ``restore_lr(optimizer, saved)`` in the post-hook. The user's sched
 and writing its own values, so any schedule (warm-up, cosine, OneCycle, ReduceLROnPlateau) keeps
 working and the drop multiplies whatever it sets. With ``lr_scale == 1`` nothing is touched.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from .checkpoint import (DEFAULT_SNAPSHOT_EVERY, DEFAULT_SNAPSHOT_KEEP, SnapshotRing,
-                         capture_state, restore_state, save_checkpoint)
 from . import stats as S
+from .checkpoint import (
+    DEFAULT_SNAPSHOT_EVERY,
+    DEFAULT_SNAPSHOT_KEEP,
+    SnapshotRing,
+    capture_state,
+    restore_state,
+    save_checkpoint,
+)
+from .events import (
+    CHECKPOINT,
+    CLIP,
+    GRAD_NOISE,
+    LR_DROP,
+    PLATEAU,
+    PRECISION_FALLBACK,
+    REWEIGHT,
+    ROLLBACK,
+    SKIP_STEP,
+    STOP,
+    ConfigError,
+    Decision,
+    StopTraining,
+)
 from .registry import ACTIONS, register_action
 from .schema import Section, SectionTable, option
-from .events import (CHECKPOINT, CLIP, GRAD_NOISE, LR_DROP, PLATEAU, PRECISION_FALLBACK, REWEIGHT,
-                     ROLLBACK, SKIP_STEP, STOP, ConfigError, Decision, StopTraining)
 
 __all__ = [
-    "ActionsConfig", "ClipConfig", "ReweightConfig", "LRDropConfig", "RollbackConfig",
-    "CheckpointConfig", "GradNoiseConfig", "LossScaleConfig", "StopConfig", "ActionContext",
-    "apply", "skip_step", "clip", "clip_gradients", "reweight", "relax_weights",
-    "lr_drop", "apply_lr_scale", "restore_lr", "checkpoint", "rollback", "precision_fallback",
-    "remove_precision_fallback", "grad_noise", "grad_noise_std", "stop", "keep_loss_scale_floor",
+    "ActionContext",
+    "ActionsConfig",
+    "CheckpointConfig",
+    "ClipConfig",
+    "GradNoiseConfig",
+    "LRDropConfig",
+    "LossScaleConfig",
+    "ReweightConfig",
+    "RollbackConfig",
+    "StopConfig",
+    "apply",
+    "apply_lr_scale",
+    "checkpoint",
+    "clip",
+    "clip_gradients",
+    "grad_noise",
+    "grad_noise_std",
+    "keep_loss_scale_floor",
+    "lr_drop",
     "parse_clip_rule",
+    "precision_fallback",
+    "relax_weights",
+    "remove_precision_fallback",
+    "restore_lr",
+    "reweight",
+    "rollback",
+    "skip_step",
+    "stop",
 ]
 
 CLIP_MODES = ("zclip", "global", "per_modality", "agc")
@@ -59,12 +102,15 @@ CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 
 # Config
 # --------------------------------------------------------------------------------------------
 
+
 def parse_clip_rule(rule: str, key: str = "rule") -> tuple[str, float]:
     """'sqrt:C' -> scale min(1, C / sqrt(|g|)); 'norm:C' -> scale min(1, C / |g|)."""
     m = _RULE.match(rule.strip()) if isinstance(rule, str) else None
     if not m or float(m.group(2)) <= 0:
-        raise ConfigError(f"{key}: {rule!r} is not a clip rule; expected 'sqrt:C' (scale min(1, C/sqrt(|g|))) "
-                          f"or 'norm:C' (scale min(1, C/|g|)) with C > 0")
+        raise ConfigError(
+            f"{key}: {rule!r} is not a clip rule; expected 'sqrt:C' (scale min(1, C/sqrt(|g|))) "
+            f"or 'norm:C' (scale min(1, C/|g|)) with C > 0"
+        )
     return m.group(1), float(m.group(2))
 
 
@@ -72,15 +118,22 @@ def parse_clip_rule(rule: str, key: str = "rule") -> tuple[str, float]:
 class ClipConfig(Section):
     """Gradient clipping taken as an action (a grad_spike answer). Acts on unscaled gradients."""
 
-    mode: str = option("zclip", "zclip: clip the total norm to the detector's EMA mean + zclip_z sigma; "
-                                "global: to max_grad_norm; per_modality: the report's per-group rules; "
-                                "agc: unit-wise adaptive clipping", choices=CLIP_MODES)
-    max_grad_norm: float = option(1.0, "global mode, and zclip without detector statistics (the report: "
-                                       "max_grad_norm 1.0)", lo=0, lo_open=True)
+    mode: str = option(
+        "zclip",
+        "zclip: clip the total norm to the detector's EMA mean + zclip_z sigma; "
+        "global: to max_grad_norm; per_modality: the report's per-group rules; "
+        "agc: unit-wise adaptive clipping",
+        choices=CLIP_MODES,
+    )
+    max_grad_norm: float = option(
+        1.0, "global mode, and zclip without detector statistics (the report: max_grad_norm 1.0)", lo=0, lo_open=True
+    )
     zclip_z: float = option(2.5, "zclip threshold in EMA sigmas (ZClip: z = 2.5)", lo=0, lo_open=True)
-    per_modality: dict[str, str] = option({"text": "sqrt:10", "vision": "norm:5", ANY_GROUP: "norm:7"},
-                                          "group -> rule; '*' covers every other group (the report: "
-                                          "text min(1,10/sqrt|g|), vision min(1,5/|g|), other min(1,7/|g|))")
+    per_modality: dict[str, str] = option(
+        {"text": "sqrt:10", "vision": "norm:5", ANY_GROUP: "norm:7"},
+        "group -> rule; '*' covers every other group (the report: "
+        "text min(1,10/sqrt|g|), vision min(1,5/|g|), other min(1,7/|g|))",
+    )
     agc_lambda: float = option(0.01, "AGC clipping factor (Brock et al. 2021, NFNets: 0.01)", lo=0, lo_open=True)
     agc_eps: float = option(1e-3, "AGC floor on unit parameter norms (Brock et al. 2021: 1e-3)", lo=0, lo_open=True)
 
@@ -95,8 +148,14 @@ class ReweightConfig(Section):
     w_a = base_a * t / r, w_b = base_b * r / t (t = 2: w_v = 0.4 * 2/r, w_f = 0.3 * r/2)."""
 
     threshold: float = option(2.0, "t, used when the finding carries none (the report: 2)", lo=1, lo_open=True)
-    relax_rate: float = option(0.05, "per step, once a/b <= t again, the weights move this fraction of "
-                                     "the way back to their base (our choice: ~60 steps to 95%)", lo=0, hi=1, lo_open=True)
+    relax_rate: float = option(
+        0.05,
+        "per step, once a/b <= t again, the weights move this fraction of "
+        "the way back to their base (our choice: ~60 steps to 95%)",
+        lo=0,
+        hi=1,
+        lo_open=True,
+    )
     min_weight: float = option(1e-3, "no weight goes below this (our choice)", lo=0)
 
 
@@ -104,8 +163,13 @@ class ReweightConfig(Section):
 class LRDropConfig(Section):
     """Learning-rate drop as a persistent multiplier of every param group's LR."""
 
-    factor: float = option(0.2, "multiply the LR scale by this (the report: LR to 1/5 on a plateau; "
-                                "the proving ground's rescue: LR x 0.2)", lo=0, hi=1, lo_open=True)
+    factor: float = option(
+        0.2,
+        "multiply the LR scale by this (the report: LR to 1/5 on a plateau; the proving ground's rescue: LR x 0.2)",
+        lo=0,
+        hi=1,
+        lo_open=True,
+    )
     min_scale: float = option(1e-3, "the LR scale never goes below this (our choice)", lo=0, hi=1, lo_open=True)
     min_lr: float = option(0.0, "a dropped LR never goes below this (nor above the user's own LR)", lo=0)
 
@@ -114,11 +178,16 @@ class LRDropConfig(Section):
 class RollbackConfig(Section):
     """In-memory snapshots and rollback."""
 
-    snapshot_every: int = option(DEFAULT_SNAPSHOT_EVERY, "optimizer steps between CPU snapshots "
-                                                         "(issue 4: at most 50)", lo=1)
+    snapshot_every: int = option(
+        DEFAULT_SNAPSHOT_EVERY, "optimizer steps between CPU snapshots (issue 4: at most 50)", lo=1
+    )
     keep: int = option(DEFAULT_SNAPSHOT_KEEP, "snapshots kept in memory", lo=1)
-    skip_batches: int = option(4, "batches monitor.batches() drops after a rollback (PaLM skipped "
-                                  "200-500 batches on a 540B run; ours is scaled to short runs)", lo=0)
+    skip_batches: int = option(
+        4,
+        "batches monitor.batches() drops after a rollback (PaLM skipped "
+        "200-500 batches on a 540B run; ours is scaled to short runs)",
+        lo=0,
+    )
     restore_rng: bool = option(True, "also restore the RNG states of the snapshot")
 
 
@@ -152,8 +221,9 @@ class StopConfig(Section):
     """The stop action."""
 
     save_checkpoint: bool = option(True, "save a checkpoint before stopping (unless one was saved this step)")
-    graceful_kinds: list[str] = option([PLATEAU], "causes that only set monitor.should_stop instead of "
-                                                  "raising StopTraining (early stopping)")
+    graceful_kinds: list[str] = option(
+        [PLATEAU], "causes that only set monitor.should_stop instead of raising StopTraining (early stopping)"
+    )
 
 
 class ActionsConfig(SectionTable):
@@ -171,6 +241,7 @@ class ActionsConfig(SectionTable):
 # Context
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass(kw_only=True)
 class ActionContext:
     """Everything an action may read or change. The monitor owns one and updates ``step``,
@@ -181,16 +252,16 @@ class ActionContext:
     optimizer: torch.optim.Optimizer
     scaler: Any = None
     groups: dict[str, list[tuple[str, nn.Parameter]]] = field(default_factory=dict)
-    loss_weights: dict[str, float] = field(default_factory=dict)   # current weights, read by combine()
-    base_weights: dict[str, float] = field(default_factory=dict)   # the user's weights
+    loss_weights: dict[str, float] = field(default_factory=dict)  # current weights, read by combine()
+    base_weights: dict[str, float] = field(default_factory=dict)  # the user's weights
     lr_scale: float = 1.0
     snapshots: SnapshotRing | None = None
     run_dir: str | os.PathLike | None = None
     step: int = 0
     epoch: int = 0
     stats: Mapping[str, float] = field(default_factory=dict)
-    skip: bool = False                 # set by skip_step / rollback: this step's update must not land
-    batches_to_skip: int = 0           # set by rollback; consumed by monitor.batches()
+    skip: bool = False  # set by skip_step / rollback: this step's update must not land
+    batches_to_skip: int = 0  # set by rollback; consumed by monitor.batches()
     should_stop: bool = False
     config: ActionsConfig = field(default_factory=ActionsConfig)
     monitor_state: Callable[[], dict[str, Any]] | None = None  # saved inside emergency checkpoints
@@ -210,6 +281,7 @@ class ActionContext:
 # skip_step
 # --------------------------------------------------------------------------------------------
 
+
 @register_action(SKIP_STEP, order=20)
 def skip_step(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Mark this step's update as not to be applied; the monitor makes it a bit-identical no-op."""
@@ -220,6 +292,7 @@ def skip_step(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # clip
 # --------------------------------------------------------------------------------------------
+
 
 def _group_norms(grads: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """0-d float32 norm per group, fused (no host sync; ``stats.norms``, fp32 even for fp16)."""
@@ -237,8 +310,12 @@ def _unitwise_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.float(), dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
-def clip_gradients(groups: dict[str, list[nn.Parameter]], config: ClipConfig, mode: str | None = None,
-                   cause_data: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+def clip_gradients(
+    groups: dict[str, list[nn.Parameter]],
+    config: ClipConfig,
+    mode: str | None = None,
+    cause_data: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
     """Clip the gradients of ``groups`` (group -> parameters with .grad) in place.
 
     Returns (norms before, norms after, settings used); norms are 0-d tensors per group (no host
@@ -288,8 +365,7 @@ def clip_gradients(groups: dict[str, list[nn.Parameter]], config: ClipConfig, mo
                     continue
                 max_norm = _unitwise_norm(p.detach()).clamp_min(config.agc_eps) * config.agc_lambda
                 g_norm = _unitwise_norm(p.grad)
-                coef = torch.where(g_norm > max_norm, max_norm / g_norm.clamp_min(CLIP_EPS),
-                                   torch.ones_like(g_norm))
+                coef = torch.where(g_norm > max_norm, max_norm / g_norm.clamp_min(CLIP_EPS), torch.ones_like(g_norm))
                 p.grad.mul_(coef.to(p.grad.dtype))
     else:
         raise ConfigError(f"clip mode {mode!r} is not allowed; choose one of {', '.join(CLIP_MODES)}")
@@ -301,22 +377,27 @@ def clip_gradients(groups: dict[str, list[nn.Parameter]], config: ClipConfig, mo
 def clip(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Clip this step's gradients (mode from ``decision.params['mode']`` or the config)."""
     groups = ctx.params_with_grad()
-    before, after, used = clip_gradients(groups, ctx.config.clip, decision.params.get("mode"),
-                                         decision.cause.data)
+    before, after, used = clip_gradients(groups, ctx.config.clip, decision.params.get("mode"), decision.cause.data)
     if not before:
         return {**used, "clipped": False, "reason": "no gradients"}
     names = list(before)
-    values = torch.stack([before[g] for g in names] + [_total(before)]
-                         + [after[g] for g in names] + [_total(after)]).tolist()  # one host read
+    values = torch.stack(
+        [before[g] for g in names] + [_total(before)] + [after[g] for g in names] + [_total(after)]
+    ).tolist()  # one host read
     n = len(names) + 1
-    return {**used, "norm_before": values[n - 1], "norm_after": values[2 * n - 1],
-            "group_norm_before": dict(zip(names, values[:n - 1])),
-            "group_norm_after": dict(zip(names, values[n:2 * n - 1]))}
+    return {
+        **used,
+        "norm_before": values[n - 1],
+        "norm_after": values[2 * n - 1],
+        "group_norm_before": dict(zip(names, values[: n - 1])),
+        "group_norm_after": dict(zip(names, values[n : 2 * n - 1])),
+    }
 
 
 # --------------------------------------------------------------------------------------------
 # reweight
 # --------------------------------------------------------------------------------------------
+
 
 @register_action(REWEIGHT, order=60, per_finding=True, config=ReweightConfig)
 def reweight(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
@@ -327,8 +408,10 @@ def reweight(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     a, b, r = data.get("a"), data.get("b"), data.get("ratio")
     t = float(data.get("threshold", cfg.threshold))
     if a not in ctx.base_weights or b not in ctx.base_weights:
-        return {"applied": False, "reason": f"components {a!r} and {b!r} are not both in combine() weights "
-                                            f"{sorted(ctx.base_weights)}"}
+        return {
+            "applied": False,
+            "reason": f"components {a!r} and {b!r} are not both in combine() weights {sorted(ctx.base_weights)}",
+        }
     if r is None or not math.isfinite(r) or r <= t:
         return {"applied": False, "reason": f"ratio {r} is not above {t:g}"}
     old = dict(ctx.loss_weights)
@@ -336,9 +419,14 @@ def reweight(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     ctx.loss_weights[b] = max(ctx.base_weights[b] * r / t, cfg.min_weight)
     key = str(data.get("key", S.LOSS_RATIO.format(a, b)))
     ctx.reweighted[f"{a}/{b}"] = {"a": a, "b": b, "key": key, "threshold": t}
-    return {"applied": True, "pair": [a, b], "ratio": r, "threshold": t,
-            "old_weights": {a: old.get(a), b: old.get(b)},
-            "new_weights": {a: ctx.loss_weights[a], b: ctx.loss_weights[b]}}
+    return {
+        "applied": True,
+        "pair": [a, b],
+        "ratio": r,
+        "threshold": t,
+        "old_weights": {a: old.get(a), b: old.get(b)},
+        "new_weights": {a: ctx.loss_weights[a], b: ctx.loss_weights[b]},
+    }
 
 
 def relax_weights(ctx: ActionContext, stats: Mapping[str, float] | None = None) -> dict[str, Any]:
@@ -376,6 +464,7 @@ def relax_weights(ctx: ActionContext, stats: Mapping[str, float] | None = None) 
 # --------------------------------------------------------------------------------------------
 # lr_drop
 # --------------------------------------------------------------------------------------------
+
 
 def _scaled_lr(lr: float, scale: float, min_lr: float) -> float:
     return max(lr * scale, min(lr, min_lr))
@@ -417,14 +506,20 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     new = max(old * factor, cfg.min_scale)
     ctx.lr_scale = new
     lrs = [float(g["lr"]) for g in ctx.optimizer.param_groups]
-    return {"factor": factor, "old_scale": old, "new_scale": new, "at_floor": new == cfg.min_scale,
-            "old_lr": [_scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
-            "new_lr": [_scaled_lr(lr, new, cfg.min_lr) for lr in lrs]}
+    return {
+        "factor": factor,
+        "old_scale": old,
+        "new_scale": new,
+        "at_floor": new == cfg.min_scale,
+        "old_lr": [_scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
+        "new_lr": [_scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
+    }
 
 
 # --------------------------------------------------------------------------------------------
 # checkpoint
 # --------------------------------------------------------------------------------------------
+
 
 def _checkpoint_dir(ctx: ActionContext) -> Path | None:
     if ctx.run_dir is None:
@@ -453,8 +548,14 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if folder is None:
         return {"saved": False, "reason": "no run_dir: the monitor has nowhere to write"}
     cause = decision.cause
-    extra = {"step": ctx.step, "epoch": ctx.epoch, "lr_scale": ctx.lr_scale,
-             "loss_weights": dict(ctx.loss_weights), "reason": cause.message, "kind": cause.kind}
+    extra = {
+        "step": ctx.step,
+        "epoch": ctx.epoch,
+        "lr_scale": ctx.lr_scale,
+        "loss_weights": dict(ctx.loss_weights),
+        "reason": cause.message,
+        "kind": cause.kind,
+    }
     if ctx.monitor_state is not None:
         extra["monitor"] = ctx.monitor_state()
     source = "live"
@@ -472,13 +573,13 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     save_checkpoint(path, state)
     ctx.last_checkpoint, ctx.last_checkpoint_step = str(path), ctx.step
     removed = _prune(folder, ctx.config.checkpoint.keep)
-    return {"saved": True, "path": str(path), "bytes": path.stat().st_size, "source": source,
-            "removed": removed}
+    return {"saved": True, "path": str(path), "bytes": path.stat().st_size, "source": source, "removed": removed}
 
 
 # --------------------------------------------------------------------------------------------
 # rollback
 # --------------------------------------------------------------------------------------------
+
 
 # Cooldown 20: a restored run takes a few steps before going back again.
 @register_action(ROLLBACK, order=30, budgeted=True, cooldown=20, config=RollbackConfig)
@@ -501,19 +602,28 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     snap = ctx.snapshots.latest_before(target) if ctx.snapshots is not None else None
     if snap is None:
         have = ctx.snapshots.labels if ctx.snapshots is not None else []
-        return {"restored": False, "skipped_step": ctx.step,
-                "reason": f"no snapshot at or before step {target} (snapshots held: {have})"}
+        return {
+            "restored": False,
+            "skipped_step": ctx.step,
+            "reason": f"no snapshot at or before step {target} (snapshots held: {have})",
+        }
     label, state = snap
     restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=cfg.restore_rng)
     ctx.snapshots.discard_after(label)
     ctx.batches_to_skip += cfg.skip_batches
-    return {"restored": True, "restored_from": label, "steps_back": ctx.step - label,
-            "skipped_step": ctx.step, "batches_to_skip": ctx.batches_to_skip}
+    return {
+        "restored": True,
+        "restored_from": label,
+        "steps_back": ctx.step - label,
+        "skipped_step": ctx.step,
+        "batches_to_skip": ctx.batches_to_skip,
+    }
 
 
 # --------------------------------------------------------------------------------------------
 # precision_fallback
 # --------------------------------------------------------------------------------------------
+
 
 @register_action(PRECISION_FALLBACK, order=50, budgeted=True)
 def precision_fallback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
@@ -522,6 +632,7 @@ def precision_fallback(ctx: ActionContext, decision: Decision) -> dict[str, Any]
     the caller's autocast dtype; the proving ground: fp32 fusion attention is what holds). Undone by
     ``remove_precision_fallback``."""
     from .watch import precision_fallback as fp32_module
+
     name = decision.params.get("module") or decision.cause.where
     if not name:
         return {"applied": False, "reason": "the finding names no module to run in fp32"}
@@ -548,6 +659,7 @@ def remove_precision_fallback(ctx: ActionContext) -> None:
 # grad_noise
 # --------------------------------------------------------------------------------------------
 
+
 def grad_noise_std(epoch: int, eta: float = 0.3, gamma: float = 0.55) -> float:
     """std = eta / (1 + epoch)^gamma (the report's formula)."""
     return eta / (1.0 + epoch) ** gamma
@@ -572,6 +684,7 @@ def grad_noise(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 # stop
 # --------------------------------------------------------------------------------------------
 
+
 @register_action(STOP, order=90, config=StopConfig)
 def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Save a checkpoint (unless one was saved this step), set ``ctx.should_stop``, and raise
@@ -589,14 +702,17 @@ def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         facts["graceful"] = True
         return facts
     where = facts.get("checkpoint", {}).get("path")
-    raise StopTraining(f"sfmonitor stopped training at step {ctx.step}: {facts['reason']} "
-                       f"(cause: {cause.kind}: {cause.message})"
-                       + (f"; last good state saved to {where}" if where else ""), facts=facts)
+    raise StopTraining(
+        f"sfmonitor stopped training at step {ctx.step}: {facts['reason']} "
+        f"(cause: {cause.kind}: {cause.message})" + (f"; last good state saved to {where}" if where else ""),
+        facts=facts,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # GradScaler floor (a standing setting, not an action)
 # --------------------------------------------------------------------------------------------
+
 
 def keep_loss_scale_floor(scaler: Any, min_scale: float) -> bool:
     """Keep a GradScaler's scale >= ``min_scale`` (an in-place clamp on the device: no host read).
@@ -613,6 +729,7 @@ def keep_loss_scale_floor(scaler: Any, min_scale: float) -> bool:
 # --------------------------------------------------------------------------------------------
 # Dispatch
 # --------------------------------------------------------------------------------------------
+
 
 def apply(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Carry out one decision; returns JSON-able facts for its event. ``stop`` raises StopTraining."""

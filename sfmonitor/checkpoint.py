@@ -16,6 +16,7 @@ state the (0-based) step ``k`` starts from. Take it in the optimizer step post-h
 ``k - 1`` with ``label=k``; ``latest_before(s)`` then returns a state that step ``s``'s update has
 not touched.
 """
+
 from __future__ import annotations
 
 import collections
@@ -23,19 +24,28 @@ import os
 import pickle
 import random
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from .errors import CheckpointError
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "capture_state",
-           "restore_state", "SnapshotRing", "DEFAULT_SNAPSHOT_EVERY", "DEFAULT_SNAPSHOT_KEEP"]
+__all__ = [
+    "DEFAULT_SNAPSHOT_EVERY",
+    "DEFAULT_SNAPSHOT_KEEP",
+    "CheckpointError",
+    "SnapshotRing",
+    "capture_state",
+    "load_checkpoint",
+    "restore_state",
+    "save_checkpoint",
+]
 
 DEFAULT_SNAPSHOT_EVERY = 50  # issue 4: "an in-memory CPU snapshot taken every N steps (default <= 50)"
-DEFAULT_SNAPSHOT_KEEP = 3    # our choice: three CPU copies of model + optimizer is affordable for small models
+DEFAULT_SNAPSHOT_KEEP = 3  # our choice: three CPU copies of model + optimizer is affordable for small models
 
 # Keys of a captured state.
 MODEL, OPTIMIZER, SCALER, RNG, EXTRA = "model", "optimizer", "scaler", "rng", "extra"
@@ -44,6 +54,7 @@ MODEL, OPTIMIZER, SCALER, RNG, EXTRA = "model", "optimizer", "scaler", "rng", "e
 # --------------------------------------------------------------------------------------------
 # Atomic save / safe load
 # --------------------------------------------------------------------------------------------
+
 
 def _fsync_dir(folder: Path) -> None:
     try:
@@ -103,21 +114,26 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
             f"checkpoint {str(path)!r} refused: it holds a pickled object that is not a tensor, "
             f"number, string, list or dict, or is not a valid pickle, and sfmonitor loads "
             f"checkpoints with weights_only=True (loading it could run arbitrary code). "
-            f"Details: {first}") from e
-    except Exception as e:  # noqa: BLE001 - torn or foreign files raise anything (struct.error,
+            f"Details: {first}"
+        ) from e
+    except Exception as e:
         # UnicodeDecodeError, KeyError, EOFError, RuntimeError, MemoryError...): one typed error
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read (truncated, corrupt or not "
-                              f"a torch checkpoint): {type(e).__name__}: {first}") from e
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read (truncated, corrupt or not "
+            f"a torch checkpoint): {type(e).__name__}: {first}"
+        ) from e
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not the "
-                              f"dict save_checkpoint writes")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds a {type(state).__name__}, not the dict save_checkpoint writes"
+        )
     return state
 
 
 # --------------------------------------------------------------------------------------------
 # Capture / restore
 # --------------------------------------------------------------------------------------------
+
 
 def copy_tree(value: Any, device: Any = None) -> Any:
     """A deep copy of a state tree (dicts, lists, tuples) whose tensors are detached clones, on
@@ -139,11 +155,18 @@ def capture_rng_state() -> dict[str, Any]:
     py_version, py_internal, py_gauss = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"name": str(np_state[0]), "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                  "cached_gaussian": float(np_state[4])},
-        "python": {"version": int(py_version), "internal": torch.tensor(py_internal, dtype=torch.int64),
-                   "gauss_next": py_gauss},
+        "numpy": {
+            "name": str(np_state[0]),
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": {
+            "version": int(py_version),
+            "internal": torch.tensor(py_internal, dtype=torch.int64),
+            "gauss_next": py_gauss,
+        },
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
@@ -156,8 +179,15 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
     if "numpy" in state:
         n = state["numpy"]
-        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), int(n["pos"]),
-                             int(n["has_gauss"]), float(n["cached_gaussian"])))
+        np.random.set_state(
+            (
+                n["name"],
+                n["keys"].numpy().astype(np.uint32),
+                int(n["pos"]),
+                int(n["has_gauss"]),
+                float(n["cached_gaussian"]),
+            )
+        )
     if "python" in state:
         p = state["python"]
         random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"].tolist()), p["gauss_next"]))
@@ -165,9 +195,13 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                  scaler: Any = None, extra: Mapping[str, Any] | None = None,
-                  rng: bool = True) -> dict[str, Any]:
+def capture_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> dict[str, Any]:
     """CPU copies of everything needed to resume bit-exactly: model (parameters and buffers),
     optimizer (state and param groups), GradScaler, RNG states, and ``extra`` (plain data only).
     """
@@ -183,9 +217,14 @@ def capture_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return state
 
 
-def restore_state(state: Mapping[str, Any], model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
-                  rng: bool = True, keep_hyperparams: bool = True) -> None:
+def restore_state(
+    state: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: Any = None,
+    rng: bool = True,
+    keep_hyperparams: bool = True,
+) -> None:
     """Put ``state`` (from ``capture_state`` or ``load_checkpoint``) back into the live objects.
 
     The snapshot is never aliased: tensors are cloned before the optimizer takes them, so a later
@@ -210,12 +249,13 @@ def restore_state(state: Mapping[str, Any], model: torch.nn.Module,
 # In-memory snapshots
 # --------------------------------------------------------------------------------------------
 
+
 class SnapshotRing:
     """The last ``keep`` CPU snapshots, one every ``every`` optimizer steps.
 
-    ``maybe_take(label, ...)`` snapshots when ``every`` steps passed since the newest snapshot; ``latest_before(step)`` is the
-    newest snapshot with ``label <= step``; ``discard_after(label)`` drops newer ones (after a
-    rollback they belong to the abandoned trajectory).
+    ``maybe_take(label, ...)`` snapshots when ``every`` steps passed since the newest snapshot;
+    ``latest_before(step)`` is the newest snapshot with ``label <= step``; ``discard_after(label)``
+    drops newer ones (after a rollback they belong to the abandoned trajectory).
     """
 
     def __init__(self, every: int = DEFAULT_SNAPSHOT_EVERY, keep: int = DEFAULT_SNAPSHOT_KEEP):
@@ -234,15 +274,27 @@ class SnapshotRing:
     def labels(self) -> list[int]:
         return [label for label, _ in self._ring]
 
-    def take(self, label: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             scaler: Any = None, extra: Mapping[str, Any] | None = None) -> None:
+    def take(
+        self,
+        label: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
         """Snapshot now under ``label`` (replaces an existing snapshot with the same label)."""
         if self._ring and self._ring[-1][0] >= label:
             self.discard_after(label - 1)
         self._ring.append((int(label), capture_state(model, optimizer, scaler, extra)))
 
-    def maybe_take(self, label: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                   scaler: Any = None, extra: Mapping[str, Any] | None = None) -> bool:
+    def maybe_take(
+        self,
+        label: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> bool:
         """Snapshot if none is held yet or ``every`` steps have passed since the newest one (so a
         step skipped for being unhealthy delays the snapshot instead of losing it); returns
         whether it did."""

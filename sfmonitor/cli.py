@@ -11,15 +11,16 @@ The first line of that function's docstring is its line in ``sfmonitor --help``.
 command cannot replace a built-in one. A command's module is imported only when the command is
 asked for (and, for its help line, by ``sfmonitor --help``).
 """
+
 from __future__ import annotations
 
 import importlib
 import inspect
 import sys
+from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
-from typing import Callable
 
-__all__ = ["BUILTINS", "COMMAND_GROUP", "commands", "usage", "main"]
+__all__ = ["BUILTINS", "COMMAND_GROUP", "commands", "main", "usage"]
 
 COMMAND_GROUP = "sfmonitor.commands"
 BUILTINS = {
@@ -31,7 +32,7 @@ BUILTINS = {
 KNOWN_PLUGINS = {
     "train": "trains the Superfusion reference model",
     "lr-find": "runs the LR range test on the Superfusion reference model; for your own model call "
-               "sfmonitor.lr_find(model, optimizer, loader, loss_fn) from Python",
+    "sfmonitor.lr_find(model, optimizer, loader, loss_fn) from Python",
 }
 
 
@@ -75,13 +76,14 @@ def _resolve(cmd: str) -> Callable[[list[str]], int] | str:
         try:
             return ep.load()
         except (ImportError, AttributeError) as e:
-            return (f"sfmonitor: command {cmd!r} is registered as {ep.value!r} but cannot be "
-                    f"loaded: {e}")
+            return f"sfmonitor: command {cmd!r} is registered as {ep.value!r} but cannot be loaded: {e}"
     if cmd in KNOWN_PLUGINS:
-        return (f"sfmonitor: command {cmd!r} is not installed. It {KNOWN_PLUGINS[cmd]}. It comes "
-                f"with the reference model package, which registers it under the "
-                f"{COMMAND_GROUP!r} entry points: install the project with it (pip install -e . "
-                f"in a checkout), then run `sfmonitor --help`.")
+        return (
+            f"sfmonitor: command {cmd!r} is not installed. It {KNOWN_PLUGINS[cmd]}. It comes "
+            f"with the reference model package, which registers it under the "
+            f"{COMMAND_GROUP!r} entry points: install the project with it (pip install -e . "
+            f"in a checkout), then run `sfmonitor --help`."
+        )
     return f"sfmonitor: unknown command {cmd!r}\n\n{usage(registered)}"
 
 

@@ -6,6 +6,7 @@ Each component declares its own section next to its code (``stats.StatsConfig``,
 This module imports them; nothing in the package imports it back except the monitor.
 ``MonitorConfig.from_any`` accepts a MonitorConfig, a dict, a YAML path or None.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,19 +18,22 @@ from .detectors import DetectorsConfig
 from .errors import ConfigError
 from .forensics import BundleConfig
 from .policy import PolicyConfig
-from .schema import Section, describe as _describe, option
+from .schema import Section, option
+from .schema import describe as _describe
 from .stats import StatsConfig
 from .watch import WatchConfig
 
-__all__ = ["ConfigError", "Section", "option", "MonitorConfig", "StatsConfig", "describe"]
+__all__ = ["ConfigError", "MonitorConfig", "Section", "StatsConfig", "describe", "option"]
 
 
 @dataclass
 class MonitorConfig(Section):
     """The whole monitor configuration. Load with ``MonitorConfig.from_any(dict | path | None)``."""
 
-    strict: bool = option(False, "raise NonFiniteError on a non-finite loss or gradient instead of "
-                                 "skipping the step (the report's assertions)")
+    strict: bool = option(
+        False,
+        "raise NonFiniteError on a non-finite loss or gradient instead of skipping the step (the report's assertions)",
+    )
     console: bool = option(True, "print one line per event to stderr")
     stats: StatsConfig = option(StatsConfig(), "statistics stage")
     detectors: DetectorsConfig = option(DetectorsConfig(), "detectors stage (docs/policy.md)")
@@ -39,7 +43,7 @@ class MonitorConfig(Section):
     bundle: BundleConfig = option(BundleConfig(), "anomaly bundles for `sfmonitor replay`")
 
     @classmethod
-    def from_any(cls, config: "MonitorConfig | dict | str | os.PathLike | None") -> "MonitorConfig":
+    def from_any(cls, config: MonitorConfig | dict | str | os.PathLike | None) -> MonitorConfig:
         if config is None:
             return cls()
         if isinstance(config, MonitorConfig):
@@ -48,6 +52,7 @@ class MonitorConfig(Section):
             return cls.from_dict(config)
         if isinstance(config, (str, os.PathLike)):
             import yaml
+
             path = os.fspath(config)
             if not os.path.exists(path):
                 raise ConfigError(f"config file {path!r} does not exist")
@@ -63,8 +68,7 @@ class MonitorConfig(Section):
             if "monitor" in data and isinstance(data["monitor"], dict) and len(data) == 1:
                 data = data["monitor"]
             return cls.from_dict(data)
-        raise ConfigError(f"config must be a MonitorConfig, a dict, a YAML path or None; "
-                          f"got {type(config).__name__}")
+        raise ConfigError(f"config must be a MonitorConfig, a dict, a YAML path or None; got {type(config).__name__}")
 
 
 def describe(section: type[Section] = MonitorConfig, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -18,25 +18,55 @@ Statistic keys read (listed in stats.py): ``loss/total``, ``loss/<c>``, ``grad_n
 ``grad_norm/<group>``, ``update_ratio/<group>``, ``loss_ratio/<a>/<b>``, ``grad_ratio/<a>/<b>``,
 ``amp/loss_scale``.
 """
+
 from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from . import stats as S
-from .events import (ACCURACY_COLLAPSE, CLIP, GRAD_RATIO_IMBALANCE, GRAD_SPIKE, LOSS_RATIO_IMBALANCE,
-                     LOSS_SCALE_FLOOR, LOSS_SPIKE, LR_DROP, PLATEAU, REWEIGHT, ROLLBACK, STOP,
-                     UPDATE_RATIO_SPIKE, ConfigError, Finding)
+from .events import (
+    ACCURACY_COLLAPSE,
+    CLIP,
+    GRAD_RATIO_IMBALANCE,
+    GRAD_SPIKE,
+    LOSS_RATIO_IMBALANCE,
+    LOSS_SCALE_FLOOR,
+    LOSS_SPIKE,
+    LR_DROP,
+    PLATEAU,
+    REWEIGHT,
+    ROLLBACK,
+    STOP,
+    UPDATE_RATIO_SPIKE,
+    ConfigError,
+    Finding,
+)
 from .registry import DETECTORS, register_detector
 from .schema import Section, SectionTable, option
 
 __all__ = [
-    "DetectorsConfig", "LossSpikeConfig", "GradSpikeConfig", "UpdateRatioSpikeConfig",
-    "RatioImbalanceConfig", "LossScaleFloorConfig", "AccuracyCollapseConfig", "PlateauConfig",
-    "Detector", "LossSpike", "GradSpike", "UpdateRatioSpike", "LossRatioImbalance",
-    "GradRatioImbalance", "LossScaleFloor", "AccuracyCollapse", "Plateau", "build_detectors",
+    "AccuracyCollapse",
+    "AccuracyCollapseConfig",
+    "Detector",
+    "DetectorsConfig",
+    "GradRatioImbalance",
+    "GradSpike",
+    "GradSpikeConfig",
+    "LossRatioImbalance",
+    "LossScaleFloor",
+    "LossScaleFloorConfig",
+    "LossSpike",
+    "LossSpikeConfig",
+    "Plateau",
+    "PlateauConfig",
+    "RatioImbalanceConfig",
+    "UpdateRatioSpike",
+    "UpdateRatioSpikeConfig",
+    "build_detectors",
 ]
 
 # Statistic keys and prefixes read here (defined once, in stats.py).
@@ -54,6 +84,7 @@ MAD_TO_SIGMA = 1.4826  # sigma of a normal distribution = 1.4826 * median absolu
 # Config
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class LossSpikeConfig(Section):
     """Loss spike: log(loss) far above its robust rolling level (median and MAD of a window)."""
@@ -63,13 +94,19 @@ class LossSpikeConfig(Section):
     window: int = option(128, "rolling window in steps (OLMo-core stability monitor: 128 steps)", lo=8)
     z: float = option(6.0, "fire above median + z * sigma of log(loss) (OLMo-core: 6 sigma)", lo=0, lo_open=True)
     warmup: int = option(25, "finite values collected before the first check (ZClip: 25 warm-up steps)", lo=2)
-    min_sigma: float = option(0.01, "floor on sigma of log(loss): a jump under z*min_sigma (6%) is never "
-                                     "a spike, however flat the curve (our choice)", lo=0)
+    min_sigma: float = option(
+        0.01,
+        "floor on sigma of log(loss): a jump under z*min_sigma (6%) is never "
+        "a spike, however flat the curve (our choice)",
+        lo=0,
+    )
 
     def validate(self) -> None:
         if self.warmup > self.window:
-            raise ConfigError(f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
-                              f"({self.window}); allowed: [2, window]")
+            raise ConfigError(
+                f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
+                f"({self.window}); allowed: [2, window]"
+            )
 
 
 @dataclass
@@ -79,9 +116,14 @@ class GradSpikeConfig(Section):
     enabled: bool = option(True, "watch grad_norm/total")
     groups: bool = option(False, "also watch each grad_norm/<group>")
     alpha: float = option(0.97, "EMA decay of mean and variance (ZClip: alpha = 0.97)", lo=0, hi=1, lo_open=True)
-    z: float = option(6.0, "fire above z EMA standard deviations. ZClip's z = 2.5 is a clipping "
-                           "threshold applied every step (actions.clip.zclip_z); as an alarm it would "
-                           "fire on ~0.6% of healthy steps, so the alarm uses OLMo-core's 6 sigma", lo=0, lo_open=True)
+    z: float = option(
+        6.0,
+        "fire above z EMA standard deviations. ZClip's z = 2.5 is a clipping "
+        "threshold applied every step (actions.clip.zclip_z); as an alarm it would "
+        "fire on ~0.6% of healthy steps, so the alarm uses OLMo-core's 6 sigma",
+        lo=0,
+        lo_open=True,
+    )
     warmup: int = option(25, "finite values averaged before the first check (ZClip: 25 warm-up steps)", lo=2)
     min_sigma: float = option(0.01, "floor on the EMA sigma of log(grad norm) (our choice)", lo=0)
 
@@ -92,15 +134,23 @@ class UpdateRatioSpikeConfig(Section):
 
     enabled: bool = option(True, "watch update_ratio/<group> (judged one step later: after_update)")
     window: int = option(128, "rolling window in steps (as the loss window, OLMo-core: 128)", lo=8)
-    factor: float = option(10.0, "fire above factor * rolling median (our choice: an order of magnitude)", lo=1, lo_open=True)
-    ceiling: float = option(1000.0, "fire above this ratio whatever the history (the report: a ratio "
-                                    "above 1000 marks a gradient explosion)", lo=0, lo_open=True)
+    factor: float = option(
+        10.0, "fire above factor * rolling median (our choice: an order of magnitude)", lo=1, lo_open=True
+    )
+    ceiling: float = option(
+        1000.0,
+        "fire above this ratio whatever the history (the report: a ratio above 1000 marks a gradient explosion)",
+        lo=0,
+        lo_open=True,
+    )
     warmup: int = option(25, "values collected before the relative test (ZClip: 25 warm-up steps)", lo=2)
 
     def validate(self) -> None:
         if self.warmup > self.window:
-            raise ConfigError(f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
-                              f"({self.window}); allowed: [2, window]")
+            raise ConfigError(
+                f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
+                f"({self.window}); allowed: [2, window]"
+            )
 
 
 @dataclass
@@ -110,11 +160,18 @@ class RatioImbalanceConfig(Section):
     it stays above, and re-arms once the ratio falls under ``rearm_below * threshold``."""
 
     enabled: bool = option(True, "watch the configured pairs")
-    pairs: list[list[str]] = option([], "component pairs [a, b] watched as a/b; none by default, "
-                                        "so a healthy run at defaults takes no action (the report's "
-                                        "pair is [[vision, fusion]], set by the reference trainer)")
-    threshold: float = option(2.0, "fire when a/b exceeds this (the report: L_v/L_f > 2, and trap 2: "
-                                   "|dL_v/dtheta| > 2 |dL_f/dtheta|)", lo=1, lo_open=True)
+    pairs: list[list[str]] = option(
+        [],
+        "component pairs [a, b] watched as a/b; none by default, "
+        "so a healthy run at defaults takes no action (the report's "
+        "pair is [[vision, fusion]], set by the reference trainer)",
+    )
+    threshold: float = option(
+        2.0,
+        "fire when a/b exceeds this (the report: L_v/L_f > 2, and trap 2: |dL_v/dtheta| > 2 |dL_f/dtheta|)",
+        lo=1,
+        lo_open=True,
+    )
     patience: int = option(1, "consecutive observations above the threshold before firing", lo=1)
     refire_every: int = option(100, "steps between findings while the imbalance persists (our choice)", lo=1)
     rearm_below: float = option(0.9, "re-arm once a/b < rearm_below * threshold (hysteresis)", lo=0, hi=1, lo_open=True)
@@ -122,8 +179,7 @@ class RatioImbalanceConfig(Section):
     def validate(self) -> None:
         for i, pair in enumerate(self.pairs):
             if len(pair) != 2 or pair[0] == pair[1] or not all(pair):
-                raise ConfigError(f"{self._prefix}pairs[{i}]: expected two different component "
-                                  f"names, got {pair!r}")
+                raise ConfigError(f"{self._prefix}pairs[{i}]: expected two different component names, got {pair!r}")
 
 
 @dataclass
@@ -131,7 +187,9 @@ class LossScaleFloorConfig(Section):
     """The GradScaler's scale reached the floor: fp16 gradients keep overflowing."""
 
     enabled: bool = option(True, "watch amp/loss_scale")
-    min_loss_scale: float = option(512.0, "floor (the report's mixed-precision settings: min_loss_scale 512)", lo=0, lo_open=True)
+    min_loss_scale: float = option(
+        512.0, "floor (the report's mixed-precision settings: min_loss_scale 512)", lo=0, lo_open=True
+    )
 
 
 @dataclass
@@ -142,14 +200,20 @@ class AccuracyCollapseConfig(Section):
     enabled: bool = option(True, "watch the accuracy given to observe_eval()")
     metric: str = option("accuracy", "metric name in observe_eval(metrics)")
     chance: float | None = option(None, "chance level when observe_eval() gives none (None: skip the check)")
-    above_margin: float = option(0.1, "'clearly above chance': accuracy >= chance + this, in the "
-                                      "metric's own units (our choice)", lo=0, lo_open=True)
+    above_margin: float = option(
+        0.1,
+        "'clearly above chance': accuracy >= chance + this, in the metric's own units (our choice)",
+        lo=0,
+        lo_open=True,
+    )
     collapse_margin: float = option(0.02, "'at chance': accuracy <= chance + this (our choice)", lo=0)
 
     def validate(self) -> None:
         if self.collapse_margin >= self.above_margin:
-            raise ConfigError(f"{self._prefix}collapse_margin: {self.collapse_margin} must be below "
-                              f"{self._prefix}above_margin ({self.above_margin})")
+            raise ConfigError(
+                f"{self._prefix}collapse_margin: {self.collapse_margin} must be below "
+                f"{self._prefix}above_margin ({self.above_margin})"
+            )
 
 
 @dataclass
@@ -178,6 +242,7 @@ class DetectorsConfig(SectionTable):
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
+
 
 def _watched_keys(stats: Mapping[str, float], total: str, prefix: str, each: bool) -> list[str]:
     """The total's key alone, or with ``each`` every key under ``prefix`` (total included)."""
@@ -213,6 +278,7 @@ def _fmt(x: float) -> str:
 # --------------------------------------------------------------------------------------------
 # Detectors
 # --------------------------------------------------------------------------------------------
+
 
 class Detector:
     """Base detector: finds nothing. A detector is any object with these members; subclass this one
@@ -255,14 +321,17 @@ class _Windowed(Detector):
         return {"windows": {k: list(w) for k, w in self.windows.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.windows = {k: collections.deque((float(v) for v in w), maxlen=self.config.window)
-                        for k, w in state.get("windows", {}).items()}
+        self.windows = {
+            k: collections.deque((float(v) for v in w), maxlen=self.config.window)
+            for k, w in state.get("windows", {}).items()
+        }
 
 
 # A loss jump on the step after an update means that update was bad: go back to before it; a second
 # jump within 50 steps also drops the LR.
-@register_detector("loss_spike", config=LossSpikeConfig, window=50,
-                   kinds={LOSS_SPIKE: [(1, [ROLLBACK]), (2, [ROLLBACK, LR_DROP])]})
+@register_detector(
+    "loss_spike", config=LossSpikeConfig, window=50, kinds={LOSS_SPIKE: [(1, [ROLLBACK]), (2, [ROLLBACK, LR_DROP])]}
+)
 class LossSpike(_Windowed):
     """log(loss) above median + z * max(1.4826 * MAD, min_sigma) of the last ``window`` finite values.
 
@@ -290,14 +359,27 @@ class LossSpike(_Windowed):
                 if z > cfg.z:
                     limit = med + cfg.z * sigma
                     w.append(limit)  # clamped: the spike cannot inflate the window
-                    where = key[len(LOSS_PREFIX):]
-                    out.append(Finding(
-                        kind=self.kind, where=where,
-                        message=(f"{key} = {_fmt(value)} is {z:.1f} sigma above its rolling median "
-                                 f"{_fmt(math.exp(med))} (threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"),
-                        data={"key": key, "value": value, "median": math.exp(med),
-                              "threshold_value": math.exp(limit), "z": z, "z_threshold": cfg.z,
-                              "sigma_log": sigma, "step": step}))
+                    where = key[len(LOSS_PREFIX) :]
+                    out.append(
+                        Finding(
+                            kind=self.kind,
+                            where=where,
+                            message=(
+                                f"{key} = {_fmt(value)} is {z:.1f} sigma above its rolling median "
+                                f"{_fmt(math.exp(med))} (threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"
+                            ),
+                            data={
+                                "key": key,
+                                "value": value,
+                                "median": math.exp(med),
+                                "threshold_value": math.exp(limit),
+                                "z": z,
+                                "z_threshold": cfg.z,
+                                "sigma_log": sigma,
+                                "step": step,
+                            },
+                        )
+                    )
                     continue
             w.append(x)
         return out
@@ -316,8 +398,8 @@ class GradSpike(Detector):
 
     def __init__(self, config: GradSpikeConfig | None = None):
         self.config = config or GradSpikeConfig()
-        self.ema: dict[str, list[float]] = {}        # key -> [mean, var]
-        self.warm: dict[str, list[float]] = {}       # key -> values seen during warm-up
+        self.ema: dict[str, list[float]] = {}  # key -> [mean, var]
+        self.warm: dict[str, list[float]] = {}  # key -> values seen during warm-up
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         return _watched_keys(stats, GRAD_NORM_TOTAL, GRAD_NORM_PREFIX, self.config.groups)
@@ -340,13 +422,27 @@ class GradSpike(Detector):
             z = (x - mean) / sigma
             if z > cfg.z:
                 limit = mean + cfg.z * sigma
-                out.append(Finding(
-                    kind=self.kind, where=key[len(GRAD_NORM_PREFIX):],
-                    message=(f"{key} = {_fmt(value)} is {z:.1f} sigma above its EMA {_fmt(math.exp(mean))} "
-                             f"(threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"),
-                    data={"key": key, "value": value, "ema_mean": math.exp(mean),
-                          "threshold_value": math.exp(limit), "z": z, "z_threshold": cfg.z,
-                          "mean_log": mean, "sigma_log": sigma, "step": step}))
+                out.append(
+                    Finding(
+                        kind=self.kind,
+                        where=key[len(GRAD_NORM_PREFIX) :],
+                        message=(
+                            f"{key} = {_fmt(value)} is {z:.1f} sigma above its EMA {_fmt(math.exp(mean))} "
+                            f"(threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"
+                        ),
+                        data={
+                            "key": key,
+                            "value": value,
+                            "ema_mean": math.exp(mean),
+                            "threshold_value": math.exp(limit),
+                            "z": z,
+                            "z_threshold": cfg.z,
+                            "mean_log": mean,
+                            "sigma_log": sigma,
+                            "step": step,
+                        },
+                    )
+                )
                 x = limit
             mean = cfg.alpha * mean + (1 - cfg.alpha) * x
             var = cfg.alpha * var + (1 - cfg.alpha) * (x - mean) ** 2
@@ -354,8 +450,7 @@ class GradSpike(Detector):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema": {k: list(v) for k, v in self.ema.items()},
-                "warm": {k: list(v) for k, v in self.warm.items()}}
+        return {"ema": {k: list(v) for k, v in self.ema.items()}, "warm": {k: list(v) for k, v in self.warm.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.ema = {k: [float(a) for a in v] for k, v in state.get("ema", {}).items()}
@@ -363,8 +458,9 @@ class GradSpike(Detector):
 
 
 # A spike seen after the update landed: only going back helps.
-@register_detector("update_ratio_spike", config=UpdateRatioSpikeConfig,
-                   kinds={UPDATE_RATIO_SPIKE: [(1, [ROLLBACK, LR_DROP])]})
+@register_detector(
+    "update_ratio_spike", config=UpdateRatioSpikeConfig, kinds={UPDATE_RATIO_SPIKE: [(1, [ROLLBACK, LR_DROP])]}
+)
 class UpdateRatioSpike(_Windowed):
     """update_ratio/<group> above ``factor`` x its rolling median, or above ``ceiling``.
 
@@ -389,14 +485,30 @@ class UpdateRatioSpike(_Windowed):
             rel_limit = cfg.factor * med if med is not None else math.inf
             limit = min(rel_limit, cfg.ceiling)
             if value > limit:
-                group = key[len(UPDATE_RATIO_PREFIX):]
-                why = (f"{cfg.factor:g} x its rolling median {_fmt(med)}" if rel_limit <= cfg.ceiling
-                       else f"the ceiling {cfg.ceiling:g}")
-                out.append(Finding(
-                    kind=self.kind, where=group, before_update=False, step=step,
-                    message=f"{key} = {_fmt(value)} at step {step} is above {why} (limit {_fmt(limit)})",
-                    data={"key": key, "value": value, "median": med, "factor": cfg.factor,
-                          "ceiling": cfg.ceiling, "threshold_value": limit, "step": step}))
+                group = key[len(UPDATE_RATIO_PREFIX) :]
+                why = (
+                    f"{cfg.factor:g} x its rolling median {_fmt(med)}"
+                    if rel_limit <= cfg.ceiling
+                    else f"the ceiling {cfg.ceiling:g}"
+                )
+                out.append(
+                    Finding(
+                        kind=self.kind,
+                        where=group,
+                        before_update=False,
+                        step=step,
+                        message=f"{key} = {_fmt(value)} at step {step} is above {why} (limit {_fmt(limit)})",
+                        data={
+                            "key": key,
+                            "value": value,
+                            "median": med,
+                            "factor": cfg.factor,
+                            "ceiling": cfg.ceiling,
+                            "threshold_value": limit,
+                            "step": step,
+                        },
+                    )
+                )
                 if math.isfinite(rel_limit):
                     w.append(rel_limit)  # clamped
                 continue
@@ -412,8 +524,8 @@ class _RatioImbalance(Detector):
 
     def __init__(self, config: RatioImbalanceConfig | None = None):
         self.config = config or RatioImbalanceConfig()
-        self.over: dict[str, int] = {}        # pair key -> consecutive observations above threshold
-        self.last_fire: dict[str, int] = {}   # pair key -> step of the last finding while armed-off
+        self.over: dict[str, int] = {}  # pair key -> consecutive observations above threshold
+        self.last_fire: dict[str, int] = {}  # pair key -> step of the last finding while armed-off
 
     def _ratio(self, a: str, b: str, stats: Mapping[str, float]) -> float | None:
         return stats.get(f"{self.prefix}{a}/{b}")
@@ -438,10 +550,14 @@ class _RatioImbalance(Detector):
             if last is not None and step - last < cfg.refire_every:
                 continue
             self.last_fire[key] = step
-            out.append(Finding(
-                kind=self.kind, where=f"{a}/{b}",
-                message=f"{self.what} {a}/{b} = {r:.3g} exceeds {cfg.threshold:g}",
-                data={"key": key, "a": a, "b": b, "ratio": r, "threshold": cfg.threshold, "step": step}))
+            out.append(
+                Finding(
+                    kind=self.kind,
+                    where=f"{a}/{b}",
+                    message=f"{self.what} {a}/{b} = {r:.3g} exceeds {cfg.threshold:g}",
+                    data={"key": key, "a": a, "b": b, "ratio": r, "threshold": cfg.threshold, "step": step},
+                )
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -452,8 +568,7 @@ class _RatioImbalance(Detector):
         self.last_fire = {k: int(v) for k, v in state.get("last_fire", {}).items()}
 
 
-@register_detector("loss_ratio_imbalance", config=RatioImbalanceConfig,
-                   kinds={LOSS_RATIO_IMBALANCE: [(1, [REWEIGHT])]})
+@register_detector("loss_ratio_imbalance", config=RatioImbalanceConfig, kinds={LOSS_RATIO_IMBALANCE: [(1, [REWEIGHT])]})
 class LossRatioImbalance(_RatioImbalance):
     """loss_ratio/<a>/<b> above 2 (the report's reweighting trigger). Falls back to
     (loss/<a> + 1e-6) / (loss/<b> + 1e-6) when the ratio key is absent."""
@@ -466,8 +581,7 @@ class LossRatioImbalance(_RatioImbalance):
         return S.loss_ratio_of(stats, a, b)
 
 
-@register_detector("grad_ratio_imbalance", config=RatioImbalanceConfig,
-                   kinds={GRAD_RATIO_IMBALANCE: [(1, [REWEIGHT])]})
+@register_detector("grad_ratio_imbalance", config=RatioImbalanceConfig, kinds={GRAD_RATIO_IMBALANCE: [(1, [REWEIGHT])]})
 class GradRatioImbalance(_RatioImbalance):
     """grad_ratio/<a>/<b> above 2 on shared parameters (the report's trap 2: conflicting gradients,
     NaN followed with 87% probability). The key exists only on the steps the stats stage measures it."""
@@ -498,10 +612,15 @@ class LossScaleFloor(Detector):
         if not self.armed:
             return []
         self.armed = False
-        return [Finding(kind=self.kind, where="scaler",
-                        message=f"GradScaler scale {scale:g} reached the floor min_loss_scale = {floor:g}: "
-                                f"fp16 gradients keep overflowing",
-                        data={"key": LOSS_SCALE, "value": scale, "min_loss_scale": floor, "step": step})]
+        return [
+            Finding(
+                kind=self.kind,
+                where="scaler",
+                message=f"GradScaler scale {scale:g} reached the floor min_loss_scale = {floor:g}: "
+                f"fp16 gradients keep overflowing",
+                data={"key": LOSS_SCALE, "value": scale, "min_loss_scale": floor, "step": step},
+            )
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         return {"armed": self.armed}
@@ -510,8 +629,9 @@ class LossScaleFloor(Detector):
         self.armed = bool(state.get("armed", True))
 
 
-@register_detector("accuracy_collapse", config=AccuracyCollapseConfig,
-                   kinds={ACCURACY_COLLAPSE: [(1, [ROLLBACK, LR_DROP])]})
+@register_detector(
+    "accuracy_collapse", config=AccuracyCollapseConfig, kinds={ACCURACY_COLLAPSE: [(1, [ROLLBACK, LR_DROP])]}
+)
 class AccuracyCollapse(Detector):
     """Validation accuracy at chance (<= chance + collapse_margin) after it had been clearly above
     (>= chance + above_margin). Fires once per collapse; re-arms when clearly above again."""
@@ -539,11 +659,21 @@ class AccuracyCollapse(Detector):
             return []
         if self.armed and acc_for_test <= chance + cfg.collapse_margin:
             self.armed = False
-            return [Finding(kind=self.kind, where=cfg.metric,
-                            message=f"validation {cfg.metric} {acc} is back at chance {chance:g} "
-                                    f"(best so far {self.best})",
-                            data={"metric": cfg.metric, "value": acc, "chance": chance,
-                                  "best": self.best, "collapse_margin": cfg.collapse_margin, "step": step})]
+            return [
+                Finding(
+                    kind=self.kind,
+                    where=cfg.metric,
+                    message=f"validation {cfg.metric} {acc} is back at chance {chance:g} (best so far {self.best})",
+                    data={
+                        "metric": cfg.metric,
+                        "value": acc,
+                        "chance": chance,
+                        "best": self.best,
+                        "collapse_margin": cfg.collapse_margin,
+                        "step": step,
+                    },
+                )
+            ]
         return []
 
     def state_dict(self) -> dict[str, Any]:
@@ -592,12 +722,22 @@ class Plateau(Detector):
             n, occurrence, what = cfg.grace, 2, "stop"
         else:
             return []
-        return [Finding(kind=self.kind, where=cfg.metric,
-                        message=f"validation {cfg.metric} {value} has not improved on {self.best} for "
-                                f"{n} validations: {what}",
-                        data={"metric": cfg.metric, "value": value, "best": self.best, "validations": n,
-                              "occurrence": occurrence, "step": step},
-                        occurrence=occurrence)]
+        return [
+            Finding(
+                kind=self.kind,
+                where=cfg.metric,
+                message=f"validation {cfg.metric} {value} has not improved on {self.best} for {n} validations: {what}",
+                data={
+                    "metric": cfg.metric,
+                    "value": value,
+                    "best": self.best,
+                    "validations": n,
+                    "occurrence": occurrence,
+                    "step": step,
+                },
+                occurrence=occurrence,
+            )
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "stale": self.stale, "stage": self.stage}

@@ -1,9 +1,10 @@
 """The errors sfmonitor raises. Imports nothing, so every module (and the config schema) can use them."""
+
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SFMonitorError", "ConfigError", "NonFiniteError", "StopTraining"]
+__all__ = ["ConfigError", "NonFiniteError", "SFMonitorError", "StopTraining"]
 
 
 class SFMonitorError(Exception):

@@ -4,6 +4,7 @@ stats -> detectors produce ``Finding`` -> policy turns findings into ``Decision`
 actions carry decisions out -> every finding that led somewhere (or that is worth telling)
 becomes an ``Event`` that sinks write.
 """
+
 from __future__ import annotations
 
 import math
@@ -113,13 +114,23 @@ class Event:
     actions: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "kind": self.kind, "message": self.message,
-                "data": jsonable(self.data), "actions": list(self.actions)}
+        return {
+            "step": self.step,
+            "kind": self.kind,
+            "message": self.message,
+            "data": jsonable(self.data),
+            "actions": list(self.actions),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Event":
-        return cls(step=int(d["step"]), kind=str(d["kind"]), message=str(d.get("message", "")),
-                   data=dict(d.get("data") or {}), actions=list(d.get("actions") or []))
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        return cls(
+            step=int(d["step"]),
+            kind=str(d["kind"]),
+            message=str(d.get("message", "")),
+            data=dict(d.get("data") or {}),
+            actions=list(d.get("actions") or []),
+        )
 
 
 def jsonable(value: Any) -> Any:

@@ -19,6 +19,7 @@ Bundle layout::
     rng.pt          torch / cuda / python / numpy RNG states (tensors and plain values only)
     stats.json  event.json  config.json
 """
+
 from __future__ import annotations
 
 import json
@@ -26,23 +27,34 @@ import os
 import pickle
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .checkpoint import capture_rng_state, restore_rng_state  # re-exported for replay
-from .schema import Section, option
 from .events import ConfigError, SFMonitorError, jsonable
+from .schema import Section, option
 
-__all__ = ["BundleConfig", "BundleError", "BatchRecorder", "BundleTracker", "input_stats",
-           "batch_input_stats", "capture_rng_state", "restore_rng_state", "write_bundle",
-           "load_bundle", "BUNDLE_FORMAT"]
+__all__ = [
+    "BUNDLE_FORMAT",
+    "BatchRecorder",
+    "BundleConfig",
+    "BundleError",
+    "BundleTracker",
+    "batch_input_stats",
+    "capture_rng_state",
+    "input_stats",
+    "load_bundle",
+    "restore_rng_state",
+    "write_bundle",
+]
 
 BUNDLE_FORMAT = 1
 MANIFEST = "manifest.json"
-_TENSOR_FILES = ("model", "optimizer", "batch", "rng")   # kept in this priority order
+_TENSOR_FILES = ("model", "optimizer", "batch", "rng")  # kept in this priority order
 _JSON_FILES = ("stats", "event", "config")
 
 
@@ -56,17 +68,21 @@ class BundleConfig(Section):
 
     enabled: bool = option(True, "write a bundle on anomalies (the playbook: save the state at once)")
     dir: str = option("bundles", "folder under run_dir that holds the bundles")
-    max_mb: float = option(64.0, "size cap of one bundle in MiB; the batch, then the optimizer state, "
-                                 "are left out (and the event says so) when they do not fit", lo=0.0)
+    max_mb: float = option(
+        64.0,
+        "size cap of one bundle in MiB; the batch, then the optimizer state, "
+        "are left out (and the event says so) when they do not fit",
+        lo=0.0,
+    )
     first_only: bool = option(True, "only the first anomaly of each event kind writes a bundle")
-    on_demand: bool = option(True, "allow monitor.request_bundle() to write a bundle at any step, "
-                                   "whatever first_only says")
+    on_demand: bool = option(
+        True, "allow monitor.request_bundle() to write a bundle at any step, whatever first_only says"
+    )
     kinds: list[str] = option([], "event kinds that write a bundle; empty: every anomaly kind")
 
     def validate(self) -> None:
         if not self.dir or os.path.isabs(self.dir) or ".." in self.dir.replace("\\", "/").split("/"):
-            raise ConfigError(f"{self._prefix}dir: expected a relative folder name inside run_dir, "
-                              f"got {self.dir!r}")
+            raise ConfigError(f"{self._prefix}dir: expected a relative folder name inside run_dir, got {self.dir!r}")
 
 
 class BundleTracker:
@@ -74,7 +90,7 @@ class BundleTracker:
 
     def __init__(self, config: BundleConfig | None = None) -> None:
         self.config = config or BundleConfig()
-        self.written: dict[str, int] = {}        # kind -> step of its bundle
+        self.written: dict[str, int] = {}  # kind -> step of its bundle
 
     def should_write(self, kind: str, *, on_demand: bool = False) -> bool:
         cfg = self.config
@@ -99,6 +115,7 @@ class BundleTracker:
 # --------------------------------------------------------------------------------------------
 # input statistics
 # --------------------------------------------------------------------------------------------
+
 
 def _named_tensors(obj: Any, prefix: str, depth: int = 0):
     if isinstance(obj, torch.Tensor):
@@ -128,8 +145,7 @@ def _pad_lengths(t: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     lengths = t.shape[1] - runs
     # obvious: some row has a run of >= 2 pads, lengths differ, and the pad value occurs nowhere
     # but in the trailing runs (a token id that also appears inside the text is no pad).
-    if (int(runs.max()) < 2 or int(lengths.min()) == int(lengths.max())
-            or bool((is_pad & ~trailing).any())):
+    if int(runs.max()) < 2 or int(lengths.min()) == int(lengths.max()) or bool((is_pad & ~trailing).any()):
         return None
     return pad, lengths
 
@@ -193,7 +209,7 @@ def input_stats(args: Any = (), kwargs: dict[str, Any] | None = None) -> dict[st
                     put(name, "lengths_max", lf.amax())
                     put(name, "lengths_mean", lf.mean())
     if vals:
-        numbers = torch.stack(vals).tolist()            # the one host read
+        numbers = torch.stack(vals).tolist()  # the one host read
         for (name, key), v in zip(keys, numbers):
             integral = key in ("nonfinite",) or (key.startswith("lengths_") and key != "lengths_mean")
             out[name][key] = int(v) if integral else float(v)
@@ -209,6 +225,7 @@ def batch_input_stats(batches: Iterable[dict[str, Any]]) -> list[dict[str, dict[
 # RNG state
 # --------------------------------------------------------------------------------------------
 
+
 def forward_rng_state() -> dict[str, Any]:
     """The RNG states a forward pass draws from (torch CPU, and CUDA once initialised): what a
     replay needs for the same dropout masks. Cheap enough for every step, unlike the numpy and
@@ -222,6 +239,7 @@ def forward_rng_state() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # batch recorder
 # --------------------------------------------------------------------------------------------
+
 
 def _detach_refs(obj: Any, depth: int = 0) -> Any:
     """Same structure, tensors detached (a view: no copy, no autograd graph kept alive)."""
@@ -253,7 +271,7 @@ class BatchRecorder:
         self.rng_state: dict[str, Any] | None = None
         self._handle = None
 
-    def attach(self, model: nn.Module) -> "BatchRecorder":
+    def attach(self, model: nn.Module) -> BatchRecorder:
         if self._handle is not None:
             raise RuntimeError("BatchRecorder is already attached; call detach() first")
         self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
@@ -276,8 +294,9 @@ class BatchRecorder:
             self.rng_state = forward_rng_state()
         dev = next((t.device.type for _, t in _named_tensors([args, kwargs], "")), "cpu")
         amp = _dtype_str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
-        self.batches.append({"args": _detach_refs(tuple(args)), "kwargs": _detach_refs(dict(kwargs)),
-                             "autocast": amp, "device": dev})
+        self.batches.append(
+            {"args": _detach_refs(tuple(args)), "kwargs": _detach_refs(dict(kwargs)), "autocast": amp, "device": dev}
+        )
         return None
 
 
@@ -300,8 +319,7 @@ def _check_plain(obj: Any, where: str, depth: int = 0) -> None:
         raise BundleError(f"{where}: nested too deeply")
     if isinstance(obj, (list, tuple)):
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            raise BundleError(f"{where}: a namedtuple ({type(obj).__name__}) cannot be loaded with "
-                              f"weights_only=True")
+            raise BundleError(f"{where}: a namedtuple ({type(obj).__name__}) cannot be loaded with weights_only=True")
         for i, o in enumerate(obj):
             _check_plain(o, f"{where}[{i}]", depth + 1)
         return
@@ -311,8 +329,7 @@ def _check_plain(obj: Any, where: str, depth: int = 0) -> None:
                 raise BundleError(f"{where}: key {k!r} is not a plain value")
             _check_plain(v, f"{where}[{k!r}]", depth + 1)
         return
-    raise BundleError(f"{where}: holds a {type(obj).__module__}.{type(obj).__qualname__}, not a tensor "
-                      f"or plain value")
+    raise BundleError(f"{where}: holds a {type(obj).__module__}.{type(obj).__qualname__}, not a tensor or plain value")
 
 
 def _compact(obj: Any) -> Any:
@@ -339,13 +356,24 @@ def _unique_dir(root: str, name: str) -> str:
     return path
 
 
-def write_bundle(run_dir: str | os.PathLike, step: int, kind: str, *, model_state: dict[str, Any],
-                 optimizer_state: dict[str, Any] | None = None, batch: list[dict[str, Any]] | None = None,
-                 stats: dict[str, float] | None = None, event: dict[str, Any] | None = None,
-                 rng_state: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
-                 model_factory: str | None = None, model_kwargs: dict[str, Any] | None = None,
-                 loss_weights: dict[str, float] | None = None, max_bytes: int | None = 64 * 2 ** 20,
-                 dir_name: str = "bundles") -> str:
+def write_bundle(
+    run_dir: str | os.PathLike,
+    step: int,
+    kind: str,
+    *,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None = None,
+    batch: list[dict[str, Any]] | None = None,
+    stats: dict[str, float] | None = None,
+    event: dict[str, Any] | None = None,
+    rng_state: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+    model_factory: str | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    loss_weights: dict[str, float] | None = None,
+    max_bytes: int | None = 64 * 2**20,
+    dir_name: str = "bundles",
+) -> str:
     """Write ``run_dir/<dir_name>/<step>-<kind>/`` atomically; return its path.
 
     ``model_state`` is kept whatever the cap (a bundle without it replays nothing); then the batch,
@@ -374,11 +402,19 @@ def write_bundle(run_dir: str | os.PathLike, step: int, kind: str, *, model_stat
     os.makedirs(tmp)
     try:
         manifest: dict[str, Any] = {
-            "format": BUNDLE_FORMAT, "step": int(step), "kind": kind, "created": time.time(),
-            "torch": torch.__version__, "model_factory": model_factory, "model_kwargs": model_kwargs or {},
+            "format": BUNDLE_FORMAT,
+            "step": int(step),
+            "kind": kind,
+            "created": time.time(),
+            "torch": torch.__version__,
+            "model_factory": model_factory,
+            "model_kwargs": model_kwargs or {},
             "loss_weights": {str(k): float(v) for k, v in (loss_weights or {}).items()},
-            "max_bytes": max_bytes, "files": {}, "dropped": {},
-            "batch_dropped": False, "batch_dropped_reason": None,
+            "max_bytes": max_bytes,
+            "files": {},
+            "dropped": {},
+            "batch_dropped": False,
+            "batch_dropped_reason": None,
             "autocast": next((b.get("autocast") for b in (batch or []) if b.get("autocast")), None),
             "micro_batches": len(batch) if batch is not None else 0,
         }
@@ -410,8 +446,9 @@ def write_bundle(run_dir: str | os.PathLike, step: int, kind: str, *, model_stat
             size = os.path.getsize(path)
             if name != "model" and total + size > cap:
                 os.remove(path)
-                manifest["dropped"][name] = (f"{size} bytes would bring the bundle to {total + size} "
-                                             f"bytes, over the cap of {int(cap)} bytes")
+                manifest["dropped"][name] = (
+                    f"{size} bytes would bring the bundle to {total + size} bytes, over the cap of {int(cap)} bytes"
+                )
                 continue
             total += size
             manifest["files"][name] = name + ".pt"
@@ -440,10 +477,14 @@ def _first_line(e: BaseException) -> str:
 
 # Manifest fields replay and the monitor read, and the types they must have when present.
 _MANIFEST_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "files": ((dict,), "a mapping"), "dropped": ((dict,), "a mapping"),
-    "loss_weights": ((dict,), "a mapping"), "model_kwargs": ((dict,), "a mapping"),
-    "model_factory": ((str, type(None)), "a string or null"), "kind": ((str,), "a string"),
-    "step": ((int,), "an integer"), "micro_batches": ((int,), "an integer"),
+    "files": ((dict,), "a mapping"),
+    "dropped": ((dict,), "a mapping"),
+    "loss_weights": ((dict,), "a mapping"),
+    "model_kwargs": ((dict,), "a mapping"),
+    "model_factory": ((str, type(None)), "a string or null"),
+    "kind": ((str,), "a string"),
+    "step": ((int,), "an integer"),
+    "micro_batches": ((int,), "an integer"),
     "autocast": ((str, type(None)), "a string or null"),
     "batch_dropped": ((bool,), "true or false"),
     "batch_dropped_reason": ((str, type(None)), "a string or null"),
@@ -485,8 +526,7 @@ def load_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise BundleError(f"{mpath}: cannot read the manifest: {_first_line(e)}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else manifest
-        raise BundleError(f"{mpath}: unknown bundle format {found!r:.80}"
-                          f" (this sfmonitor reads format {BUNDLE_FORMAT})")
+        raise BundleError(f"{mpath}: unknown bundle format {found!r:.80} (this sfmonitor reads format {BUNDLE_FORMAT})")
     _check_manifest(mpath, manifest)
     return manifest
 
@@ -535,6 +575,7 @@ def _inside(path: str, fname: str) -> str:
 
 def _check_shape(fpath: str, name: str, value: Any) -> None:
     """The shapes replay relies on: state dicts are dicts, the batch a list of micro-batch dicts."""
+
     def bad(what: str) -> BundleError:
         return BundleError(f"{fpath}: {what}")
 
@@ -543,12 +584,10 @@ def _check_shape(fpath: str, name: str, value: Any) -> None:
     if name == "model" and not all(isinstance(k, str) for k in value):
         raise bad("model state keys must be parameter names (strings)")
     if name == "rng":
-        if "torch" in value and not (isinstance(value["torch"], torch.Tensor)
-                                     and value["torch"].dtype == torch.uint8):
+        if "torch" in value and not (isinstance(value["torch"], torch.Tensor) and value["torch"].dtype == torch.uint8):
             raise bad("rng state 'torch' must be a uint8 tensor")
         cuda = value.get("cuda", [])
-        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
-                                                 for t in cuda):
+        if not isinstance(cuda, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
             raise bad("rng state 'cuda' must be a list of uint8 tensors")
         for k in ("numpy", "python"):
             if k in value and not isinstance(value[k], dict):
@@ -565,9 +604,11 @@ def _check_shape(fpath: str, name: str, value: Any) -> None:
             if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
                 raise bad(f"micro-batch {i}: 'kwargs' must be a dict with string keys")
             amp = mb.get("autocast")
-            if amp is not None and not (isinstance(amp, str)
-                                        and isinstance(getattr(torch, amp, None), torch.dtype)
-                                        and getattr(torch, amp).is_floating_point):
+            if amp is not None and not (
+                isinstance(amp, str)
+                and isinstance(getattr(torch, amp, None), torch.dtype)
+                and getattr(torch, amp).is_floating_point
+            ):
                 raise bad(f"micro-batch {i}: 'autocast' must be a floating dtype name, got {amp!r:.80}")
             if not isinstance(mb.get("device", "cpu"), str):
                 raise bad(f"micro-batch {i}: 'device' must be a string")
@@ -579,13 +620,14 @@ def _load_tensor_file(path: str, fname: str, name: str | None = None) -> Any:
         value = torch.load(fpath, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BundleError(f"refusing {fpath}: it holds a pickled object that is not a tensor or plain "
-                          f"value (bundles load with weights_only=True only), or is not a valid "
-                          f"pickle: {first}") from e
-    except Exception as e:  # noqa: BLE001 - a torn or foreign file raises anything (struct.error,
+        raise BundleError(
+            f"refusing {fpath}: it holds a pickled object that is not a tensor or plain "
+            f"value (bundles load with weights_only=True only), or is not a valid "
+            f"pickle: {first}"
+        ) from e
+    except Exception as e:
         # UnicodeDecodeError, KeyError, EOFError, RuntimeError, MemoryError...): one typed error
-        raise BundleError(f"cannot load {fpath} (truncated, corrupt or not a torch file): "
-                          f"{_first_line(e)}") from e
+        raise BundleError(f"cannot load {fpath} (truncated, corrupt or not a torch file): {_first_line(e)}") from e
     _check_plain(value, fname)
     if name is not None:
         _check_shape(fpath, name, value)

@@ -25,13 +25,15 @@ torch.optim optimizers leave parameters without a gradient untouched (no state u
 counter), so parameters and optimizer state stay bit-identical; the gradients are put back after.
 docs/design.md walks through one step from hook to sink.
 """
+
 from __future__ import annotations
 
 import copy
 import os
 import time
 import warnings
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,9 +43,22 @@ from . import stats as S
 from .checkpoint import SnapshotRing
 from .config import MonitorConfig
 from .detectors import Detector, build_detectors
-from .events import (ACTIVATION_OVERFLOW, LOSS_RATIO_IMBALANCE, NONFINITE_GRAD, NONFINITE_LOSS,
-                     NONFINITE_PARAM, PRECISION_FALLBACK, REWEIGHT, SKIP_STEP, ConfigError, Decision,
-                     Event, Finding, NonFiniteError, StopTraining)
+from .events import (
+    ACTIVATION_OVERFLOW,
+    LOSS_RATIO_IMBALANCE,
+    NONFINITE_GRAD,
+    NONFINITE_LOSS,
+    NONFINITE_PARAM,
+    PRECISION_FALLBACK,
+    REWEIGHT,
+    SKIP_STEP,
+    ConfigError,
+    Decision,
+    Event,
+    Finding,
+    NonFiniteError,
+    StopTraining,
+)
 from .forensics import BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
 from .integrations.distributed import rank, unwrap
 from .policy import Policy
@@ -58,8 +73,9 @@ NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM)
 ON_DEMAND = "on_demand"  # the kind of a bundle written because the user asked for one
 
 
-def resolve_groups(model: nn.Module, groups: Mapping[str, Any] | None = None
-                   ) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def resolve_groups(
+    model: nn.Module, groups: Mapping[str, Any] | None = None
+) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Split the model's parameters into named groups.
 
     None: one group per top-level child module; parameters held by the root go to "other"; a tied
@@ -77,8 +93,9 @@ def resolve_groups(model: nn.Module, groups: Mapping[str, Any] | None = None
             out.setdefault(head if head in children and "." in name else OTHER, []).append((name, p))
         return out
     if not isinstance(groups, Mapping):
-        raise ConfigError(f"groups: expected None or a dict {{name: module | parameters | prefix}}, "
-                          f"got {type(groups).__name__}")
+        raise ConfigError(
+            f"groups: expected None or a dict {{name: module | parameters | prefix}}, got {type(groups).__name__}"
+        )
     by_id = {id(p): name for name, p in named}
     owner: dict[int, str] = {}
     for gname, spec in groups.items():
@@ -92,14 +109,15 @@ def resolve_groups(model: nn.Module, groups: Mapping[str, Any] | None = None
             try:
                 members = [id(p) for p in spec]
             except TypeError:
-                raise ConfigError(f"groups[{gname!r}]: expected an nn.Module, an iterable of "
-                                  f"Parameters or a name prefix, got {type(spec).__name__}") from None
+                raise ConfigError(
+                    f"groups[{gname!r}]: expected an nn.Module, an iterable of "
+                    f"Parameters or a name prefix, got {type(spec).__name__}"
+                ) from None
         for pid in members:
             if pid not in by_id:
                 raise ConfigError(f"groups[{gname!r}] holds a parameter that is not in the model")
             if pid in owner and owner[pid] != gname:
-                raise ConfigError(f"parameter {by_id[pid]!r} is in two groups: "
-                                  f"{owner[pid]!r} and {gname!r}")
+                raise ConfigError(f"parameter {by_id[pid]!r} is in two groups: {owner[pid]!r} and {gname!r}")
             owner[pid] = gname
     for gname in groups:
         out[gname] = []
@@ -121,9 +139,13 @@ class Monitor:
             ``name`` and ``kind``) run after the registered ones; see docs/design.md.
     """
 
-    def __init__(self, config: MonitorConfig | dict | str | os.PathLike | None = None,
-                 run_dir: str | os.PathLike | None = None, sinks: Iterable[Any] | None = None,
-                 detectors: Sequence[Detector] | None = None):
+    def __init__(
+        self,
+        config: MonitorConfig | dict | str | os.PathLike | None = None,
+        run_dir: str | os.PathLike | None = None,
+        sinks: Iterable[Any] | None = None,
+        detectors: Sequence[Detector] | None = None,
+    ):
         extra = self._check_detectors(detectors)
         self.config = MonitorConfig.from_any(config)
         self.run_dir = os.fspath(run_dir) if run_dir is not None else None
@@ -164,8 +186,10 @@ class Monitor:
         names = [d.name for d in self._detectors]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise ConfigError(f"detectors: two detectors are named {dup[0]!r}; each needs its own name "
-                              f"(it keys the detector's state in state_dict)")
+            raise ConfigError(
+                f"detectors: two detectors are named {dup[0]!r}; each needs its own name "
+                f"(it keys the detector's state in state_dict)"
+            )
 
     @staticmethod
     def _check_detectors(detectors: Sequence[Detector] | None) -> list[Detector]:
@@ -178,21 +202,31 @@ class Monitor:
         out = list(detectors)
         for i, d in enumerate(out):
             if isinstance(d, type):
-                raise ConfigError(f"detectors[{i}]: expected a detector instance, got the class "
-                                  f"{d.__name__}; pass {d.__name__}(...)")
-            missing = [m for m in ("check", "observe_eval", "state_dict", "load_state_dict")
-                       if not callable(getattr(d, m, None))]
+                raise ConfigError(
+                    f"detectors[{i}]: expected a detector instance, got the class {d.__name__}; pass {d.__name__}(...)"
+                )
+            missing = [
+                m
+                for m in ("check", "observe_eval", "state_dict", "load_state_dict")
+                if not callable(getattr(d, m, None))
+            ]
             if missing:
-                raise ConfigError(f"detectors[{i}]: {type(d).__name__} lacks {', '.join(missing)} "
-                                  f"(subclass sfmonitor.Detector)")
+                raise ConfigError(
+                    f"detectors[{i}]: {type(d).__name__} lacks {', '.join(missing)} (subclass sfmonitor.Detector)"
+                )
             name, kind = getattr(d, "name", ""), getattr(d, "kind", "")
             if not name or not isinstance(name, str):
-                raise ConfigError(f"detectors[{i}]: {type(d).__name__} has no name (set the class "
-                                  f"attribute `name`; it keys the detector's state)")
+                raise ConfigError(
+                    f"detectors[{i}]: {type(d).__name__} has no name (set the class "
+                    f"attribute `name`; it keys the detector's state)"
+                )
             if not kind or not isinstance(kind, str):
-                raise ConfigError(f"detectors[{i}]: {type(d).__name__} has no kind (set the class "
-                                  f"attribute `kind`: the event kind of its findings)")
+                raise ConfigError(
+                    f"detectors[{i}]: {type(d).__name__} has no kind (set the class "
+                    f"attribute `kind`: the event kind of its findings)"
+                )
             from .registry import KINDS
+
             if kind not in KINDS:
                 register_kind(kind)
         return out
@@ -204,8 +238,13 @@ class Monitor:
     def attached(self) -> bool:
         return self.model is not None
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None,
-               groups: Mapping[str, Any] | None = None) -> "Monitor":
+    def attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any = None,
+        groups: Mapping[str, Any] | None = None,
+    ) -> Monitor:
         if self.model is not None:
             raise RuntimeError("this Monitor is already attached; call detach() first")
         if not isinstance(model, nn.Module):
@@ -213,8 +252,10 @@ class Monitor:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"attach: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
-            raise TypeError("attach: LBFGS treats a missing gradient as zero, so a skipped step "
-                            "could not be kept bit-identical; use a first-order optimizer")
+            raise TypeError(
+                "attach: LBFGS treats a missing gradient as zero, so a skipped step "
+                "could not be kept bit-identical; use a first-order optimizer"
+            )
         # Everything that can fail on bad input fails here, before any hook is registered.
         self.groups = resolve_groups(model, groups)
         sinks = [make_sink(s) for s in self._sink_specs]
@@ -222,9 +263,12 @@ class Monitor:
         # Parameters the optimizer updates but the model does not hold (a learnable temperature
         # in a loss module, say) are checked and skipped like the others, in group "other".
         in_model = {id(p) for _, p in unwrap(model).named_parameters()}
-        extra = [(f"optimizer.param_groups[{gi}].params[{pi}]", p)
-                 for gi, pg in enumerate(optimizer.param_groups) for pi, p in enumerate(pg["params"])
-                 if id(p) not in in_model]
+        extra = [
+            (f"optimizer.param_groups[{gi}].params[{pi}]", p)
+            for gi, pg in enumerate(optimizer.param_groups)
+            for pi, p in enumerate(pg["params"])
+            if id(p) not in in_model
+        ]
         if extra:
             self.groups.setdefault(OTHER, []).extend(extra)
         self._group_names = list(self.groups)
@@ -249,11 +293,17 @@ class Monitor:
         # (logs, bundles, emergency checkpoints) into the shared run_dir.
         self._writer = rank() == 0
         self._ctx = A.ActionContext(
-            model=unwrap(model), optimizer=optimizer, scaler=self.scaler, groups=self.groups,
-            loss_weights=self._weights, base_weights=self._base_weights,
+            model=unwrap(model),
+            optimizer=optimizer,
+            scaler=self.scaler,
+            groups=self.groups,
+            loss_weights=self._weights,
+            base_weights=self._base_weights,
             snapshots=SnapshotRing(every=rb.snapshot_every, keep=rb.keep),
-            run_dir=self._ensure_run_dir() if self._writer else None, config=self.config.actions,
-            monitor_state=self.state_dict)
+            run_dir=self._ensure_run_dir() if self._writer else None,
+            config=self.config.actions,
+            monitor_state=self.state_dict,
+        )
         self._watch.attach(unwrap(model))
         self._watch.reset(self.step)
         self._record = StepRecord(step=self.step)
@@ -279,9 +329,12 @@ class Monitor:
             if self._record.phase is Phase.DECIDED:  # a step was interrupted: put everything back
                 self._close(aborted=True)
             self._finish_pending()
-        except Exception as e:  # noqa: BLE001 - detach must go on removing hooks; say what failed
-            warnings.warn(f"sfmonitor: detach could not finish the last step ({type(e).__name__}: {e})",
-                          RuntimeWarning, stacklevel=2)
+        except Exception as e:
+            warnings.warn(
+                f"sfmonitor: detach could not finish the last step ({type(e).__name__}: {e})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -295,8 +348,11 @@ class Monitor:
         # Drop every reference to the model, its state and copies of it (snapshots, the update
         # buffer); what the run learned (events, stats, state_dict()) stays.
         if self._ctx is not None:
-            self._pending_ctx = {k: v for k, v in self.state_dict().items()
-                                 if k in ("lr_scale", "batches_to_skip", "reweighted", "epoch")}
+            self._pending_ctx = {
+                k: v
+                for k, v in self.state_dict().items()
+                if k in ("lr_scale", "batches_to_skip", "reweighted", "epoch")
+            }
             self._should_stop = self.should_stop
         self._ctx = None
         self._update_buf = None
@@ -307,7 +363,7 @@ class Monitor:
 
     close = detach
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -328,6 +384,7 @@ class Monitor:
         ``detach()`` puts both originals back.
         """
         from torch.amp.grad_scaler import OptState
+
         original = scaler.step
         original_update = scaler.update
         monitor = self
@@ -359,8 +416,9 @@ class Monitor:
     # ------------------------------------------------------------------------------------------
     # user API
     # ------------------------------------------------------------------------------------------
-    def combine(self, losses: Mapping[str, torch.Tensor] | torch.Tensor,
-                weights: Mapping[str, float] | None = None) -> torch.Tensor:
+    def combine(
+        self, losses: Mapping[str, torch.Tensor] | torch.Tensor, weights: Mapping[str, float] | None = None
+    ) -> torch.Tensor:
         """The weighted total of the loss components with the *current* weights; records them.
 
         ``weights`` are the base weights (default 1 each); a reweight rescue changes the current
@@ -375,8 +433,9 @@ class Monitor:
         weights = dict(weights) if weights is not None else {k: 1.0 for k in losses}
         missing = set(losses) - set(weights)
         if missing:
-            raise ConfigError(f"combine: no weight for loss component(s) {sorted(missing)}; "
-                              f"weights has {sorted(weights)}")
+            raise ConfigError(
+                f"combine: no weight for loss component(s) {sorted(missing)}; weights has {sorted(weights)}"
+            )
         if {k: float(weights[k]) for k in losses} != self._base_weights:
             # New or changed base weights: rescues start over. Mutated in place: the action
             # context shares these dicts.
@@ -401,6 +460,7 @@ class Monitor:
     def _grad_ratio_due(self) -> bool:
         every = self.config.stats.grad_ratio_every
         return bool(every) and self.model is not None and self.step % every == 0 and torch.is_grad_enabled()
+
     def _component_grad_stats(self, losses: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """grad_ratio/<a>/<b> and grad_cos/<a>/<b> on the parameters both components reach.
 
@@ -460,8 +520,10 @@ class Monitor:
         """Feed validation results to the evaluation detectors (accuracy collapse, plateau);
         their findings go through the same policy and actions. Returns the new events."""
         if self.model is None:
-            raise RuntimeError("observe_eval: the monitor is not attached (call attach() first); "
-                               "its actions would have no model to act on")
+            raise RuntimeError(
+                "observe_eval: the monitor is not attached (call attach() first); "
+                "its actions would have no model to act on"
+            )
         values = {k: float(v) for k, v in metrics.items()}
         self._ctx.epoch += 1  # validations mark epochs (the gradient-noise decay counts them)
         findings = [f for d in self._detectors for f in d.observe_eval(self.step, values, chance)]
@@ -486,7 +548,7 @@ class Monitor:
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         self.after_update()
 
-    def drive_externally(self) -> "Monitor":
+    def drive_externally(self) -> Monitor:
         """Let a framework tell the monitor where the unscaled gradients are ready.
 
         Lightning calls ``optimizer.step(closure)``: the optimizer pre-hook fires before the closure
@@ -533,7 +595,7 @@ class Monitor:
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
         if last is not None:
-            self._publish(last, {k[len("prev:"):]: values.pop(k) for k in prev})
+            self._publish(last, {k[len("prev:") :]: values.pop(k) for k in prev})
         rec.internal = {k: values.pop(k) for k in list(values) if k in S.INTERNAL}
         rec.stats = values
         # The scaler will skip this very step (itself, or inside a fused optimizer): count it in
@@ -548,8 +610,7 @@ class Monitor:
         findings = self._nonfinite_findings(rec, grad_index)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
-            findings += [f for d in self._detectors if d.after_update
-                         for f in d.check(prev_rec.step, prev_rec.stats)]
+            findings += [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, prev_rec.stats)]
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
         if self._watch.attached:
             findings += self._watch.findings(step, {**rec.stats, **rec.internal})
@@ -561,8 +622,11 @@ class Monitor:
 
         if self._bundle_next and self._writer:  # request_bundle(): this step, as it is now
             self._bundle_next = False
-            self.bundles.append(self._write_bundle(step, ON_DEMAND, {"step": step, "kind": ON_DEMAND,
-                                                                     "message": "requested by the user"}))
+            self.bundles.append(
+                self._write_bundle(
+                    step, ON_DEMAND, {"step": step, "kind": ON_DEMAND, "message": "requested by the user"}
+                )
+            )
 
         # 3. policy, 4. actions, 5. sinks (events): shared with observe_eval(). The step counts
         # as in flight from here: whatever ends it (hook, scaler, integration, exception) closes it.
@@ -607,14 +671,19 @@ class Monitor:
                     facts = A.apply(ctx, d)
                 except StopTraining as e:
                     facts, stop = dict(e.facts or {"reason": str(e)}), (e, outcome)
-                except Exception as e:  # noqa: BLE001 - one failing action must not cost the step
+                except Exception as e:
                     facts = {"failed": f"{type(e).__name__}: {e}"}
-                    warnings.warn(f"sfmonitor: action {d.action} failed at step {step} "
-                                  f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
+                    warnings.warn(
+                        f"sfmonitor: action {d.action} failed at step {step} ({type(e).__name__}: {e})",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 outcome.actions.append(d.action)
                 outcome.results[d.action] = facts
                 if "streak" in d.params:  # why this rung: how many times the kind came, how close
-                    d.cause.data.setdefault("policy", {"streak": d.params["streak"], "rung": d.params.get("rung_after")})
+                    d.cause.data.setdefault(
+                        "policy", {"streak": d.params["streak"], "rung": d.params.get("rung_after")}
+                    )
                 if stop is not None:
                     break
             if rec is not None:
@@ -622,10 +691,18 @@ class Monitor:
                     rec.hide_grads(self.optimizer)
                 relaxed = A.relax_weights(ctx)
                 if relaxed.get("restored"):
-                    outcomes.append(Outcome(
-                        Finding(LOSS_RATIO_IMBALANCE, f"loss ratio back under its threshold: weights restored "
-                                                      f"to their base {self._base_weights}",
-                                {"restored": relaxed["restored"]}), [REWEIGHT], {REWEIGHT: relaxed}))
+                    outcomes.append(
+                        Outcome(
+                            Finding(
+                                LOSS_RATIO_IMBALANCE,
+                                f"loss ratio back under its threshold: weights restored "
+                                f"to their base {self._base_weights}",
+                                {"restored": relaxed["restored"]},
+                            ),
+                            [REWEIGHT],
+                            {REWEIGHT: relaxed},
+                        )
+                    )
                 # The LR scale (lr_drop) applies around this update only; the user's own LR and
                 # scheduler are put back when the step closes (see actions.py).
                 rec.saved_lr = A.apply_lr_scale(self.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
@@ -669,12 +746,18 @@ class Monitor:
             return
         first = new[0]
         try:
-            path = self._write_bundle(step, first.kind, {"step": step, "kind": first.kind, "message": first.message,
-                                                         "data": first.data, "where": first.where})
-        except Exception as e:  # noqa: BLE001 - evidence must never stop training
+            path = self._write_bundle(
+                step,
+                first.kind,
+                {"step": step, "kind": first.kind, "message": first.message, "data": first.data, "where": first.where},
+            )
+        except Exception as e:
             first.data["bundle_error"] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"sfmonitor: the anomaly bundle of step {step} could not be written "
-                          f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"sfmonitor: the anomaly bundle of step {step} could not be written ({type(e).__name__}: {e})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         dropped = load_manifest(path).get("batch_dropped_reason")
         for f in new:  # one bundle serves every finding of the step
@@ -687,11 +770,22 @@ class Monitor:
         factory, kwargs = self._model_factory or (None, None)
         cfg = self.config.bundle
         return write_bundle(
-            self._ensure_run_dir(), step, kind, model_state=unwrap(self.model).state_dict(),
-            optimizer_state=self.optimizer.state_dict(), batch=self._recorder.batches,
-            stats=self._stats, event=event, rng_state=self._recorder.rng_state,
-            config=self.config.to_dict(), model_factory=factory, model_kwargs=kwargs,
-            loss_weights=dict(self._weights), max_bytes=int(cfg.max_mb * 2 ** 20), dir_name=cfg.dir)
+            self._ensure_run_dir(),
+            step,
+            kind,
+            model_state=unwrap(self.model).state_dict(),
+            optimizer_state=self.optimizer.state_dict(),
+            batch=self._recorder.batches,
+            stats=self._stats,
+            event=event,
+            rng_state=self._recorder.rng_state,
+            config=self.config.to_dict(),
+            model_factory=factory,
+            model_kwargs=kwargs,
+            loss_weights=dict(self._weights),
+            max_bytes=int(cfg.max_mb * 2**20),
+            dir_name=cfg.dir,
+        )
 
     def request_bundle(self) -> None:
         """Write an anomaly bundle of the next optimizer step (its pre-step state and batch), as
@@ -755,32 +849,52 @@ class Monitor:
         if loss is not None and not S.finite(loss):
             comps = {k[5:]: x for k, x in v.items() if k.startswith("loss/") and k != S.LOSS_TOTAL}
             bad = [c for c, x in comps.items() if not S.finite(x)]
-            findings.append(Finding(NONFINITE_LOSS,
-                                    f"loss is {loss}" + (f" (non-finite components: {', '.join(bad)})" if bad else ""),
-                                    {"loss": loss, "components": comps, "nonfinite_components": bad}))
+            findings.append(
+                Finding(
+                    NONFINITE_LOSS,
+                    f"loss is {loss}" + (f" (non-finite components: {', '.join(bad)})" if bad else ""),
+                    {"loss": loss, "components": comps, "nonfinite_components": bad},
+                )
+            )
         # Finite loss, overflowing scaled gradients: ordinary dynamic loss scaling.
         by_scaler = rec.scaler_skips and not findings
         if i[S.GRAD_NONFINITE_COUNT] > 0:
             first = int(i[S.GRAD_FIRST_NONFINITE])  # -1: the bad values were on another rank
             name = self._param_names[grad_index[first]] if first >= 0 else "(another rank)"
             n_bad = int(i[S.GRAD_NONFINITE_COUNT])
-            data = {"param": name, "group": self._name_to_group.get(name, "?"), "count": n_bad,
-                    "grad_norm": v[S.GRAD_NORM_TOTAL]}
-            msg = (f"non-finite gradient in {name} (group {data['group']}); "
-                   f"{n_bad} parameter(s) with non-finite gradients")
+            data = {
+                "param": name,
+                "group": self._name_to_group.get(name, "?"),
+                "count": n_bad,
+                "grad_norm": v[S.GRAD_NORM_TOTAL],
+            }
+            msg = (
+                f"non-finite gradient in {name} (group {data['group']}); {n_bad} parameter(s) with non-finite gradients"
+            )
             if by_scaler:
                 msg += f"; the GradScaler skips this step and lowers its scale from {v.get(S.AMP_LOSS_SCALE):g}"
             findings.append(Finding(NONFINITE_GRAD, msg, data, where=name, handled_by_scaler=by_scaler))
         elif by_scaler:
-            findings.append(Finding(NONFINITE_GRAD, "the GradScaler found inf/NaN gradients and skips this step",
-                                    {}, handled_by_scaler=True))
+            findings.append(
+                Finding(
+                    NONFINITE_GRAD,
+                    "the GradScaler found inf/NaN gradients and skips this step",
+                    {},
+                    handled_by_scaler=True,
+                )
+            )
         if i[S.PARAM_NONFINITE_COUNT] > 0:
             first = int(i[S.PARAM_FIRST_NONFINITE])
             name = self._param_names[first] if first >= 0 else "(another rank)"
             group = self._name_to_group.get(name, "?")
-            findings.append(Finding(NONFINITE_PARAM, f"non-finite parameter {name} (group {group})",
-                                    {"param": name, "group": group,
-                                     "count": int(i[S.PARAM_NONFINITE_COUNT])}, where=name))
+            findings.append(
+                Finding(
+                    NONFINITE_PARAM,
+                    f"non-finite parameter {name} (group {group})",
+                    {"param": name, "group": group, "count": int(i[S.PARAM_NONFINITE_COUNT])},
+                    where=name,
+                )
+            )
         return findings
 
     def _close(self, aborted: bool) -> None:
@@ -845,8 +959,11 @@ class Monitor:
         streaks and cooldowns, watch streaks, bundles written. Snapshots and hooks are not included."""
         ctx = self._ctx
         return {
-            "step": self.step, "amp_skipped": self._amp_skipped, "should_stop": self.should_stop,
-            "base_weights": dict(self._base_weights), "weights": dict(self._weights),
+            "step": self.step,
+            "amp_skipped": self._amp_skipped,
+            "should_stop": self.should_stop,
+            "base_weights": dict(self._base_weights),
+            "weights": dict(self._weights),
             "lr_scale": ctx.lr_scale if ctx else self._pending_ctx.get("lr_scale", 1.0),
             "batches_to_skip": ctx.batches_to_skip if ctx else self._pending_ctx.get("batches_to_skip", 0),
             "reweighted": copy.deepcopy(ctx.reweighted) if ctx else self._pending_ctx.get("reweighted", {}),
@@ -873,8 +990,9 @@ class Monitor:
         self._policy.load_state_dict(sd.get("policy", {}))
         self._watch.load_state_dict(sd.get("watch", {}))
         self._bundles.load_state_dict(sd.get("bundles", {}))
-        self._pending_ctx = {k: sd[k] for k in ("lr_scale", "batches_to_skip", "reweighted", "fp32_modules", "epoch")
-                             if k in sd}
+        self._pending_ctx = {
+            k: sd[k] for k in ("lr_scale", "batches_to_skip", "reweighted", "fp32_modules", "epoch") if k in sd
+        }
         self.should_stop = bool(sd.get("should_stop", False))
         if self._ctx is not None:
             ctx = self._ctx
@@ -884,31 +1002,46 @@ class Monitor:
             ctx.epoch = int(sd.get("epoch", 0))
             for name in sd.get("fp32_modules", []):
                 if name not in ctx.fp32_modules:
-                    A.precision_fallback(ctx, Decision(PRECISION_FALLBACK, Finding(ACTIVATION_OVERFLOW, "restored"),
-                                                       {"module": name}))
+                    A.precision_fallback(
+                        ctx, Decision(PRECISION_FALLBACK, Finding(ACTIVATION_OVERFLOW, "restored"), {"module": name})
+                    )
             self._pending_ctx = {}
 
     def _load_detector_states(self, states: Any) -> None:
         if isinstance(states, (list, tuple)):
             if states:
-                warnings.warn("sfmonitor: the detector state was saved by an older sfmonitor, as a "
-                              "list without detector names; it is ignored and detector windows start "
-                              "empty", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    "sfmonitor: the detector state was saved by an older sfmonitor, as a "
+                    "list without detector names; it is ignored and detector windows start "
+                    "empty",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return
         if not isinstance(states, Mapping):
-            raise ConfigError(f"state_dict['detectors']: expected a mapping of detector name -> state, "
-                              f"got {type(states).__name__}")
+            raise ConfigError(
+                f"state_dict['detectors']: expected a mapping of detector name -> state, got {type(states).__name__}"
+            )
         mine = {d.name: d for d in self._detectors}
         gone = sorted(set(states) - set(mine))
         if gone:
-            warnings.warn(f"sfmonitor: state of detector(s) {', '.join(gone)} ignored: this monitor does "
-                          f"not run them (running: {', '.join(mine) or 'none'})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"sfmonitor: state of detector(s) {', '.join(gone)} ignored: this monitor does "
+                f"not run them (running: {', '.join(mine) or 'none'})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         for name, state in states.items():
             if name in mine:
                 mine[name].load_state_dict(state)
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None,
-           groups: Mapping[str, Any] | None = None, **monitor_kwargs: Any) -> Monitor:
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any = None,
+    groups: Mapping[str, Any] | None = None,
+    **monitor_kwargs: Any,
+) -> Monitor:
     """Shortcut: ``Monitor(**monitor_kwargs).attach(model, optimizer, scaler=scaler, groups=groups)``."""
     return Monitor(**monitor_kwargs).attach(model, optimizer, scaler=scaler, groups=groups)

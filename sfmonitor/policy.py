@@ -19,18 +19,27 @@ Defaults come from the registry: each kind's ladder from ``registry.KINDS`` (reg
 component that reports it), each action's cooldown and order from ``registry.ACTIONS``. The table of
 defaults is in docs/policy.md.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .errors import ConfigError
 from .events import CHECKPOINT, STOP, Decision, Finding
 from .registry import ACTIONS, KINDS, action_order, require_action, require_kind
 from .schema import Section, option
 
-__all__ = ["Rung", "Ladder", "PolicyConfig", "Policy", "default_ladders", "default_cooldowns",
-           "budgeted_actions"]
+__all__ = [
+    "Ladder",
+    "Policy",
+    "PolicyConfig",
+    "Rung",
+    "budgeted_actions",
+    "default_cooldowns",
+    "default_ladders",
+]
 
 
 @dataclass
@@ -50,20 +59,25 @@ class Ladder(Section):
     """The escalation ladder of one event kind."""
 
     rungs: list[Rung] = option([], "rungs with increasing 'after'")
-    window: int = option(0, "occurrences at most this many steps apart form one streak (1: consecutive "
-                            "steps; 0: any distance)", lo=0)
+    window: int = option(
+        0, "occurrences at most this many steps apart form one streak (1: consecutive steps; 0: any distance)", lo=0
+    )
 
     def validate(self) -> None:
         for i, rung in enumerate(self.rungs):
             if i and rung.after <= self.rungs[i - 1].after:
-                raise ConfigError(f"{self._prefix}rungs[{i}].after: {rung.after} must be greater than "
-                                  f"the previous rung's ({self.rungs[i - 1].after})")
+                raise ConfigError(
+                    f"{self._prefix}rungs[{i}].after: {rung.after} must be greater than "
+                    f"the previous rung's ({self.rungs[i - 1].after})"
+                )
 
 
 def default_ladders() -> dict[str, Ladder]:
     """Every registered kind's default ladder."""
-    return {name: Ladder(rungs=[Rung(after=a, actions=list(acts)) for a, acts in spec.rungs],
-                         window=spec.window) for name, spec in KINDS.items()}
+    return {
+        name: Ladder(rungs=[Rung(after=a, actions=list(acts)) for a, acts in spec.rungs], window=spec.window)
+        for name, spec in KINDS.items()
+    }
 
 
 def default_cooldowns() -> dict[str, int]:
@@ -80,15 +94,19 @@ def budgeted_actions() -> list[str]:
 class PolicyConfig(Section):
     """Ladders, cooldowns and the rescue budget. Kinds and actions you leave out keep their default."""
 
-    ladders: dict[str, Ladder] = field(default_factory=default_ladders, metadata={
-        "doc": "event kind -> ladder (a kind you give replaces that kind's default ladder)"})
-    cooldowns: dict[str, int] = field(default_factory=default_cooldowns, metadata={
-        "doc": "action -> steps before it may be taken again"})
+    ladders: dict[str, Ladder] = field(
+        default_factory=default_ladders,
+        metadata={"doc": "event kind -> ladder (a kind you give replaces that kind's default ladder)"},
+    )
+    cooldowns: dict[str, int] = field(
+        default_factory=default_cooldowns, metadata={"doc": "action -> steps before it may be taken again"}
+    )
     budget: int = option(10, "rescues allowed per run before stopping", lo=0)
-    budget_actions: list[str] = field(default_factory=budgeted_actions, metadata={
-        "doc": "actions that spend the budget (at most one rescue per step)"})
-    on_budget_spent: list[str] = option([CHECKPOINT, STOP], "what replaces budgeted actions once "
-                                                            "the budget is spent")
+    budget_actions: list[str] = field(
+        default_factory=budgeted_actions,
+        metadata={"doc": "actions that spend the budget (at most one rescue per step)"},
+    )
+    on_budget_spent: list[str] = option([CHECKPOINT, STOP], "what replaces budgeted actions once the budget is spent")
 
     def validate(self) -> None:
         p = self._prefix
@@ -116,8 +134,9 @@ class PolicyConfig(Section):
         """Plain dicts and lists all the way down (Section.to_dict keeps Sections nested in a
         dict as objects)."""
         out = super().to_dict()
-        out["ladders"] = {k: {"rungs": [r.to_dict() for r in v.rungs], "window": v.window}
-                          for k, v in self.ladders.items()}
+        out["ladders"] = {
+            k: {"rungs": [r.to_dict() for r in v.rungs], "window": v.window} for k, v in self.ladders.items()
+        }
         return out
 
 
@@ -127,8 +146,8 @@ class Policy:
 
     def __init__(self, config: PolicyConfig | None = None):
         self.config = config or PolicyConfig()
-        self.streaks: dict[str, list[int]] = {}    # kind -> [last step, count]
-        self.last_taken: dict[str, int] = {}       # action -> step it was last taken
+        self.streaks: dict[str, list[int]] = {}  # kind -> [last step, count]
+        self.last_taken: dict[str, int] = {}  # action -> step it was last taken
         self.rescues_used = 0
         self.suppressed: list[dict[str, Any]] = []  # from the last decide(): actions held back, and why
 
@@ -173,8 +192,11 @@ class Policy:
             for action in rung.actions:
                 causes = group if ACTIONS[action].per_finding else group[:1]
                 for cause in causes:
-                    wanted.append(Decision(action=action, cause=cause,
-                                           params={"kind": kind, "rung_after": rung.after, "streak": count}))
+                    wanted.append(
+                        Decision(
+                            action=action, cause=cause, params={"kind": kind, "rung_after": rung.after, "streak": count}
+                        )
+                    )
         # One decision per action per step; per-finding actions once per component pair (the
         # loss-ratio and the gradient-ratio findings of one pair reweight it once). First cause wins.
         seen: set[tuple[str, Any]] = set()
@@ -190,8 +212,9 @@ class Policy:
             cd = cfg.cooldowns.get(d.action, 0)
             last = self.last_taken.get(d.action)
             if cd and last is not None and step - last < cd:
-                self.suppressed.append({"action": d.action, "kind": d.cause.kind,
-                                        "reason": f"cooldown: taken at step {last}, {cd} steps"})
+                self.suppressed.append(
+                    {"action": d.action, "kind": d.cause.kind, "reason": f"cooldown: taken at step {last}, {cd} steps"}
+                )
                 continue
             allowed.append(d)
         # Budget.
@@ -203,12 +226,22 @@ class Policy:
                 have = {d.action for d in allowed}
                 for name in cfg.on_budget_spent:
                     if name not in have:
-                        allowed.append(Decision(action=name, cause=cause, params={
-                            "kind": cause.kind, "budget": cfg.budget, "rescues_used": self.rescues_used,
-                            "reason": f"rescue budget of {cfg.budget} spent"}))
+                        allowed.append(
+                            Decision(
+                                action=name,
+                                cause=cause,
+                                params={
+                                    "kind": cause.kind,
+                                    "budget": cfg.budget,
+                                    "rescues_used": self.rescues_used,
+                                    "reason": f"rescue budget of {cfg.budget} spent",
+                                },
+                            )
+                        )
                 for d in budgeted:
-                    self.suppressed.append({"action": d.action, "kind": d.cause.kind,
-                                            "reason": f"rescue budget of {cfg.budget} spent"})
+                    self.suppressed.append(
+                        {"action": d.action, "kind": d.cause.kind, "reason": f"rescue budget of {cfg.budget} spent"}
+                    )
             else:
                 self.rescues_used += 1
         for d in allowed:
@@ -218,8 +251,11 @@ class Policy:
         return allowed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"streaks": {k: list(v) for k, v in self.streaks.items()},
-                "last_taken": dict(self.last_taken), "rescues_used": self.rescues_used}
+        return {
+            "streaks": {k: list(v) for k, v in self.streaks.items()},
+            "last_taken": dict(self.last_taken),
+            "rescues_used": self.rescues_used,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.streaks = {k: [int(v[0]), int(v[1])] for k, v in state.get("streaks", {}).items()}

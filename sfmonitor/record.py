@@ -13,11 +13,13 @@ to skip the update, the user's LRs while an ``lr_drop`` scale applies, the param
 measures the update ratio. ``put_back`` restores the first two and is safe to call twice, so
 closing a record -- by whatever path -- always leaves the optimizer as the user left it.
 """
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -25,7 +27,7 @@ from . import stats as S
 from .actions import restore_lr
 from .events import Finding
 
-__all__ = ["Phase", "Outcome", "StepRecord", "LossAccumulator"]
+__all__ = ["LossAccumulator", "Outcome", "Phase", "StepRecord"]
 
 
 class Phase(enum.Enum):
@@ -53,8 +55,7 @@ class LossAccumulator:
         self.count = 0
         self.weights: dict[str, float] = {}
 
-    def add(self, components: Mapping[str, torch.Tensor], total: torch.Tensor,
-            weights: Mapping[str, float]) -> None:
+    def add(self, components: Mapping[str, torch.Tensor], total: torch.Tensor, weights: Mapping[str, float]) -> None:
         for k, v in components.items():
             v = v.detach().float()
             self.sums[k] = v if k not in self.sums else self.sums[k] + v
@@ -87,16 +88,16 @@ class StepRecord:
     phase: Phase = Phase.OPEN
     losses: LossAccumulator = field(default_factory=LossAccumulator)
     grad_ratio: dict[str, torch.Tensor] = field(default_factory=dict)  # from combine(), per step
-    stats: dict[str, float] = field(default_factory=dict)       # the values read (public)
-    internal: dict[str, float] = field(default_factory=dict)    # the values read (stats.INTERNAL)
-    outcomes: list[Outcome] = field(default_factory=list)       # one per finding, in order
-    stepped: bool = False        # the optimizer's step ran (its pre-hook fired)
-    skip: bool = False           # a decision keeps this step's update from landing
-    scaler_skips: bool = False   # the GradScaler found inf/NaN and skips the step itself
+    stats: dict[str, float] = field(default_factory=dict)  # the values read (public)
+    internal: dict[str, float] = field(default_factory=dict)  # the values read (stats.INTERNAL)
+    outcomes: list[Outcome] = field(default_factory=list)  # one per finding, in order
+    stepped: bool = False  # the optimizer's step ran (its pre-hook fired)
+    skip: bool = False  # a decision keeps this step's update from landing
+    scaler_skips: bool = False  # the GradScaler found inf/NaN and skips the step itself
     hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
-    saved_lr: list[Any] = field(default_factory=list)           # the user's LRs during an lr_drop
-    before_params: list[torch.Tensor] | None = None             # parameters before the update
-    before_norms: torch.Tensor | None = None                    # their norms per group
+    saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
+    before_params: list[torch.Tensor] | None = None  # parameters before the update
+    before_norms: torch.Tensor | None = None  # their norms per group
     after: dict[str, torch.Tensor] = field(default_factory=dict)  # update ratios, read next step
 
     @property

@@ -19,17 +19,31 @@ example)::
 
 This module imports only the errors and the config schema, so every component can import it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from .errors import ConfigError
 from .schema import Section
 
-__all__ = ["KindSpec", "ActionSpec", "DetectorSpec", "KINDS", "ACTIONS", "DETECTORS",
-           "register_kind", "register_action", "register_detector", "action_names", "event_kinds",
-           "action_order", "RungSpec"]
+__all__ = [
+    "ACTIONS",
+    "DETECTORS",
+    "KINDS",
+    "ActionSpec",
+    "DetectorSpec",
+    "KindSpec",
+    "RungSpec",
+    "action_names",
+    "action_order",
+    "event_kinds",
+    "register_action",
+    "register_detector",
+    "register_kind",
+]
 
 RungSpec = tuple[int, Sequence[str]]  # (after, actions): reached when the streak holds >= after
 
@@ -91,23 +105,34 @@ def _check_name(name: Any, what: str) -> str:
     return name
 
 
-def register_kind(name: str, rungs: Iterable[RungSpec] = (), window: int = 0, doc: str = "",
-                  *, replace: bool = False) -> KindSpec:
+def register_kind(
+    name: str, rungs: Iterable[RungSpec] = (), window: int = 0, doc: str = "", *, replace: bool = False
+) -> KindSpec:
     """Register an event kind and its default ladder. Registering the same spec twice is a
     no-op; a different spec under a taken name needs ``replace=True``."""
     _check_name(name, "event kind")
     spec = KindSpec(name, tuple((int(a), tuple(acts)) for a, acts in rungs), int(window), doc)
     old = KINDS.get(name)
     if old is not None and old != spec and not replace:
-        raise ConfigError(f"event kind {name!r} is already registered with another ladder; "
-                          f"pass replace=True to change it")
+        raise ConfigError(
+            f"event kind {name!r} is already registered with another ladder; pass replace=True to change it"
+        )
     KINDS[name] = spec
     return spec
 
 
-def register_action(name: str, fn: Callable[..., dict[str, Any]] | None = None, *, order: float,
-                    budgeted: bool = False, cooldown: int = 0, per_finding: bool = False,
-                    config: type[Section] | None = None, doc: str = "", replace: bool = False) -> Any:
+def register_action(
+    name: str,
+    fn: Callable[..., dict[str, Any]] | None = None,
+    *,
+    order: float,
+    budgeted: bool = False,
+    cooldown: int = 0,
+    per_finding: bool = False,
+    config: type[Section] | None = None,
+    doc: str = "",
+    replace: bool = False,
+) -> Any:
     """Register an action; usable as a decorator (``@register_action("x", order=...)``)."""
     _check_name(name, "action")
 
@@ -121,16 +146,30 @@ def register_action(name: str, fn: Callable[..., dict[str, Any]] | None = None, 
         old = ACTIONS.get(name)
         if old is not None and old.fn is not f and not replace:
             raise ConfigError(f"action {name!r} is already registered; pass replace=True to change it")
-        ACTIONS[name] = ActionSpec(name, f, float(order), bool(budgeted), int(cooldown), bool(per_finding),
-                                   config, doc or (f.__doc__ or "").strip().split("\n")[0])
+        ACTIONS[name] = ActionSpec(
+            name,
+            f,
+            float(order),
+            bool(budgeted),
+            int(cooldown),
+            bool(per_finding),
+            config,
+            doc or (f.__doc__ or "").strip().split("\n")[0],
+        )
         return f
 
     return add(fn) if fn is not None else add
 
 
-def register_detector(name: str, cls: type | None = None, *, config: type[Section] | None = None,
-                      kinds: Mapping[str, Iterable[RungSpec]] | Iterable[str] = (),
-                      window: int = 0, replace: bool = False) -> Any:
+def register_detector(
+    name: str,
+    cls: type | None = None,
+    *,
+    config: type[Section] | None = None,
+    kinds: Mapping[str, Iterable[RungSpec]] | Iterable[str] = (),
+    window: int = 0,
+    replace: bool = False,
+) -> Any:
     """Register a detector class under ``name`` (its config section ``detectors.<name>`` and its
     key in ``Monitor.state_dict()['detectors']``); usable as a decorator.
 

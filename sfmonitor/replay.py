@@ -15,6 +15,7 @@ scale, with the RNG state of the step restored, and reports:
 
 Exit status: 0 reproduced, 1 ran but did not reproduce, 2 bad bundle or arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,18 +23,25 @@ import importlib
 import json
 import math
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from .events import NONFINITE_GRAD, NONFINITE_LOSS, ACTIVATION_OVERFLOW, jsonable
+from .events import ACTIVATION_OVERFLOW, NONFINITE_GRAD, NONFINITE_LOSS, jsonable
 from .forensics import BundleError, load_bundle, restore_rng_state
 from .watch import ActivationWatch, WatchConfig
 
-__all__ = ["replay_bundle", "main", "resolve_factory", "trusted_factories", "first_nonfinite_param",
-           "FACTORY_GROUP"]
+__all__ = [
+    "FACTORY_GROUP",
+    "first_nonfinite_param",
+    "main",
+    "replay_bundle",
+    "resolve_factory",
+    "trusted_factories",
+]
 
 LIVE_PARAM_KEYS = ("param", "parameter", "first_param", "name")
 # Model factories a bundle may name: a package lists its own in its pyproject.toml,
@@ -85,12 +93,16 @@ def _losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return {"total": out}
     if isinstance(out, dict):
-        comps = {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() == 0
-                 and (not weights or k in weights)}
+        comps = {
+            k: v
+            for k, v in out.items()
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and (not weights or k in weights)
+        }
         if comps:
             return comps
-    raise BundleError("the model's forward must return a loss tensor or a dict of 0-d loss tensors, "
-                      f"got {type(out).__name__}")
+    raise BundleError(
+        f"the model's forward must return a loss tensor or a dict of 0-d loss tensors, got {type(out).__name__}"
+    )
 
 
 def _run(model: nn.Module, bundle: dict[str, Any], *, keep: set[str] | None) -> dict[str, Any]:
@@ -112,8 +124,11 @@ def _run(model: nn.Module, bundle: dict[str, Any], *, keep: set[str] | None) -> 
             args, kwargs = list(mb.get("args", ())), dict(mb.get("kwargs", {}))
             amp = mb.get("autocast")
             dev = mb.get("device", "cpu")
-            ctx = (torch.autocast(device_type=dev, dtype=getattr(torch, amp)) if amp
-                   else torch.autocast(device_type=dev, enabled=False))
+            ctx = (
+                torch.autocast(device_type=dev, dtype=getattr(torch, amp))
+                if amp
+                else torch.autocast(device_type=dev, enabled=False)
+            )
             with ctx:
                 comps = _losses(model(*args, **kwargs), weights)
             for k, v in comps.items():
@@ -150,8 +165,9 @@ def _live_param(event: dict[str, Any] | None) -> str | None:
     return None
 
 
-def replay_bundle(path: str, factory: str | Callable[..., nn.Module] | None = None,
-                  ablate: bool = False) -> dict[str, Any]:
+def replay_bundle(
+    path: str, factory: str | Callable[..., nn.Module] | None = None, ablate: bool = False
+) -> dict[str, Any]:
     """Replay a bundle; return the report as a dict (see the module doc).
 
     ``factory``: a callable or "module:function" building the model from the bundle's
@@ -168,10 +184,12 @@ def replay_bundle(path: str, factory: str | Callable[..., nn.Module] | None = No
         trusted = trusted_factories()
         if not isinstance(named, str) or named not in trusted:
             listed = ", ".join(sorted(trusted)) or "none installed"
-            raise BundleError(f"{path}: the bundle names model factory {named!r}; only the factories "
-                              f"installed packages register under {FACTORY_GROUP!r} ({listed}) are "
-                              f"trusted from a file -- pass --model {named or 'module:function'} "
-                              f"to use it")
+            raise BundleError(
+                f"{path}: the bundle names model factory {named!r}; only the factories "
+                f"installed packages register under {FACTORY_GROUP!r} ({listed}) are "
+                f"trusted from a file -- pass --model {named or 'module:function'} "
+                f"to use it"
+            )
         factory = named
     build = resolve_factory(factory)
     kwargs = manifest.get("model_kwargs") or {}
@@ -184,8 +202,9 @@ def replay_bundle(path: str, factory: str | Callable[..., nn.Module] | None = No
     try:
         model.load_state_dict(bundle["model_state"], strict=True)
     except RuntimeError as e:
-        raise BundleError(f"the bundle's model state does not fit the model built by {factory!r}: "
-                          f"{str(e).splitlines()[0]}") from e
+        raise BundleError(
+            f"the bundle's model state does not fit the model built by {factory!r}: {str(e).splitlines()[0]}"
+        ) from e
     model.train()
 
     kind = manifest.get("kind")
@@ -205,14 +224,19 @@ def replay_bundle(path: str, factory: str | Callable[..., nn.Module] | None = No
             weights = manifest.get("loss_weights") or {}
             total = sum(float(weights.get(k, 1.0)) * v for k, vs in run["losses"].items() for v in vs)
             n = max(1, int(manifest.get("micro_batches") or 1))
-            reproduced = bool(math.isclose(total / n, live_total, rel_tol=1e-3) or
-                              math.isclose(total, live_total, rel_tol=1e-3))
+            reproduced = bool(
+                math.isclose(total / n, live_total, rel_tol=1e-3) or math.isclose(total, live_total, rel_tol=1e-3)
+            )
         else:
             reproduced = None
     live_param = _live_param(event)
     report: dict[str, Any] = {
-        "bundle": path, "step": manifest.get("step"), "kind": kind, "reproduced": reproduced,
-        "autocast": manifest.get("autocast"), "micro_batches": len(bundle["batch"]),
+        "bundle": path,
+        "step": manifest.get("step"),
+        "kind": kind,
+        "reproduced": reproduced,
+        "autocast": manifest.get("autocast"),
+        "micro_batches": len(bundle["batch"]),
         "live_param": live_param,
         "same_param": (run["first_nonfinite_param"] == live_param) if live_param else None,
         **run,
@@ -223,10 +247,14 @@ def replay_bundle(path: str, factory: str | Callable[..., nn.Module] | None = No
         for c in comps:
             alone = _run(model, bundle, keep={c})
             without = _run(model, bundle, keep=set(comps) - {c})
-            rows.append({"component": c,
-                         "alone_nonfinite_grad": alone["grad_nonfinite"],
-                         "alone_first_param": alone["first_nonfinite_param"],
-                         "without_nonfinite_grad": without["grad_nonfinite"]})
+            rows.append(
+                {
+                    "component": c,
+                    "alone_nonfinite_grad": alone["grad_nonfinite"],
+                    "alone_first_param": alone["first_nonfinite_param"],
+                    "without_nonfinite_grad": without["grad_nonfinite"],
+                }
+            )
         report["ablation"] = rows
         report["culprits"] = [r["component"] for r in rows if r["alone_nonfinite_grad"]]
         report["removal_fixes"] = [r["component"] for r in rows if not r["without_nonfinite_grad"]]
@@ -234,16 +262,23 @@ def replay_bundle(path: str, factory: str | Callable[..., nn.Module] | None = No
 
 
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"bundle   {r['bundle']}",
-             f"step     {r['step']}  kind {r['kind']}  micro-batches {r['micro_batches']}  "
-             f"autocast {r['autocast'] or 'off'}",
-             f"reproduced: {'yes' if r['reproduced'] else ('unknown' if r['reproduced'] is None else 'NO')}"]
+    lines = [
+        f"bundle   {r['bundle']}",
+        f"step     {r['step']}  kind {r['kind']}  micro-batches {r['micro_batches']}  "
+        f"autocast {r['autocast'] or 'off'}",
+        f"reproduced: {'yes' if r['reproduced'] else ('unknown' if r['reproduced'] is None else 'NO')}",
+    ]
     loss_txt = ", ".join(f"{k}={'/'.join(f'{v:.4g}' for v in vs)}" for k, vs in r["losses"].items())
     lines.append(f"losses   {loss_txt}")
     lines.append(f"first non-finite module:    {r['first_nonfinite_module'] or '-'}")
-    lines.append(f"first non-finite parameter: {r['first_nonfinite_param'] or '-'}"
-                 + (f"  (live event: {r['live_param']}, {'same' if r['same_param'] else 'DIFFERENT'})"
-                    if r.get("live_param") else ""))
+    lines.append(
+        f"first non-finite parameter: {r['first_nonfinite_param'] or '-'}"
+        + (
+            f"  (live event: {r['live_param']}, {'same' if r['same_param'] else 'DIFFERENT'})"
+            if r.get("live_param")
+            else ""
+        )
+    )
     if r["overflow_warnings"]:
         lines.append(f"near the dtype limit:       {', '.join(r['overflow_warnings'])}")
     if "ablation" in r:
@@ -257,15 +292,20 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="sfmonitor replay", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="sfmonitor replay",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("bundle", help="an anomaly bundle folder (run_dir/bundles/<step>-<kind>)")
-    p.add_argument("--model", metavar="MODULE:FACTORY",
-                   help="factory that builds the model from the bundle's model_kwargs "
-                        f"(default: the bundle's, trusted only when an installed package registers "
-                        f"it under the entry point group {FACTORY_GROUP})")
-    p.add_argument("--ablate", action="store_true",
-                   help="rerun with each loss component alone / left out")
+    p.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="factory that builds the model from the bundle's model_kwargs "
+        f"(default: the bundle's, trusted only when an installed package registers "
+        f"it under the entry point group {FACTORY_GROUP})",
+    )
+    p.add_argument("--ablate", action="store_true", help="rerun with each loss component alone / left out")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     try:

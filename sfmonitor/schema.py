@@ -5,6 +5,7 @@ this module imports no component, so any module may import it.
 Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming the full key
 (``detectors.loss_spike.z``) and what is allowed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,11 +16,18 @@ from typing import Any, Union
 
 from .errors import ConfigError
 
-__all__ = ["ConfigError", "Section", "option", "describe"]
+__all__ = ["ConfigError", "Section", "describe", "option"]
 
 
-def option(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
-           lo_open: bool = False, choices: tuple | None = None) -> Any:
+def option(
+    default: Any,
+    doc: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    choices: tuple | None = None,
+) -> Any:
     """A config field: default, one-line doc, optional numeric range [lo, hi] or choices.
 
     Mutable defaults (lists, dicts, sections) are copied per instance.
@@ -27,6 +35,7 @@ def option(default: Any, doc: str, *, lo: float | None = None, hi: float | None 
     meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         import copy
+
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
 
@@ -109,14 +118,16 @@ class Section:
         """Cross-field checks; raise ConfigError naming the keys. Override where needed."""
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> "Section":
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> Section:
         data = dict(data or {})
         names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}; "
-                              f"allowed keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
-                              f"{', '.join(sorted(names))}")
+            raise ConfigError(
+                f"unknown config key {prefix}{unknown[0]!s}; "
+                f"allowed keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
+                f"{', '.join(sorted(names))}"
+            )
         hints = typing.get_type_hints(cls)
         kwargs = {}
         for k, v in data.items():
@@ -219,8 +230,9 @@ class SectionTable(Section):
         unknown = sorted(set(given) - set(table))
         if unknown:
             where = f" under {self._prefix.rstrip('.')}" if self._prefix else ""
-            raise ConfigError(f"unknown config key {self._prefix}{unknown[0]}; allowed keys{where}: "
-                              f"{', '.join(sorted(table))}")
+            raise ConfigError(
+                f"unknown config key {self._prefix}{unknown[0]}; allowed keys{where}: {', '.join(sorted(table))}"
+            )
         for name, cls in table.items():
             value = given.get(name)
             key = f"{self._prefix}{name}"
@@ -248,8 +260,9 @@ class SectionTable(Section):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._sections.items())})"
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "SectionTable":
+    def __deepcopy__(self, memo: dict[int, Any]) -> SectionTable:
         import copy
+
         new = type(self).__new__(type(self))
         object.__setattr__(new, "_prefix", self._prefix)
         object.__setattr__(new, "_sections", copy.deepcopy(self._sections, memo))
@@ -259,7 +272,7 @@ class SectionTable(Section):
         pass
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> "SectionTable":
+    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> SectionTable:
         obj = cls.__new__(cls)
         object.__setattr__(obj, "_prefix", prefix)
         object.__setattr__(obj, "_sections", {})

@@ -24,12 +24,14 @@ key                            meaning
 ``act_absmax/<module>``        max |activation| seen in the module (overflow watch)
 =============================  ==============================================================
 """
+
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -55,29 +57,40 @@ RATIO_EPS = 1e-6  # the report's epsilon in r = (L_v + 1e-6) / (L_f + 1e-6)
 
 # Internal values of a step: read in the same single host read as the statistics, used by the
 # monitor's own checks, never shown in ``monitor.stats`` or sent to sinks.
-GRAD_NONFINITE_COUNT = "internal/grad_nonfinite_count"    # parameters with a non-finite gradient
-GRAD_FIRST_NONFINITE = "internal/grad_first_nonfinite"    # index of the first one (-1: none here)
+GRAD_NONFINITE_COUNT = "internal/grad_nonfinite_count"  # parameters with a non-finite gradient
+GRAD_FIRST_NONFINITE = "internal/grad_first_nonfinite"  # index of the first one (-1: none here)
 PARAM_NONFINITE_COUNT = "internal/param_nonfinite_count"
 PARAM_FIRST_NONFINITE = "internal/param_first_nonfinite"
-AMP_FOUND_INF = "internal/amp_found_inf"                  # the GradScaler's found-inf, summed
-ACT_FIRST_NONFINITE = "internal/act_first_nonfinite"      # watch: first module with inf/NaN
-INTERNAL = frozenset({GRAD_NONFINITE_COUNT, GRAD_FIRST_NONFINITE, PARAM_NONFINITE_COUNT,
-                      PARAM_FIRST_NONFINITE, AMP_FOUND_INF, ACT_FIRST_NONFINITE})
+AMP_FOUND_INF = "internal/amp_found_inf"  # the GradScaler's found-inf, summed
+ACT_FIRST_NONFINITE = "internal/act_first_nonfinite"  # watch: first module with inf/NaN
+INTERNAL = frozenset(
+    {
+        GRAD_NONFINITE_COUNT,
+        GRAD_FIRST_NONFINITE,
+        PARAM_NONFINITE_COUNT,
+        PARAM_FIRST_NONFINITE,
+        AMP_FOUND_INF,
+        ACT_FIRST_NONFINITE,
+    }
+)
 
 
 class Reduce(enum.Enum):
     """How a value combines across ranks in the step's read (``read_all`` under torch.distributed)."""
 
-    MEAN = "mean"    # identical or comparable on every rank (DDP gradients, losses)
-    SUM = "sum"      # counts: a NaN on one rank is a NaN on all
-    MAX = "max"      # maxima: one rank near a limit must not be diluted by the others
+    MEAN = "mean"  # identical or comparable on every rank (DDP gradients, losses)
+    SUM = "sum"  # counts: a NaN on one rank is a NaN on all
+    MAX = "max"  # maxima: one rank near a limit must not be diluted by the others
     LOCAL = "local"  # indices into this rank's own lists: kept as they are
 
 
 # The table: exact keys, then key families (a format string's prefix). Anything else: MEAN.
 REDUCTIONS: dict[str, Reduce] = {
-    GRAD_NONFINITE_COUNT: Reduce.SUM, PARAM_NONFINITE_COUNT: Reduce.SUM, AMP_FOUND_INF: Reduce.SUM,
-    GRAD_FIRST_NONFINITE: Reduce.LOCAL, PARAM_FIRST_NONFINITE: Reduce.LOCAL,
+    GRAD_NONFINITE_COUNT: Reduce.SUM,
+    PARAM_NONFINITE_COUNT: Reduce.SUM,
+    AMP_FOUND_INF: Reduce.SUM,
+    GRAD_FIRST_NONFINITE: Reduce.LOCAL,
+    PARAM_FIRST_NONFINITE: Reduce.LOCAL,
     ACT_FIRST_NONFINITE: Reduce.LOCAL,
     ACT_ABSMAX.format(""): Reduce.MAX,
 }
@@ -87,7 +100,7 @@ def reduction_of(key: str) -> Reduce:
     """How ``key`` combines across ranks: its own entry in REDUCTIONS, else its family's, else MEAN."""
     if key in REDUCTIONS:
         return REDUCTIONS[key]
-    family = key[:key.find("/") + 1] if "/" in key else None
+    family = key[: key.find("/") + 1] if "/" in key else None
     return REDUCTIONS.get(family, Reduce.MEAN) if family else Reduce.MEAN
 
 
@@ -141,8 +154,9 @@ def loss_ratio_of(stats: Mapping[str, float], a: str, b: str) -> float | None:
     return r
 
 
-def shared_grad_stats(grads_a: Sequence[torch.Tensor | None],
-                      grads_b: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def shared_grad_stats(
+    grads_a: Sequence[torch.Tensor | None], grads_b: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(||g_a|| / ||g_b||, cos(g_a, g_b)) over the parameters that both components reach."""
     pairs = [(a, b) for a, b in zip(grads_a, grads_b) if a is not None and b is not None]
     if not pairs:
@@ -164,7 +178,9 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
     reads the same numbers and takes the same decision. Reads that only one rank may make
     (``monitor.stats``) pass ``agree=False``.
     """
-    from .integrations.distributed import agree as all_ranks_agree, world_size
+    from .integrations.distributed import agree as all_ranks_agree
+    from .integrations.distributed import world_size
+
     distributed = agree and world_size() > 1
     by_device: dict[torch.device, list[str]] = {}
     for k, v in named.items():
@@ -172,13 +188,19 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
     out: dict[str, float] = {}
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        vec = torch.stack([named[k].detach().reshape(()).to(dtype) if isinstance(named[k], torch.Tensor)
-                           else torch.tensor(float(named[k]), dtype=dtype).to(device, non_blocking=True)
-                           for k in ks])
+        vec = torch.stack(
+            [
+                named[k].detach().reshape(()).to(dtype)
+                if isinstance(named[k], torch.Tensor)
+                else torch.tensor(float(named[k]), dtype=dtype).to(device, non_blocking=True)
+                for k in ks
+            ]
+        )
         if distributed:
             how = [reduction_of(k) for k in ks]
-            masks = torch.tensor([[r is Reduce.MEAN for r in how], [r is Reduce.LOCAL for r in how],
-                                  [r is Reduce.MAX for r in how]]).to(device, non_blocking=True)
+            masks = torch.tensor(
+                [[r is Reduce.MEAN for r in how], [r is Reduce.LOCAL for r in how], [r is Reduce.MAX for r in how]]
+            ).to(device, non_blocking=True)
             vec = all_ranks_agree(vec, masks[0], masks[1], masks[2] if Reduce.MAX in how else None)
         out.update(zip(ks, vec.tolist()))  # the host synchronisation
     return {k: out[k] for k in named}
@@ -194,25 +216,38 @@ def pair_keys(components: Iterable[str], pairs: Sequence[Sequence[str]]) -> list
     comps = list(components)
     if pairs:
         return [(a, b) for a, b in pairs if a in comps and b in comps]
-    return [(a, b) for i, a in enumerate(comps) for b in comps[i + 1:]]
+    return [(a, b) for i, a in enumerate(comps) for b in comps[i + 1 :]]
 
 
 @dataclass
 class StatsConfig(Section):
     """What the statistics stage measures each optimizer step."""
 
-    update_ratio_every: int = option(1, "compute update_ratio/<group> every N optimizer steps "
-                                        "(0: never); costs one fp32 copy of the parameters on those steps", lo=0)
-    grad_ratio_every: int = option(100, "compute grad_ratio/<a>/<b> and grad_cos/<a>/<b> on shared "
-                                       "parameters every N optimizer steps (0: never); costs one extra "
-                                       "backward per loss component on the first micro-batch of those steps", lo=0)
-    loss_ratio_pairs: list[list[str]] = option([], "pairs [a, b] for loss_ratio/<a>/<b> and grad_ratio; "
-                                                   "empty: every pair of components in combine() order")
-    grad_ratio_groups: list[str] = option([], "groups whose parameters count as shared for grad_ratio; "
-                                              "empty: every parameter that receives gradient from both components")
+    update_ratio_every: int = option(
+        1,
+        "compute update_ratio/<group> every N optimizer steps "
+        "(0: never); costs one fp32 copy of the parameters on those steps",
+        lo=0,
+    )
+    grad_ratio_every: int = option(
+        100,
+        "compute grad_ratio/<a>/<b> and grad_cos/<a>/<b> on shared "
+        "parameters every N optimizer steps (0: never); costs one extra "
+        "backward per loss component on the first micro-batch of those steps",
+        lo=0,
+    )
+    loss_ratio_pairs: list[list[str]] = option(
+        [], "pairs [a, b] for loss_ratio/<a>/<b> and grad_ratio; empty: every pair of components in combine() order"
+    )
+    grad_ratio_groups: list[str] = option(
+        [],
+        "groups whose parameters count as shared for grad_ratio; "
+        "empty: every parameter that receives gradient from both components",
+    )
 
     def validate(self) -> None:
         for i, pair in enumerate(self.loss_ratio_pairs):
             if len(pair) != 2 or pair[0] == pair[1]:
-                raise ConfigError(f"{self._prefix}loss_ratio_pairs[{i}]: expected two different "
-                                  f"component names, got {pair!r}")
+                raise ConfigError(
+                    f"{self._prefix}loss_ratio_pairs[{i}]: expected two different component names, got {pair!r}"
+                )

@@ -29,35 +29,48 @@ Statistic keys (``pending()``):
                                 (in forward order) that produced inf/NaN this step; -1: none
 =============================  =========================================================
 """
+
 from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .schema import Section, option
 from .events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError, Finding
 from .registry import register_kind
+from .schema import Section, option
 from .stats import ACT_FIRST_NONFINITE, finite
 
 # A first warning (|x| >= half the dtype's max) is told; a second within 100 steps means the module
 # keeps living near the limit: run it in fp32 before it overflows. A real overflow, or a warning
 # that persisted, is urgent: it goes straight to that rung.
-register_kind(ACTIVATION_OVERFLOW, [(1, []), (2, [PRECISION_FALLBACK])], window=100,
-              doc="a watched module's activations near or past its dtype's limit")
+register_kind(
+    ACTIVATION_OVERFLOW,
+    [(1, []), (2, [PRECISION_FALLBACK])],
+    window=100,
+    doc="a watched module's activations near or past its dtype's limit",
+)
 
-__all__ = ["WatchConfig", "ActivationWatch", "precision_fallback", "FallbackHandle",
-           "ACT_ABSMAX_PREFIX", "FIRST_NONFINITE_KEY", "dtype_limit"]
+__all__ = [
+    "ACT_ABSMAX_PREFIX",
+    "FIRST_NONFINITE_KEY",
+    "ActivationWatch",
+    "FallbackHandle",
+    "WatchConfig",
+    "dtype_limit",
+    "precision_fallback",
+]
 
 ACT_ABSMAX_PREFIX = "act_absmax/"
 # An index, internal and per rank (stats.REDUCTIONS: LOCAL): never in monitor.stats.
 FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
-_NO_NONFINITE = 2 ** 62  # sentinel sequence number: "no non-finite record"
+_NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
 
 # Default module selection: attention-like modules by name or class, and every nn.Linear.
 DEFAULT_NAME_PATTERNS = ["*attn*", "*attention*", "*fusion*"]
@@ -69,11 +82,37 @@ def _watched_functions() -> frozenset:
     F = nn.functional
     T = torch.Tensor
     funcs = [
-        torch.matmul, torch.mm, torch.bmm, torch.baddbmm, torch.addmm, torch.addbmm, torch.einsum,
-        torch.exp, torch.softmax, torch.log_softmax, torch.pow, torch.cumsum,
-        T.__matmul__, T.__rmatmul__, T.matmul, T.mm, T.bmm, T.baddbmm, T.exp, T.softmax,
-        T.log_softmax, T.pow, T.__pow__, T.cumsum,
-        F.linear, F.bilinear, F.softmax, F.log_softmax, F.conv1d, F.conv2d, F.conv3d,
+        torch.matmul,
+        torch.mm,
+        torch.bmm,
+        torch.baddbmm,
+        torch.addmm,
+        torch.addbmm,
+        torch.einsum,
+        torch.exp,
+        torch.softmax,
+        torch.log_softmax,
+        torch.pow,
+        torch.cumsum,
+        T.__matmul__,
+        T.__rmatmul__,
+        T.matmul,
+        T.mm,
+        T.bmm,
+        T.baddbmm,
+        T.exp,
+        T.softmax,
+        T.log_softmax,
+        T.pow,
+        T.__pow__,
+        T.cumsum,
+        F.linear,
+        F.bilinear,
+        F.softmax,
+        F.log_softmax,
+        F.conv1d,
+        F.conv2d,
+        F.conv3d,
         F.scaled_dot_product_attention,
     ]
     return frozenset(funcs)
@@ -92,21 +131,38 @@ class WatchConfig(Section):
     """Activation overflow watch (fp16 trap of the report: the fusion QK^T overflowed 65504)."""
 
     enabled: bool = option(True, "record act_absmax/<module> and emit activation_overflow findings")
-    modules: list[str] = option(list(DEFAULT_NAME_PATTERNS),
-                                "fnmatch patterns (or 're:<regex>') on module names to watch")
-    classes: list[str] = option(list(DEFAULT_CLASS_PATTERNS),
-                                "fnmatch patterns (or 're:<regex>') on module class names to watch")
-    inline: bool = option(True, "also record matmul/softmax/exp results computed inline inside a "
-                                "watched module's forward (attention logits); off: module outputs only")
-    stride: int = option(10, "sample every N optimizer steps (1: every step); at 10 the measured "
-                             "overhead is ~1-2% of a step (docs/forensics.md)", lo=1)
-    warn_fraction: float = option(0.5, "warn when |value| >= this fraction of the dtype's max "
-                                       "(fp16 65504 -> 32752); one doubling of headroom", lo=0.0, hi=1.0,
-                                  lo_open=True)
-    persist: int = option(3, "consecutive sampled steps over warn_fraction in one module before the "
-                             "finding recommends precision_fallback", lo=1)
-    grad_only: bool = option(True, "record only forwards run with autograd enabled (skip eval "
-                                   "passes under no_grad / inference_mode)")
+    modules: list[str] = option(
+        list(DEFAULT_NAME_PATTERNS), "fnmatch patterns (or 're:<regex>') on module names to watch"
+    )
+    classes: list[str] = option(
+        list(DEFAULT_CLASS_PATTERNS), "fnmatch patterns (or 're:<regex>') on module class names to watch"
+    )
+    inline: bool = option(
+        True,
+        "also record matmul/softmax/exp results computed inline inside a "
+        "watched module's forward (attention logits); off: module outputs only",
+    )
+    stride: int = option(
+        10,
+        "sample every N optimizer steps (1: every step); at 10 the measured "
+        "overhead is ~1-2% of a step (docs/forensics.md)",
+        lo=1,
+    )
+    warn_fraction: float = option(
+        0.5,
+        "warn when |value| >= this fraction of the dtype's max (fp16 65504 -> 32752); one doubling of headroom",
+        lo=0.0,
+        hi=1.0,
+        lo_open=True,
+    )
+    persist: int = option(
+        3,
+        "consecutive sampled steps over warn_fraction in one module before the finding recommends precision_fallback",
+        lo=1,
+    )
+    grad_only: bool = option(
+        True, "record only forwards run with autograd enabled (skip eval passes under no_grad / inference_mode)"
+    )
 
     def validate(self) -> None:
         for key in ("modules", "classes"):
@@ -147,14 +203,14 @@ class _Record:
     __slots__ = ("absmax", "first_bad")
 
     def __init__(self) -> None:
-        self.absmax: dict[torch.dtype, torch.Tensor] = {}   # per producing dtype, fp32 0-d
-        self.first_bad: torch.Tensor | None = None           # min sequence number of a non-finite value
+        self.absmax: dict[torch.dtype, torch.Tensor] = {}  # per producing dtype, fp32 0-d
+        self.first_bad: torch.Tensor | None = None  # min sequence number of a non-finite value
 
 
 class _InlineMode(TorchFunctionMode):
     """Records results of WATCHED_FUNCTIONS for the innermost watched module running."""
 
-    def __init__(self, watch: "ActivationWatch") -> None:
+    def __init__(self, watch: ActivationWatch) -> None:
         super().__init__()
         self.watch = watch
 
@@ -176,19 +232,19 @@ class ActivationWatch:
 
     def __init__(self, config: WatchConfig | None = None) -> None:
         self.config = config or WatchConfig()
-        self.module_names: list[str] = []        # watched modules, in named_modules() order
+        self.module_names: list[str] = []  # watched modules, in named_modules() order
         self._handles: list[Any] = []
         self._stack: list[str] = []
         self._mode: _InlineMode | None = None
         self._busy = False
-        self._records: dict[str, _Record] = {}   # insertion order = first seen in forward order
+        self._records: dict[str, _Record] = {}  # insertion order = first seen in forward order
         self._seq = 0
         self._step = 0
         self._sampled = True
         self._force = False
-        self._streak: dict[str, int] = {}        # consecutive sampled steps over warn_fraction
+        self._streak: dict[str, int] = {}  # consecutive sampled steps over warn_fraction
         self._dtypes: dict[str, torch.dtype] = {}  # dtype behind act_absmax/<m> of the last pending()
-        self._order: list[str] = []              # module names behind act_first_nonfinite
+        self._order: list[str] = []  # module names behind act_first_nonfinite
 
     # ---- lifecycle -------------------------------------------------------------------------
     def select(self, model: nn.Module) -> list[str]:
@@ -202,7 +258,7 @@ class ActivationWatch:
                 names.append(name)
         return names
 
-    def attach(self, model: nn.Module) -> "ActivationWatch":
+    def attach(self, model: nn.Module) -> ActivationWatch:
         if self._handles:
             raise RuntimeError("ActivationWatch is already attached; call detach() first")
         if not self.config.enabled:
@@ -257,18 +313,20 @@ class ActivationWatch:
                 self._mode = _InlineMode(self)
                 self._mode.__enter__()
             return None
+
         return pre
 
     def _make_post(self, name: str) -> Callable:
         def post(module, args, output):
             if not self._stack or self._stack[-1] != name:
-                return None        # not pushed (unsampled step) or already cleaned up
+                return None  # not pushed (unsampled step) or already cleaned up
             self._stack.pop()
             if output is not None:
                 self._record(name, output)
             if not self._stack:
                 self._exit_mode()
             return None
+
         return post
 
     def _exit_mode(self) -> None:
@@ -285,7 +343,7 @@ class ActivationWatch:
                 if rec is None:
                     rec = self._records[name] = _Record()
                 for t in _iter_tensors(output):
-                    m = t.detach().abs().amax().float()     # inf/NaN propagate through amax
+                    m = t.detach().abs().amax().float()  # inf/NaN propagate through amax
                     prev = rec.absmax.get(t.dtype)
                     rec.absmax[t.dtype] = m if prev is None else torch.maximum(prev, m)
                     bad = torch.where(torch.isfinite(m), _NO_NONFINITE, self._seq)
@@ -328,23 +386,36 @@ class ActivationWatch:
         if not 0 <= first_idx < len(self._order):
             # Under torch.distributed the maxima are the max over ranks: another rank's overflow
             # shows here as a non-finite maximum without a local index; name the first such module.
-            first_idx = next((i for i, n in enumerate(self._order)
-                              if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))), -1)
+            first_idx = next(
+                (i for i, n in enumerate(self._order) if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))), -1
+            )
         if 0 <= first_idx < len(self._order):
             name = self._order[first_idx]
             dtype = self._dtypes.get(name, torch.float32)
-            bad = sorted(n for n in self._order
-                         if ACT_ABSMAX_PREFIX + n in stats
-                         and not finite(stats[ACT_ABSMAX_PREFIX + n]))
+            bad = sorted(
+                n for n in self._order if ACT_ABSMAX_PREFIX + n in stats and not finite(stats[ACT_ABSMAX_PREFIX + n])
+            )
             value = stats.get(ACT_ABSMAX_PREFIX + name, float("nan"))
-            out.append(Finding(
-                kind=ACTIVATION_OVERFLOW,
-                message=(f"step {step}: module {name!r} is the first (in forward order) to produce "
-                         f"inf/NaN ({_dtype_name(dtype)}, limit {dtype_limit(dtype):g})"),
-                data={"module": name, "absmax": value, "limit": dtype_limit(dtype),
-                      "dtype": _dtype_name(dtype), "nonfinite": True, "nonfinite_modules": bad,
-                      "recommend": PRECISION_FALLBACK},
-                where=name, urgent=True))
+            out.append(
+                Finding(
+                    kind=ACTIVATION_OVERFLOW,
+                    message=(
+                        f"step {step}: module {name!r} is the first (in forward order) to produce "
+                        f"inf/NaN ({_dtype_name(dtype)}, limit {dtype_limit(dtype):g})"
+                    ),
+                    data={
+                        "module": name,
+                        "absmax": value,
+                        "limit": dtype_limit(dtype),
+                        "dtype": _dtype_name(dtype),
+                        "nonfinite": True,
+                        "nonfinite_modules": bad,
+                        "recommend": PRECISION_FALLBACK,
+                    },
+                    where=name,
+                    urgent=True,
+                )
+            )
             seen.add(name)
         for name in self._order:
             key = ACT_ABSMAX_PREFIX + name
@@ -358,18 +429,31 @@ class ActivationWatch:
                 continue
             streak = self._streak[name] = self._streak.get(name, 0) + 1
             recommend = streak >= cfg.persist
-            out.append(Finding(
-                kind=ACTIVATION_OVERFLOW,
-                message=(f"step {step}: module {name!r} reached |x|={value:.6g}, "
-                         f"{value / limit:.0%} of the {_dtype_name(dtype)} limit {limit:g} "
-                         f"(warn at {cfg.warn_fraction:g})"
-                         + (f"; {streak} sampled steps in a row" if streak > 1 else "")
-                         + ("; precision_fallback recommended" if recommend else "")),
-                data={"module": name, "absmax": value, "limit": limit, "dtype": _dtype_name(dtype),
-                      "fraction": value / limit, "warn_fraction": cfg.warn_fraction,
-                      "nonfinite": False, "consecutive": streak,
-                      "recommend": PRECISION_FALLBACK if recommend else None},
-                where=name, urgent=recommend))
+            out.append(
+                Finding(
+                    kind=ACTIVATION_OVERFLOW,
+                    message=(
+                        f"step {step}: module {name!r} reached |x|={value:.6g}, "
+                        f"{value / limit:.0%} of the {_dtype_name(dtype)} limit {limit:g} "
+                        f"(warn at {cfg.warn_fraction:g})"
+                        + (f"; {streak} sampled steps in a row" if streak > 1 else "")
+                        + ("; precision_fallback recommended" if recommend else "")
+                    ),
+                    data={
+                        "module": name,
+                        "absmax": value,
+                        "limit": limit,
+                        "dtype": _dtype_name(dtype),
+                        "fraction": value / limit,
+                        "warn_fraction": cfg.warn_fraction,
+                        "nonfinite": False,
+                        "consecutive": streak,
+                        "recommend": PRECISION_FALLBACK if recommend else None,
+                    },
+                    where=name,
+                    urgent=recommend,
+                )
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -388,12 +472,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # precision fallback
 # --------------------------------------------------------------------------------------------
 
+
 def _map_floats(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: int = 0) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj) if obj.is_floating_point() else obj
     if depth >= 6:
         return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):           # namedtuple
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_map_floats(o, fn, depth + 1) for o in obj))
     if isinstance(obj, (tuple, list)):
         return type(obj)(_map_floats(o, fn, depth + 1) for o in obj)
@@ -418,7 +503,7 @@ class FallbackHandle:
         for h in self._handles:
             h.remove()
         self._handles = []
-        while self._contexts:       # a forward interrupted mid-way: restore autocast state
+        while self._contexts:  # a forward interrupted mid-way: restore autocast state
             ctx, _ = self._contexts.pop()
             ctx.__exit__(None, None, None)
 
@@ -434,12 +519,17 @@ def precision_fallback(model: nn.Module, module_name: str, *, cast_back: bool = 
         module = model.get_submodule(module_name) if module_name else model
     except AttributeError as e:
         raise ValueError(f"precision_fallback: model has no module named {module_name!r}") from e
-    low = [n for n, p in module.named_parameters() if p.is_floating_point() and p.dtype != torch.float32
-           and p.dtype != torch.float64]
+    low = [
+        n
+        for n, p in module.named_parameters()
+        if p.is_floating_point() and p.dtype != torch.float32 and p.dtype != torch.float64
+    ]
     if low:
-        raise ValueError(f"precision_fallback: module {module_name!r} holds low-precision parameters "
-                         f"({low[0]}: {module.get_parameter(low[0]).dtype}); it handles autocast "
-                         f"mixed precision only (keep the parameters in fp32)")
+        raise ValueError(
+            f"precision_fallback: module {module_name!r} holds low-precision parameters "
+            f"({low[0]}: {module.get_parameter(low[0]).dtype}); it handles autocast "
+            f"mixed precision only (keep the parameters in fp32)"
+        )
     handle = FallbackHandle(module_name, [])
 
     def device_type_of(args, kwargs) -> str:
@@ -455,7 +545,7 @@ def precision_fallback(model: nn.Module, module_name: str, *, cast_back: bool = 
         ctx = torch.autocast(device_type=dev, enabled=False)
         ctx.__enter__()
         handle._contexts.append((ctx, caller))
-        up = lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t  # noqa: E731
+        up = lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
         return _map_floats(args, up), _map_floats(kwargs, up)
 
     def post(mod, args, kwargs, output):

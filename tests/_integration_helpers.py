@@ -1,4 +1,5 @@
 """Comparisons the framework-integration tests share (Lightning, transformers)."""
+
 import torch
 
 
@@ -8,8 +9,9 @@ def same(a, b):
 
 def same_state(a, b):
     assert a.keys() == b.keys()
-    return all(torch.equal(a[k][n], b[k][n]) if torch.is_tensor(a[k][n]) else a[k][n] == b[k][n]
-               for k in a for n in a[k])
+    return all(
+        torch.equal(a[k][n], b[k][n]) if torch.is_tensor(a[k][n]) else a[k][n] == b[k][n] for k in a for n in a[k]
+    )
 
 
 def monitor_hooks(opt):

@@ -1,4 +1,5 @@
 """Actions: each effect is exact (norms, weights, LRs, restored state) and reported as facts."""
+
 import json
 import math
 
@@ -26,8 +27,7 @@ class Tri(nn.Module):
 
 def ctx_for(model, opt=None, **kw):
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
-    groups = {name: [(f"{name}.{n}", p) for n, p in child.named_parameters()]
-              for name, child in model.named_children()}
+    groups = {name: [(f"{name}.{n}", p) for n, p in child.named_parameters()] for name, child in model.named_children()}
     return A.ActionContext(model=model, optimizer=opt, groups=groups, **kw)
 
 
@@ -41,8 +41,11 @@ def set_grads(model, norms):
 
 
 def D(action, kind="grad_spike", before_update=True, params=None, step=None, **data):
-    return Decision(action=action, cause=Finding(kind=kind, message=f"{kind}!", data=data, step=step,
-                                                 before_update=before_update), params=params or {})
+    return Decision(
+        action=action,
+        cause=Finding(kind=kind, message=f"{kind}!", data=data, step=step, before_update=before_update),
+        params=params or {},
+    )
 
 
 def gnorm(module):
@@ -50,6 +53,7 @@ def gnorm(module):
 
 
 # ---------------------------------------------------------------------------- skip / dispatch
+
 
 def test_skip_step_sets_flag_and_unknown_action_is_refused():
     ctx = ctx_for(Tri())
@@ -59,6 +63,7 @@ def test_skip_step_sets_flag_and_unknown_action_is_refused():
 
 
 # ---------------------------------------------------------------------------- clip
+
 
 def test_clip_global_exact_norm_and_facts():
     m = Tri()
@@ -114,8 +119,9 @@ def test_clip_agc_unitwise_exact():
         lin.bias.copy_(torch.tensor([1.0, 0.0]))
     lin.weight.grad = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.001, 0.0]])
     lin.bias.grad = torch.tensor([0.0, 0.001])
-    ctx = A.ActionContext(model=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1),
-                          groups={"all": list(lin.named_parameters())})
+    ctx = A.ActionContext(
+        model=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1), groups={"all": list(lin.named_parameters())}
+    )
     A.apply(ctx, D("clip", params={"mode": "agc"}))
     # row 0: max 0.01 * 5 = 0.05 < 1 -> clipped to norm 0.05; row 1: max 0.01 * 1e-3 = 1e-5 < 1e-3 -> 1e-5
     assert lin.weight.grad[0].norm().item() == pytest.approx(0.05, rel=1e-5)
@@ -132,11 +138,22 @@ def test_clip_config_rules_validated():
 
 # ---------------------------------------------------------------------------- reweight
 
+
 def test_reweight_report_rule_and_relax_back_to_base():
     base = {"vision": 0.4, "text": 0.3, "fusion": 0.3}
     ctx = ctx_for(Tri(), loss_weights=dict(base), base_weights=dict(base))
-    facts = A.apply(ctx, D("reweight", kind="loss_ratio_imbalance", a="vision", b="fusion", ratio=3.0,
-                           threshold=2.0, key="loss_ratio/vision/fusion"))
+    facts = A.apply(
+        ctx,
+        D(
+            "reweight",
+            kind="loss_ratio_imbalance",
+            a="vision",
+            b="fusion",
+            ratio=3.0,
+            threshold=2.0,
+            key="loss_ratio/vision/fusion",
+        ),
+    )
     assert ctx.loss_weights["vision"] == pytest.approx(0.4 * 2 / 3)
     assert ctx.loss_weights["fusion"] == pytest.approx(0.3 * 3 / 2)
     assert ctx.loss_weights["text"] == 0.3
@@ -161,10 +178,10 @@ def test_reweight_report_rule_and_relax_back_to_base():
 
 # ---------------------------------------------------------------------------- lr_drop
 
+
 def test_lr_drop_scale_floor_and_apply_restore_helpers():
     m = Tri()
-    opt = torch.optim.SGD([{"params": m.vision.parameters(), "lr": 0.1},
-                           {"params": m.fusion.parameters(), "lr": 0.01}])
+    opt = torch.optim.SGD([{"params": m.vision.parameters(), "lr": 0.1}, {"params": m.fusion.parameters(), "lr": 0.01}])
     ctx = ctx_for(m, opt)
     facts = A.apply(ctx, D("lr_drop", kind="plateau"))
     assert ctx.lr_scale == pytest.approx(0.2) and facts["new_lr"] == pytest.approx([0.02, 0.002])
@@ -193,7 +210,7 @@ def test_lr_scale_cooperates_with_a_scheduler():
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     seen = []
-    for step in range(3):
+    for _step in range(3):
         saved = A.apply_lr_scale(opt, 0.2)
         seen.append(opt.param_groups[0]["lr"])  # what optimizer.step uses
         opt.step()
@@ -203,6 +220,7 @@ def test_lr_scale_cooperates_with_a_scheduler():
 
 
 # ---------------------------------------------------------------------------- checkpoint / stop
+
 
 def test_emergency_checkpoint_atomic_loadable_pruned(tmp_path):
     m = Tri()
@@ -215,7 +233,9 @@ def test_emergency_checkpoint_atomic_loadable_pruned(tmp_path):
         assert facts["saved"] and facts["source"] == "live"
         paths.append(facts["path"])
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "emergency-step00000006.pt", "emergency-step00000007.pt"]
+        "emergency-step00000006.pt",
+        "emergency-step00000007.pt",
+    ]
     state = load_checkpoint(paths[-1])
     assert state["extra"]["step"] == 7 and state["extra"]["monitor"] == {"step": 7, "w": [1.0]}
     assert torch.equal(state["model"]["fusion.weight"], m.fusion.weight.detach())
@@ -250,6 +270,7 @@ def test_stop_saves_then_raises_and_plateau_is_graceful(tmp_path):
 
 # ---------------------------------------------------------------------------- rollback
 
+
 def adam_run(model, opt, steps, seed):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -261,7 +282,8 @@ def adam_run(model, opt, steps, seed):
 
 def state_of(model, opt):
     return [t.clone() for t in model.state_dict().values()] + [
-        v.clone() for s in opt.state.values() for v in s.values()]
+        v.clone() for s in opt.state.values() for v in s.values()
+    ]
 
 
 def test_rollback_bit_exact_including_adam_state():
@@ -276,8 +298,7 @@ def test_rollback_bit_exact_including_adam_state():
     ctx.snapshots.maybe_take(15, m, opt)  # only 5 steps after the last one: not taken
     ctx.step = 15
     facts = A.apply(ctx, D("rollback", kind="nonfinite_grad"))
-    assert facts == {"restored": True, "restored_from": 10, "steps_back": 5, "skipped_step": 15,
-                     "batches_to_skip": 4}
+    assert facts == {"restored": True, "restored_from": 10, "steps_back": 5, "skipped_step": 15, "batches_to_skip": 4}
     assert ctx.skip and ctx.batches_to_skip == 4
     now = state_of(m, opt)
     assert all(torch.equal(a, b) for a, b in zip(now, good)) and len(now) == len(good)
@@ -310,6 +331,7 @@ def test_rollback_target_and_missing_snapshot():
 
 
 # ---------------------------------------------------------------------------- precision fallback
+
 
 def test_precision_fallback_runs_module_in_fp32_and_is_removable():
     m = Tri()
@@ -346,15 +368,16 @@ def test_precision_fallback_runs_module_in_fp32_and_is_removable():
 
 # ---------------------------------------------------------------------------- grad noise
 
+
 def test_grad_noise_std_formula_and_determinism():
     assert A.grad_noise_std(0) == pytest.approx(0.3)
-    assert A.grad_noise_std(2) == pytest.approx(0.3 / 3 ** 0.55)
+    assert A.grad_noise_std(2) == pytest.approx(0.3 / 3**0.55)
     lin = nn.Linear(400, 500)
     ctx = A.ActionContext(model=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1), epoch=2)
     for p in lin.parameters():
         p.grad = torch.zeros_like(p)
     facts = A.apply(ctx, D("grad_noise"))
-    assert facts["std"] == pytest.approx(0.3 / 3 ** 0.55) and facts["tensors"] == 2
+    assert facts["std"] == pytest.approx(0.3 / 3**0.55) and facts["tensors"] == 2
     assert lin.weight.grad.std().item() == pytest.approx(facts["std"], rel=0.01)
     first = lin.weight.grad.clone()
     ctx2 = A.ActionContext(model=lin, optimizer=ctx.optimizer, epoch=2)
@@ -362,11 +385,12 @@ def test_grad_noise_std_formula_and_determinism():
         p.grad = torch.zeros_like(p)
     rng_before = torch.get_rng_state()
     A.apply(ctx2, D("grad_noise"))
-    assert torch.equal(lin.weight.grad, first)           # seeded generator
+    assert torch.equal(lin.weight.grad, first)  # seeded generator
     assert torch.equal(torch.get_rng_state(), rng_before)  # training RNG untouched
 
 
 # ---------------------------------------------------------------------------- loss scale floor
+
 
 def test_keep_loss_scale_floor():
     scaler = torch.amp.GradScaler("cpu", init_scale=128.0)

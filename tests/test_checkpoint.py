@@ -1,5 +1,6 @@
 """Checkpoints: atomic writes survive SIGKILL, unsafe pickles are refused, snapshots restore
 bit-exactly (model, Adam state, GradScaler, RNG) and never alias."""
+
 import os
 import random
 import signal
@@ -13,8 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from sfmonitor.checkpoint import (CheckpointError, SnapshotRing, capture_state, load_checkpoint,
-                                  restore_state, save_checkpoint)
+from sfmonitor.checkpoint import (
+    CheckpointError,
+    SnapshotRing,
+    capture_state,
+    load_checkpoint,
+    restore_state,
+    save_checkpoint,
+)
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -22,8 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make(seed=0):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.BatchNorm1d(8),
-                                torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     return model, opt
 
@@ -39,8 +47,8 @@ def train(model, opt, steps):
 
 def flat(model, opt):
     out = [t.clone() for t in model.state_dict().values()]
-    for st in opt.state.values():
-        out += [v.clone() for v in st.values() if isinstance(v, torch.Tensor)]
+    for state in opt.state.values():
+        out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
     return out
 
 
@@ -103,8 +111,9 @@ def test_sigkill_during_write_leaves_previous_checkpoint_loadable(tmp_path):
     path = tmp_path / "ck.pt"
     interrupted = 0
     for attempt in range(8):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=str(REPO), path=str(path))],
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER.format(repo=str(REPO), path=str(path))], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert proc.stdout.readline().strip() == "ready"
             time.sleep(0.05 + 0.037 * attempt)
@@ -210,13 +219,14 @@ def test_a_snapshot_delayed_by_an_unhealthy_step_is_taken_at_the_next_one():
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-
-_FUZZ = settings(max_examples=150, deadline=None,
-                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+_FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 def _real_checkpoint_bytes() -> bytes:
     import io
+
     model, opt = make()
     train(model, opt, 1)
     buf = io.BytesIO()
@@ -238,7 +248,9 @@ def _load_or_typed_error(path):
 
 
 def test_checkpoint_error_is_the_one_in_errors_py():
-    from sfmonitor.errors import CheckpointError as TypedCheckpointError, SFMonitorError
+    from sfmonitor.errors import CheckpointError as TypedCheckpointError
+    from sfmonitor.errors import SFMonitorError
+
     assert CheckpointError is TypedCheckpointError and issubclass(CheckpointError, SFMonitorError)
 
 
@@ -262,8 +274,7 @@ def test_any_truncation_of_a_real_checkpoint(tmp_path, cut):
 
 
 @_FUZZ
-@given(flips=st.lists(st.tuples(st.integers(0, len(REAL) - 1), st.integers(0, 255)),
-                      min_size=1, max_size=8))
+@given(flips=st.lists(st.tuples(st.integers(0, len(REAL) - 1), st.integers(0, 255)), min_size=1, max_size=8))
 def test_any_byte_flips_of_a_real_checkpoint(tmp_path, flips):
     data = bytearray(REAL)
     for pos, val in flips:
@@ -273,15 +284,19 @@ def test_any_byte_flips_of_a_real_checkpoint(tmp_path, flips):
     _load_or_typed_error(path)
 
 
-@pytest.mark.parametrize("members", [
-    {"hello.txt": b"not a checkpoint"},
-    {"archive/data.pkl": b"garbage"},
-    {"archive/data.pkl": b"\x80\x02}q\x00(X\x01\x00\x00\x00\xffq\x01K\x01u."},  # bad utf-8 key
-    {"archive/data.pkl": b"\x80\x02]q\x00(K\x01K\x02e."},                          # a list
-    {"archive/data.pkl": REAL[:0] + b"\x80\x02cbuiltins\nprint\nq\x00."},          # a callable
-])
+@pytest.mark.parametrize(
+    "members",
+    [
+        {"hello.txt": b"not a checkpoint"},
+        {"archive/data.pkl": b"garbage"},
+        {"archive/data.pkl": b"\x80\x02}q\x00(X\x01\x00\x00\x00\xffq\x01K\x01u."},  # bad utf-8 key
+        {"archive/data.pkl": b"\x80\x02]q\x00(K\x01K\x02e."},  # a list
+        {"archive/data.pkl": REAL[:0] + b"\x80\x02cbuiltins\nprint\nq\x00."},  # a callable
+    ],
+)
 def test_a_valid_zip_with_wrong_contents(tmp_path, members):
     import zipfile
+
     path = tmp_path / "zip.pt"
     with zipfile.ZipFile(path, "w") as zf:
         for name, data in members.items():

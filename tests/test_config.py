@@ -10,15 +10,18 @@ def test_defaults_and_dict_round_trip():
     assert again == cfg
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"nope": 1}, r"unknown config key nope; allowed keys: .*strict"),
-    ({"stats": {"nope": 1}}, r"unknown config key stats\.nope; allowed keys under stats: "),
-    ({"stats": {"update_ratio_every": -1}}, r"stats\.update_ratio_every: -1 is out of range; allowed: \[0, inf\]"),
-    ({"stats": {"update_ratio_every": 1.5}}, r"stats\.update_ratio_every: expected an integer"),
-    ({"strict": "yes"}, r"strict: expected true or false"),
-    ({"stats": {"loss_ratio_pairs": [["a", "a"]]}}, r"stats\.loss_ratio_pairs\[0\]"),
-    ({"stats": 3}, r"stats: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"nope": 1}, r"unknown config key nope; allowed keys: .*strict"),
+        ({"stats": {"nope": 1}}, r"unknown config key stats\.nope; allowed keys under stats: "),
+        ({"stats": {"update_ratio_every": -1}}, r"stats\.update_ratio_every: -1 is out of range; allowed: \[0, inf\]"),
+        ({"stats": {"update_ratio_every": 1.5}}, r"stats\.update_ratio_every: expected an integer"),
+        ({"strict": "yes"}, r"strict: expected true or false"),
+        ({"stats": {"loss_ratio_pairs": [["a", "a"]]}}, r"stats\.loss_ratio_pairs\[0\]"),
+        ({"stats": 3}, r"stats: expected a mapping"),
+    ],
+)
 def test_bad_values_name_the_key_and_what_is_allowed(bad, match):
     with pytest.raises(sfmonitor.ConfigError, match=match):
         MonitorConfig.from_any(bad)

@@ -1,4 +1,5 @@
 """Under torch.distributed (gloo, 2 ranks on 127.0.0.1) every rank takes the same decision."""
+
 import os
 import socket
 
@@ -27,8 +28,7 @@ def _worker(rank, world, port, out_dir):
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[],
-                           config={"console": False})
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config={"console": False})
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(4):
         x = torch.randn(5, 4, generator=g)
@@ -39,9 +39,15 @@ def _worker(rank, world, port, out_dir):
         opt.step()
         opt.zero_grad()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    torch.save({"events": [(e.step, e.kind, e.actions) for e in mon.events], "params": flat,
-                "groups": list(mon.groups), "loss": mon.stats["loss/total"]},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "events": [(e.step, e.kind, e.actions) for e in mon.events],
+            "params": flat,
+            "groups": list(mon.groups),
+            "loss": mon.stats["loss/total"],
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     mon.detach()
     dist.destroy_process_group()
 
@@ -57,11 +63,17 @@ def test_every_rank_takes_the_same_decision_in_the_same_step(tmp_path):
 
 def _overflow_worker(rank, world, port, out_dir):
     from test_rescue import make_att_model
+
     _join(rank, world, port)
     model = nn.parallel.DistributedDataParallel(make_att_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[],
-                           config={"console": False, "watch": {"stride": 1}})
+    mon = sfmonitor.attach(
+        model,
+        opt,
+        run_dir=os.path.join(out_dir, str(rank)),
+        sinks=[],
+        config={"console": False, "watch": {"stride": 1}},
+    )
     g = torch.Generator().manual_seed(0)
     base = torch.randn(2, 4, 8, generator=g)
     for i in range(6):  # only rank 1's inputs grow: only its fusion logits near the fp16 limit
@@ -71,8 +83,7 @@ def _overflow_worker(rank, world, port, out_dir):
         mon.combine(losses, weights={"fusion": 1.0, "aux": 1.0}).backward()
         opt.step()
         opt.zero_grad()
-    torch.save({"events": [(e.step, e.kind, e.actions) for e in mon.events]},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"events": [(e.step, e.kind, e.actions) for e in mon.events]}, os.path.join(out_dir, f"rank{rank}.pt"))
     mon.detach()
     dist.destroy_process_group()
 

@@ -1,10 +1,10 @@
 """Extension points: a user's own detector and action run through the policy, from the example in
 docs/design.md; detector config sections and state are keyed by detector name."""
+
 from __future__ import annotations
 
 import os
 import re
-import warnings
 
 import pytest
 import torch
@@ -90,8 +90,12 @@ def test_a_registered_detector_is_configured_under_its_own_name(clean_registry):
         enabled: bool = option(True, "run it")
         at: int = option(3, "fire at this many steps", lo=1)
 
-    sfmonitor.register_detector("streak", type("StreakDet", (Streak,), {"kind": "streak_seen"}),
-                                config=StreakConfig, kinds={"streak_seen": [(1, ["skip_step"])]})
+    sfmonitor.register_detector(
+        "streak",
+        type("StreakDet", (Streak,), {"kind": "streak_seen"}),
+        config=StreakConfig,
+        kinds={"streak_seen": [(1, ["skip_step"])]},
+    )
     cfg = sfmonitor.MonitorConfig.from_any({"detectors": {"streak": {"at": 2}}})
     assert cfg.detectors.streak.at == 2
     with pytest.raises(sfmonitor.ConfigError, match=r"detectors\.streak\.at"):
@@ -121,11 +125,13 @@ def test_a_registered_detector_is_configured_under_its_own_name(clean_registry):
 
 def test_unknown_names_in_ladders_are_config_errors(clean_registry):
     with pytest.raises(sfmonitor.ConfigError, match="unknown action 'halve_lr'"):
-        sfmonitor.MonitorConfig.from_any({"policy": {"ladders": {"grad_spike": {"rungs": [
-            {"after": 1, "actions": ["halve_lr"]}]}}}})
+        sfmonitor.MonitorConfig.from_any(
+            {"policy": {"ladders": {"grad_spike": {"rungs": [{"after": 1, "actions": ["halve_lr"]}]}}}}
+        )
     sfmonitor.register_action("halve_lr", lambda ctx, d: {}, order=45)
-    cfg = sfmonitor.MonitorConfig.from_any({"policy": {"ladders": {"grad_spike": {"rungs": [
-        {"after": 1, "actions": ["halve_lr"]}]}}}})
+    cfg = sfmonitor.MonitorConfig.from_any(
+        {"policy": {"ladders": {"grad_spike": {"rungs": [{"after": 1, "actions": ["halve_lr"]}]}}}}
+    )
     assert cfg.policy.ladders["grad_spike"].rungs[0].actions == ["halve_lr"]
     with pytest.raises(sfmonitor.ConfigError, match="unknown event kind 'made_up'"):
         sfmonitor.MonitorConfig.from_any({"policy": {"ladders": {"made_up": {}}}})
@@ -165,8 +171,8 @@ def test_detector_state_loads_by_name_never_into_another_detector():
     with pytest.warns(RuntimeWarning, match="loss_spike ignored"):
         other.load_state_dict(saved)
     got = other.state_dict()["detectors"]
-    assert got["update_ratio_spike"]["windows"] == window      # its own state
-    assert got["grad_spike"] == {"ema": {}, "warm": {}}        # nothing saved for it: fresh
+    assert got["update_ratio_spike"]["windows"] == window  # its own state
+    assert got["grad_spike"] == {"ema": {}, "warm": {}}  # nothing saved for it: fresh
     assert "loss_spike" not in got
 
 

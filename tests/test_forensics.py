@@ -1,4 +1,5 @@
 """Input statistics, the batch recorder and anomaly bundles (atomic, size-capped, weights_only)."""
+
 import json
 import os
 import random
@@ -8,9 +9,18 @@ import torch
 from torch import nn
 
 from sfmonitor.events import ConfigError
-from sfmonitor.forensics import (BatchRecorder, BundleConfig, BundleError, BundleTracker,
-                                 batch_input_stats, capture_rng_state, input_stats, load_bundle,
-                                 restore_rng_state, write_bundle)
+from sfmonitor.forensics import (
+    BatchRecorder,
+    BundleConfig,
+    BundleError,
+    BundleTracker,
+    batch_input_stats,
+    capture_rng_state,
+    input_stats,
+    load_bundle,
+    restore_rng_state,
+    write_bundle,
+)
 
 
 class Net(nn.Module):
@@ -24,6 +34,7 @@ class Net(nn.Module):
 
 # ---- input statistics ------------------------------------------------------------------------
 
+
 def test_input_stats_float_int_and_padding():
     image = torch.tensor([[1.0, -3.0], [float("nan"), 2.0]])
     text = torch.tensor([[5, 6, 7, 0, 0], [1, 2, 0, 0, 0], [3, 3, 3, 3, 3]])
@@ -31,9 +42,9 @@ def test_input_stats_float_int_and_padding():
     assert set(s) == {"arg0", "batch.text", "batch.mask"}
     img = s["arg0"]
     assert img["shape"] == [2, 2] and img["dtype"] == "float32"
-    assert img["nonfinite"] == 1                        # counted, and kept out of the numbers
+    assert img["nonfinite"] == 1  # counted, and kept out of the numbers
     assert img["min"] == -3.0 and img["max"] == 2.0 and img["absmax"] == 3.0
-    assert img["mean"] == pytest.approx(0.0) and img["std"] == pytest.approx(torch.tensor([1., -3, 2]).std().item())
+    assert img["mean"] == pytest.approx(0.0) and img["std"] == pytest.approx(torch.tensor([1.0, -3, 2]).std().item())
     t = s["batch.text"]
     assert t["pad"] == 0 and (t["lengths_min"], t["lengths_max"]) == (2, 5)
     assert t["lengths_mean"] == pytest.approx(10 / 3) and t["max"] == 7
@@ -56,6 +67,7 @@ def test_batch_input_stats_per_micro_batch():
 
 # ---- batch recorder --------------------------------------------------------------------------
 
+
 def test_batch_recorder_keeps_references_of_every_micro_batch():
     model = Net()
     rec = BatchRecorder().attach(model)
@@ -66,10 +78,10 @@ def test_batch_recorder_keeps_references_of_every_micro_batch():
             model(x, text=tokens)
     assert len(rec.batches) == 3
     for x, b in zip(xs, rec.batches):
-        assert b["args"][0].data_ptr() == x.data_ptr()     # a reference, not a copy
+        assert b["args"][0].data_ptr() == x.data_ptr()  # a reference, not a copy
         assert b["kwargs"]["text"].data_ptr() == tokens.data_ptr()
     assert [b["autocast"] for b in rec.batches] == [None, None, "bfloat16"]
-    with torch.no_grad():                                  # eval passes are not the step's batch
+    with torch.no_grad():  # eval passes are not the step's batch
         model(xs[0])
     assert len(rec.batches) == 3
     rec.clear()
@@ -96,10 +108,10 @@ def test_rng_state_captured_at_first_forward_restores_draws():
     random.seed(4)
     model(torch.randn(1, 4))
     a = torch.rand(3)
-    model(torch.randn(1, 4))                              # the second micro-batch does not overwrite it
-    restore_rng_state(rec.rng_state)                      # the state as the first forward began
+    model(torch.randn(1, 4))  # the second micro-batch does not overwrite it
+    restore_rng_state(rec.rng_state)  # the state as the first forward began
     assert torch.equal(torch.rand(3), a)
-    assert set(rec.rng_state) <= {"torch", "cuda"}        # what a forward draws from; cheap per step
+    assert set(rec.rng_state) <= {"torch", "cuda"}  # what a forward draws from; cheap per step
     rec.detach()
 
 
@@ -113,6 +125,7 @@ def test_capture_restore_numpy():
 
 # ---- bundles ---------------------------------------------------------------------------------
 
+
 def _trained():
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -123,13 +136,26 @@ def _trained():
 
 def _write(tmp_path, **kw):
     model, opt = _trained()
-    batch = [{"args": (torch.randn(2, 4),), "kwargs": {"text": torch.randint(0, 5, (2, 6))},
-              "autocast": "float16", "device": "cpu"}]
-    args = dict(model_state=model.state_dict(), optimizer_state=opt.state_dict(), batch=batch,
-                stats={"loss/total": float("nan"), "grad_norm/total": 3.5},
-                event={"step": 12, "kind": "nonfinite_loss", "message": "m", "data": {"param": "lin.weight"}},
-                rng_state=capture_rng_state(), config={"strict": False},
-                model_factory="pkg.mod:build", model_kwargs={"d": 4}, loss_weights={"a": 0.4})
+    batch = [
+        {
+            "args": (torch.randn(2, 4),),
+            "kwargs": {"text": torch.randint(0, 5, (2, 6))},
+            "autocast": "float16",
+            "device": "cpu",
+        }
+    ]
+    args = dict(
+        model_state=model.state_dict(),
+        optimizer_state=opt.state_dict(),
+        batch=batch,
+        stats={"loss/total": float("nan"), "grad_norm/total": 3.5},
+        event={"step": 12, "kind": "nonfinite_loss", "message": "m", "data": {"param": "lin.weight"}},
+        rng_state=capture_rng_state(),
+        config={"strict": False},
+        model_factory="pkg.mod:build",
+        model_kwargs={"d": 4},
+        loss_weights={"a": 0.4},
+    )
     args.update(kw)
     return write_bundle(tmp_path, 12, "nonfinite_loss", **args), model, opt, batch
 
@@ -159,7 +185,7 @@ def test_bundle_round_trip(tmp_path):
 
 
 def test_bundle_over_cap_is_written_without_the_batch(tmp_path):
-    big = [{"args": (torch.randn(64, 1024),), "kwargs": {}, "autocast": None}]   # 256 KiB
+    big = [{"args": (torch.randn(64, 1024),), "kwargs": {}, "autocast": None}]  # 256 KiB
     path, model, opt, _ = _write(tmp_path, batch=big, max_bytes=64 * 1024)
     m = json.load(open(os.path.join(path, "manifest.json")))
     assert m["batch_dropped"] is True
@@ -172,7 +198,7 @@ def test_bundle_over_cap_is_written_without_the_batch(tmp_path):
 
 
 def test_bundle_batch_view_is_compacted(tmp_path):
-    base = torch.randn(1000, 256)                          # 1 MB storage; the view is 1 KB
+    base = torch.randn(1000, 256)  # 1 MB storage; the view is 1 KB
     path, *_ = _write(tmp_path, batch=[{"args": (base[:1],), "kwargs": {}}], max_bytes=200 * 1024)
     b = load_bundle(path)
     assert not b["manifest"]["batch_dropped"] and torch.equal(b["batch"][0]["args"][0], base[:1])
@@ -181,6 +207,7 @@ def test_bundle_batch_view_is_compacted(tmp_path):
 def test_unloadable_batch_is_dropped_with_reason(tmp_path):
     class Custom:
         pass
+
     path, *_ = _write(tmp_path, batch=[{"args": (Custom(),), "kwargs": {}}])
     m = load_bundle(path)["manifest"]
     assert m["batch_dropped"] and "Custom" in m["batch_dropped_reason"]
@@ -237,9 +264,10 @@ def test_write_is_atomic_on_failure(tmp_path, monkeypatch):
     real_save = torch.save
     monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
-        write_bundle(tmp_path, 3, "grad_spike", model_state=model.state_dict(),
-                     batch=[{"args": (torch.ones(2),), "kwargs": {}}])
-    assert os.listdir(os.path.join(tmp_path, "bundles")) == []   # no half bundle, no temp dir
+        write_bundle(
+            tmp_path, 3, "grad_spike", model_state=model.state_dict(), batch=[{"args": (torch.ones(2),), "kwargs": {}}]
+        )
+    assert os.listdir(os.path.join(tmp_path, "bundles")) == []  # no half bundle, no temp dir
 
 
 def test_write_bundle_bad_arguments(tmp_path):

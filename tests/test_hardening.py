@@ -3,6 +3,7 @@
 Each test here was written before its fix and failed against the code it was written for (see
 docs/guide.md, "Faults and bad input").
 """
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,15 @@ from torch import nn
 from sfmonitor.checkpoint import capture_rng_state
 from sfmonitor.forensics import BundleError, load_bundle, load_manifest, write_bundle
 
-FUZZ = settings(max_examples=120, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 # --------------------------------------------------------------------------------------------
 # 1. corrupt anomaly bundles -> BundleError naming the file, never another exception
 # --------------------------------------------------------------------------------------------
+
 
 def _write_real_bundle(root: str) -> str:
     torch.manual_seed(0)
@@ -33,15 +36,29 @@ def _write_real_bundle(root: str) -> str:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    batch = [{"args": (torch.randn(2, 4),), "kwargs": {"text": torch.randint(0, 5, (2, 6))},
-              "autocast": "float16", "device": "cpu"}]
-    return write_bundle(root, 12, "nonfinite_loss", model_state=model.state_dict(),
-                        optimizer_state=opt.state_dict(), batch=batch,
-                        stats={"loss/total": float("nan"), "grad_norm/total": 3.5},
-                        event={"step": 12, "kind": "nonfinite_loss", "message": "m", "data": {}},
-                        rng_state=capture_rng_state(), config={"strict": False},
-                        model_factory="pkg.mod:build", model_kwargs={"d": 4},
-                        loss_weights={"a": 0.4})
+    batch = [
+        {
+            "args": (torch.randn(2, 4),),
+            "kwargs": {"text": torch.randint(0, 5, (2, 6))},
+            "autocast": "float16",
+            "device": "cpu",
+        }
+    ]
+    return write_bundle(
+        root,
+        12,
+        "nonfinite_loss",
+        model_state=model.state_dict(),
+        optimizer_state=opt.state_dict(),
+        batch=batch,
+        stats={"loss/total": float("nan"), "grad_norm/total": 3.5},
+        event={"step": 12, "kind": "nonfinite_loss", "message": "m", "data": {}},
+        rng_state=capture_rng_state(),
+        config={"strict": False},
+        model_factory="pkg.mod:build",
+        model_kwargs={"d": 4},
+        loss_weights={"a": 0.4},
+    )
 
 
 _TEMPLATE = _write_real_bundle(tempfile.mkdtemp(prefix="sfm-bundle-"))
@@ -69,15 +86,23 @@ def _load_or_bundle_error(path: str, culprit: str | None = None):
 
 def test_the_template_bundle_loads():
     b = load_bundle(_TEMPLATE)
-    assert set(_BUNDLE_FILES) >= {"manifest.json", "model.pt", "batch.pt", "optimizer.pt", "rng.pt",
-                                  "stats.json", "event.json", "config.json"}
+    assert set(_BUNDLE_FILES) >= {
+        "manifest.json",
+        "model.pt",
+        "batch.pt",
+        "optimizer.pt",
+        "rng.pt",
+        "stats.json",
+        "event.json",
+        "config.json",
+    }
     assert b["model_state"] and b["batch"][0]["autocast"] == "float16"
 
 
 @FUZZ
 @given(name=st.sampled_from(_BUNDLE_FILES), data=st.binary(max_size=2048))
-@example(name="stats.json", data=b"\xff\xfe")              # invalid UTF-8
-@example(name="event.json", data=b"[" * 100000)            # nested deeper than the recursion limit
+@example(name="stats.json", data=b"\xff\xfe")  # invalid UTF-8
+@example(name="event.json", data=b"[" * 100000)  # nested deeper than the recursion limit
 @example(name="manifest.json", data=b"\xff")
 @example(name="batch.pt", data=b"")
 def test_any_bytes_in_any_bundle_file(name, data):
@@ -93,7 +118,7 @@ def test_any_truncation_of_any_bundle_file(name, frac):
     path = _copy()
     data = _FILE_BYTES[name]
     with open(os.path.join(path, name), "wb") as fh:
-        fh.write(data[:int(len(data) * frac)])
+        fh.write(data[: int(len(data) * frac)])
     _load_or_bundle_error(path, culprit=name)
 
 
@@ -111,18 +136,24 @@ def test_a_missing_bundle_file_is_named(tmp_path):
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 
 
 @FUZZ
-@given(changes=st.dictionaries(st.sampled_from(sorted(_MANIFEST) + ["files.model", "files.batch",
-                                                                     "files.stats"]),
-                               json_values, min_size=1, max_size=4))
+@given(
+    changes=st.dictionaries(
+        st.sampled_from(sorted(_MANIFEST) + ["files.model", "files.batch", "files.stats"]),
+        json_values,
+        min_size=1,
+        max_size=4,
+    )
+)
 @example(changes={"files": ["model.pt"]})
 @example(changes={"files.model": 3})
 @example(changes={"loss_weights": [1]})
 @example(changes={"model_kwargs": "x"})
-@example(changes={"files.stats": "model.pt"})   # a tensor file read as JSON
+@example(changes={"files.stats": "model.pt"})  # a tensor file read as JSON
 @example(changes={"files.batch": "stats.json"})  # a JSON file read as a tensor file
 def test_any_manifest_fields(changes):
     path = _copy()
@@ -153,13 +184,16 @@ def test_any_json_as_manifest(manifest):
     _load_or_bundle_error(path)
 
 
-@pytest.mark.parametrize("name,value,what", [
-    ("model.pt", [torch.ones(2)], "model.pt"),
-    ("batch.pt", {"args": []}, "batch.pt"),
-    ("batch.pt", [{"args": 3}], "batch.pt"),
-    ("batch.pt", [{"args": [], "autocast": "print"}], "batch.pt"),
-    ("rng.pt", [1, 2], "rng.pt"),
-])
+@pytest.mark.parametrize(
+    "name,value,what",
+    [
+        ("model.pt", [torch.ones(2)], "model.pt"),
+        ("batch.pt", {"args": []}, "batch.pt"),
+        ("batch.pt", [{"args": 3}], "batch.pt"),
+        ("batch.pt", [{"args": [], "autocast": "print"}], "batch.pt"),
+        ("rng.pt", [1, 2], "rng.pt"),
+    ],
+)
 def test_tensor_files_with_the_wrong_shape_are_refused(name, value, what):
     path = _copy()
     torch.save(value, os.path.join(path, name))

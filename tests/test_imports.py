@@ -4,6 +4,7 @@ The reference model's commands (``sfmonitor train``, ``sfmonitor lr-find``) and 
 reach sfmonitor through entry points (pyproject.toml); sfmonitor's own ``report`` and ``replay``
 stay in its table.
 """
+
 import os
 import subprocess
 import sys
@@ -18,14 +19,16 @@ PACKAGE = os.path.join(ROOT, "sfmonitor")
 
 
 def _python(code, *args):
-    return subprocess.run([sys.executable, *(["-c", code] if code else []), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, *(["-c", code] if code else []), *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("module", ["reference_model", "reference_model.model", "reference_model.data"])
 def test_the_reference_model_and_data_load_no_sfmonitor_module(module):
-    code = (f"import sys, {module}; "
-            "print(sorted(m for m in sys.modules if m == 'sfmonitor' or m.startswith('sfmonitor.')))")
+    code = (
+        f"import sys, {module}; print(sorted(m for m in sys.modules if m == 'sfmonitor' or m.startswith('sfmonitor.')))"
+    )
     out = _python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -54,6 +57,7 @@ def test_help_lists_builtin_and_registered_commands():
 def test_the_reference_commands_come_from_entry_points():
     import reference_model.lr_find
     import reference_model.train
+
     registered = cli.commands()
     assert registered["train"].load() is reference_model.train.main
     assert registered["lr-find"].load() is reference_model.lr_find.main
@@ -74,6 +78,7 @@ def test_no_arguments_prints_usage_and_exits_2(capsys):
 def _registered(monkeypatch, *eps):
     def fake(*, group):
         return [ep for ep in eps if ep.group == group]
+
     monkeypatch.setattr(cli, "entry_points", fake)
 
 
@@ -102,14 +107,17 @@ def test_a_registered_command_gets_its_arguments_and_help_line(monkeypatch, caps
 
 
 def test_a_registered_command_cannot_replace_a_builtin(monkeypatch):
-    _registered(monkeypatch, EntryPoint("replay", "os:system", cli.COMMAND_GROUP),
-                EntryPoint("report", "os:system", cli.COMMAND_GROUP))
+    _registered(
+        monkeypatch,
+        EntryPoint("replay", "os:system", cli.COMMAND_GROUP),
+        EntryPoint("report", "os:system", cli.COMMAND_GROUP),
+    )
     assert cli.commands() == {}
 
 
 def test_a_broken_registered_command_is_reported(monkeypatch, capsys):
     _registered(monkeypatch, EntryPoint("broken", "no_such_module_xyz:main", cli.COMMAND_GROUP))
-    assert cli.main(["--help"]) == 0                       # --help still works
+    assert cli.main(["--help"]) == 0  # --help still works
     assert "cannot load no_such_module_xyz:main" in capsys.readouterr().out
     assert cli.main(["broken"]) == 2
     assert "cannot be loaded" in capsys.readouterr().err
@@ -133,9 +141,18 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     # One interpreter per module, each importing that module first; four at a time.
     failures, procs = {}, []
     for module in _modules():
-        procs.append((module, subprocess.Popen(
-            [sys.executable, "-c", f"import importlib; importlib.import_module({module!r})"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+        procs.append(
+            (
+                module,
+                subprocess.Popen(
+                    [sys.executable, "-c", f"import importlib; importlib.import_module({module!r})"],
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+        )
         while sum(p.poll() is None for _, p in procs) >= 4:
             procs[[p.poll() is None for _, p in procs].index(True)][1].wait()
     for module, proc in procs:
@@ -148,6 +165,7 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
 def _imports_of(module):
     """Modules of sfmonitor that ``module`` imports at module level (functions' imports are lazy)."""
     import ast
+
     path = os.path.join(ROOT, *module.split(".")) + ".py"
     if not os.path.exists(path):
         path = os.path.join(ROOT, *module.split("."), "__init__.py")
@@ -185,7 +203,7 @@ def test_the_module_import_graph_has_no_cycle():
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == "open":
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n) :] + [n]))
             if n not in state:
                 visit(n)
         stack.pop()

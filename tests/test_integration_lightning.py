@@ -1,4 +1,5 @@
 """sfmonitor.integrations.lightning: the monitor inside a real Lightning Trainer (CPU, tiny model)."""
+
 import sys
 import warnings
 
@@ -8,10 +9,11 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from _integration_helpers import monitor_hooks, same, same_state  # noqa: E402
+
 from sfmonitor import ConfigError, Monitor  # noqa: E402
 from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, PLATEAU, SKIP_STEP, STOP  # noqa: E402
 from sfmonitor.integrations.lightning import SFMonitorCallback  # noqa: E402
-from _integration_helpers import monitor_hooks, same, same_state  # noqa: E402
 
 NAN_BATCH = 3
 N_BATCHES = 6
@@ -39,8 +41,9 @@ class Tiny(pl.LightningModule):
             x[0, 0] = float("nan")
         loss = nn.functional.mse_loss(self(x), y)
         if self.combine is not None:
-            return self.combine.monitor.combine({"mse": loss, "l1": self.enc.weight.abs().mean()},
-                                                weights={"mse": 1.0, "l1": 0.01})
+            return self.combine.monitor.combine(
+                {"mse": loss, "l1": self.enc.weight.abs().mean()}, weights={"mse": 1.0, "l1": 0.01}
+            )
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -68,8 +71,10 @@ class Recorder(pl.Callback):
 
     @staticmethod
     def _opt_state(trainer):
-        return {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
-                for k, s in trainer.optimizers[0].state.items()}
+        return {
+            k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+            for k, s in trainer.optimizers[0].state.items()
+        }
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.before[batch_idx] = [p.detach().clone() for p in pl_module.parameters()]
@@ -83,10 +88,19 @@ class Recorder(pl.Callback):
 def trainer(callbacks, precision="32-true", max_epochs=1, val=False, **kw):
     if precision is not None:
         kw["precision"] = precision
-    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs,
-                      callbacks=callbacks, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=1 if val else 0, **kw)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1 if val else 0,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("precision,opt", [("32-true", "adam"), ("32-true", "sgd"), ("bf16-mixed", "adam")])
@@ -216,8 +230,11 @@ def test_bad_monitor_kwargs_fail_at_construction():
 
 def test_import_sfmonitor_does_not_import_lightning():
     import subprocess
-    code = ("import sys, sfmonitor, sfmonitor.integrations; "
-            "assert 'lightning' not in sys.modules and 'pytorch_lightning' not in sys.modules, 'imported'")
+
+    code = (
+        "import sys, sfmonitor, sfmonitor.integrations; "
+        "assert 'lightning' not in sys.modules and 'pytorch_lightning' not in sys.modules, 'imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -225,9 +242,10 @@ def test_fp16_with_grad_scaler(tmp_path):
     """'16-mixed' with a GradScaler (a CPU one here; on GPU Lightning makes it): the pipeline runs in
     the monitor's scaler.step wrapper, sees the scaler's own overflow skips, and skips the NaN step."""
     from lightning.pytorch.plugins.precision import MixedPrecision
+
     cb = SFMonitorCallback(run_dir=tmp_path, config=QUIET)
     rec = Recorder()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     t = trainer([cb, rec], precision=None, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     t.fit(Tiny(nan_batch=NAN_BATCH, combine=cb), loader())
     assert cb.monitor.step == N_BATCHES
@@ -245,7 +263,10 @@ def test_fp16_with_grad_scaler(tmp_path):
 
 def test_missing_lightning_gives_the_install_hint():
     import subprocess
-    code = ("import sys; sys.modules['lightning'] = sys.modules['lightning.pytorch'] = None\n"
-            "try:\n    import sfmonitor.integrations.lightning\nexcept ImportError as e:\n"
-            "    assert \"pip install 'sfmonitor[lightning]'\" in str(e), e\nelse:\n    raise SystemExit('no error')")
+
+    code = (
+        "import sys; sys.modules['lightning'] = sys.modules['lightning.pytorch'] = None\n"
+        "try:\n    import sfmonitor.integrations.lightning\nexcept ImportError as e:\n"
+        "    assert \"pip install 'sfmonitor[lightning]'\" in str(e), e\nelse:\n    raise SystemExit('no error')"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

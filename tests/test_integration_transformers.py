@@ -1,4 +1,5 @@
 """sfmonitor.integrations.transformers: the monitor inside a real HF Trainer (CPU, tiny local GPT-2)."""
+
 import sys
 import warnings
 
@@ -8,10 +9,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from _integration_helpers import monitor_hooks, same, same_state  # noqa: E402
+
 from sfmonitor import ConfigError, Monitor  # noqa: E402
 from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, PLATEAU, SKIP_STEP, STOP  # noqa: E402
 from sfmonitor.integrations.transformers import SFMonitorTrainerCallback, inner_optimizer  # noqa: E402
-from _integration_helpers import monitor_hooks, same, same_state  # noqa: E402
 
 NAN_STEP = 2
 N_STEPS = 5
@@ -59,8 +61,10 @@ class Recorder(transformers.TrainerCallback):
 
     @staticmethod
     def _opt_state(optimizer):
-        return {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
-                for k, s in inner_optimizer(optimizer).state.items()}
+        return {
+            k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+            for k, s in inner_optimizer(optimizer).state.items()
+        }
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
         self.before[state.global_step] = [p.detach().clone() for p in model.parameters()]
@@ -74,14 +78,29 @@ class Recorder(transformers.TrainerCallback):
 def make_trainer(tmp_path, model, callbacks, steps=N_STEPS, eval_steps=None, trainer_cls=None, **kw):
     kw = {"learning_rate": 1e-2, **kw}
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4, max_steps=steps,
-        lr_scheduler_type="constant", report_to=[], use_cpu=True,
-        save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-        seed=0, eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps,
-        per_device_eval_batch_size=4, **kw)
+        output_dir=str(tmp_path / "hf"),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        lr_scheduler_type="constant",
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps,
+        per_device_eval_batch_size=4,
+        **kw,
+    )
     return (trainer_cls or transformers.Trainer)(
-        model=model, args=args, train_dataset=Tokens(4 * steps), callbacks=callbacks,
-        eval_dataset=Tokens(4) if eval_steps else None)
+        model=model,
+        args=args,
+        train_dataset=Tokens(4 * steps),
+        callbacks=callbacks,
+        eval_dataset=Tokens(4) if eval_steps else None,
+    )
 
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
@@ -185,14 +204,20 @@ def test_stop_training_becomes_a_graceful_stop(tmp_path):
 
 def test_import_sfmonitor_does_not_import_transformers():
     import subprocess
-    code = ("import sys, sfmonitor, sfmonitor.integrations; "
-            "assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules, 'imported'")
+
+    code = (
+        "import sys, sfmonitor, sfmonitor.integrations; "
+        "assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules, 'imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_missing_transformers_gives_the_install_hint():
     import subprocess
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "try:\n    import sfmonitor.integrations.transformers\nexcept ImportError as e:\n"
-            "    assert \"pip install 'sfmonitor[transformers]'\" in str(e), e\nelse:\n    raise SystemExit('no error')")
+
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "try:\n    import sfmonitor.integrations.transformers\nexcept ImportError as e:\n"
+        "    assert \"pip install 'sfmonitor[transformers]'\" in str(e), e\nelse:\n    raise SystemExit('no error')"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

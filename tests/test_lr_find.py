@@ -1,5 +1,6 @@
 """Tests for sfmonitor.tools.lr_find (the LR range test) and ``sfmonitor lr-find`` (its preset on
 the reference model, reference_model.lr_find)."""
+
 import json
 import math
 import subprocess
@@ -10,21 +11,21 @@ import torch
 import torch.nn.functional as F
 
 import sfmonitor
+from reference_model.lr_find import main as lr_find_main
 from sfmonitor.checkpoint import copy_tree
 from sfmonitor.tools import lr_find as L
-from reference_model.lr_find import main as lr_find_main
-
 
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
 
 def regression(seed=0, n=256, d=10, bs=32):
     """y = X w + noise, batches as a list; MSE's Hessian is ~2I, so SGD diverges near lr 1."""
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, d, generator=g)
     y = X @ torch.randn(d, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
-    return [(X[i:i + bs], y[i:i + bs]) for i in range(0, n, bs)]
+    return [(X[i : i + bs], y[i : i + bs]) for i in range(0, n, bs)]
 
 
 def mse(model, batch):
@@ -66,6 +67,7 @@ def clone_tree(x):
 # --------------------------------------------------------------------------------------------
 # the sweep and its suggestions
 # --------------------------------------------------------------------------------------------
+
 
 def test_regression_suggestion_is_sane_and_divergence_stops_early():
     torch.manual_seed(0)
@@ -109,8 +111,7 @@ def test_stops_at_the_first_step_past_diverge_factor():
     assert fn.calls == 3
     # 10.5 is not more than 20x: the sweep runs to its end
     fn = Scripted(opt, lambda lr: 1.0 if lr < 1e-2 else 10.5)
-    res = L.lr_find(model, opt, [0], fn, start_lr=1e-4, end_lr=1, num_iter=5, smoothing=0.0,
-                    diverge_factor=20)
+    res = L.lr_find(model, opt, [0], fn, start_lr=1e-4, end_lr=1, num_iter=5, smoothing=0.0, diverge_factor=20)
     assert res.stop_reason == L.STOP_COMPLETED and res.iterations == 5 and res.lr_diverged is None
     assert res.lrs[-1] == pytest.approx(1.0)
 
@@ -118,12 +119,20 @@ def test_stops_at_the_first_step_past_diverge_factor():
 def test_diverge_reference_best_or_initial():
     model = tiny_linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    curve = lambda lr: 1.0 if lr < 1e-3 else (0.5 if lr < 1e-1 else 6.0)  # noqa: E731
-    res = L.lr_find(model, opt, [0], Scripted(opt, curve), start_lr=1e-4, end_lr=1, num_iter=5,
-                    smoothing=0.0)
+    curve = lambda lr: 1.0 if lr < 1e-3 else (0.5 if lr < 1e-1 else 6.0)
+    res = L.lr_find(model, opt, [0], Scripted(opt, curve), start_lr=1e-4, end_lr=1, num_iter=5, smoothing=0.0)
     assert res.stop_reason == L.STOP_DIVERGED and res.lr_diverged == pytest.approx(1e-1)  # 6 > 10 x 0.5
-    res = L.lr_find(model, opt, [0], Scripted(opt, curve), start_lr=1e-4, end_lr=1, num_iter=5,
-                    smoothing=0.0, diverge_reference="initial")
+    res = L.lr_find(
+        model,
+        opt,
+        [0],
+        Scripted(opt, curve),
+        start_lr=1e-4,
+        end_lr=1,
+        num_iter=5,
+        smoothing=0.0,
+        diverge_reference="initial",
+    )
     assert res.stop_reason == L.STOP_COMPLETED  # 6 < 10 x 1.0 (the first loss)
 
 
@@ -131,8 +140,17 @@ def test_smoothing_is_a_bias_corrected_ema():
     model = tiny_linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     vals = iter([2.0, 4.0, 1.0])
-    res = L.lr_find(model, opt, [0], Scripted(opt, lambda lr: next(vals)), start_lr=1e-3, end_lr=1e-2,
-                    num_iter=3, smoothing=0.5, diverge_factor=100)
+    res = L.lr_find(
+        model,
+        opt,
+        [0],
+        Scripted(opt, lambda lr: next(vals)),
+        start_lr=1e-3,
+        end_lr=1e-2,
+        num_iter=3,
+        smoothing=0.5,
+        diverge_factor=100,
+    )
     avg, want = 0.0, []
     for i, v in enumerate([2.0, 4.0, 1.0]):
         avg = 0.5 * avg + 0.5 * v
@@ -171,23 +189,26 @@ def test_flat_curve_gives_no_suggestion():
     model = tiny_linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     wiggle = iter([1.0, 0.995, 1.002, 0.99, 1.0, 0.999] * 5)  # noise, never 2% under the start
-    res = L.lr_find(model, opt, [0], Scripted(opt, lambda lr: next(wiggle)), num_iter=30,
-                    start_lr=1e-6, end_lr=1e-2, smoothing=0.0)
+    res = L.lr_find(
+        model, opt, [0], Scripted(opt, lambda lr: next(wiggle)), num_iter=30, start_lr=1e-6, end_lr=1e-2, smoothing=0.0
+    )
     assert res.flat and res.suggested_lr is None and res.lr_steepest is None
     assert res.cyclic_max_lr is None and res.min_loss == pytest.approx(0.99)
     assert "flat" in res.summary() and res.to_dict()["flat"] is True
     # the same curve with a real descent (3%) gets a suggestion
     drop = iter([1.0] * 10 + [1.0 - 0.003 * i for i in range(1, 11)] + [0.97] * 10)
-    res = L.lr_find(model, opt, [0], Scripted(opt, lambda lr: next(drop)), num_iter=30,
-                    start_lr=1e-6, end_lr=1e-2, smoothing=0.0)
+    res = L.lr_find(
+        model, opt, [0], Scripted(opt, lambda lr: next(drop)), num_iter=30, start_lr=1e-6, end_lr=1e-2, smoothing=0.0
+    )
     assert not res.flat and res.suggested_lr is not None
     assert res.lrs[10] <= res.lr_steepest <= res.lrs[20]
 
 
 def test_linear_mode_and_group_ratios():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
-                           {"params": model[1].parameters(), "lr": 0.01}], lr=0.1)
+    opt = torch.optim.SGD(
+        [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[1].parameters(), "lr": 0.01}], lr=0.1
+    )
     seen = []
 
     def fn(m, batch):
@@ -212,8 +233,18 @@ def test_dict_loss_weights_components_and_accumulation():
         z = m.weight.sum() * 0
         return {"a": z + b, "b": z + 2 * b}
 
-    res = L.lr_find(model, opt, batches, fn, num_iter=3, accumulation=2, weights={"a": 0.5, "b": 2.0},
-                    start_lr=1e-3, end_lr=1e-2, diverge_factor=100)
+    res = L.lr_find(
+        model,
+        opt,
+        batches,
+        fn,
+        num_iter=3,
+        accumulation=2,
+        weights={"a": 0.5, "b": 2.0},
+        start_lr=1e-3,
+        end_lr=1e-2,
+        diverge_factor=100,
+    )
     assert calls == [1.0, 3.0] * 3
     # mean over the 2 micro-batches of 0.5*b + 2*(2b) = 4.5 b -> 4.5 * 2
     assert res.losses == pytest.approx([9.0] * 3)
@@ -226,8 +257,15 @@ def test_dict_loss_weights_components_and_accumulation():
 def test_one_shot_iterator_ends_the_sweep():
     model = tiny_linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    res = L.lr_find(model, opt, iter(regression(n=64, d=2, bs=16)),
-                    lambda m, b: F.mse_loss(m(b[0]), b[1]), num_iter=10, start_lr=1e-4, end_lr=1e-2)
+    res = L.lr_find(
+        model,
+        opt,
+        iter(regression(n=64, d=2, bs=16)),
+        lambda m, b: F.mse_loss(m(b[0]), b[1]),
+        num_iter=10,
+        start_lr=1e-4,
+        end_lr=1e-2,
+    )
     assert res.stop_reason == L.STOP_LOADER_EXHAUSTED and res.iterations == 4
 
 
@@ -241,6 +279,7 @@ def test_reiterable_loader_is_cycled():
 # --------------------------------------------------------------------------------------------
 # the sweep leaves no trace
 # --------------------------------------------------------------------------------------------
+
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -323,7 +362,7 @@ def test_grad_scaler_and_autocast_restored():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     dtypes = []
 
     def fn(m, b):
@@ -333,8 +372,17 @@ def test_grad_scaler_and_autocast_restored():
 
     before_model = clone_tree(model.state_dict())
     before_scaler = clone_tree(scaler.state_dict())
-    res = L.lr_find(model, opt, regression(), fn, start_lr=1e-5, end_lr=10, num_iter=40,
-                    scaler=scaler, autocast_dtype=torch.bfloat16)
+    res = L.lr_find(
+        model,
+        opt,
+        regression(),
+        fn,
+        start_lr=1e-5,
+        end_lr=10,
+        num_iter=40,
+        scaler=scaler,
+        autocast_dtype=torch.bfloat16,
+    )
     assert set(dtypes) == {torch.bfloat16}
     assert res.iterations >= 10 and res.suggested_lr is not None
     assert state_equal(model.state_dict(), before_model)
@@ -345,7 +393,7 @@ def test_grad_scaler_and_autocast_restored():
 def test_grad_scaler_skipped_steps_are_counted_not_divergence():
     model = tiny_linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
 
     def fn(m, b):  # loss 1.0 (finite), but the first 2 steps' scaled gradients overflow fp32
         big = 1e36 if len(calls) < 2 else 1.0
@@ -357,36 +405,40 @@ def test_grad_scaler_skipped_steps_are_counted_not_divergence():
     res = L.lr_find(model, opt, [0], fn, num_iter=5, scaler=scaler, start_lr=1e-3, end_lr=1e-2)
     assert res.stop_reason == L.STOP_COMPLETED and res.iterations == 5
     assert res.skipped_steps == 2
-    assert scaler.get_scale() == 2.0 ** 16  # restored
+    assert scaler.get_scale() == 2.0**16  # restored
 
 
 # --------------------------------------------------------------------------------------------
 # arguments
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"start_lr": 0.0}, "start_lr"),
-    ({"start_lr": -1e-3}, "start_lr"),
-    ({"start_lr": 1.0, "end_lr": 0.5}, "end_lr"),
-    ({"end_lr": 1e-7}, "end_lr"),
-    ({"num_iter": 1}, "num_iter"),
-    ({"num_iter": 10.5}, "num_iter"),
-    ({"mode": "cubic"}, "mode"),
-    ({"smoothing": 1.0}, "smoothing"),
-    ({"smoothing": -0.1}, "smoothing"),
-    ({"diverge_factor": 1.0}, "diverge_factor"),
-    ({"diverge_factor": float("nan")}, "diverge_factor"),
-    ({"diverge_reference": "last"}, "diverge_reference"),
-    ({"accumulation": 0}, "accumulation"),
-    ({"max_grad_norm": -1.0}, "max_grad_norm"),
-    ({"skip_start": 1.0}, "skip_start"),
-    ({"min_drop": 1.0}, "min_drop"),
-    ({"slope_window": 0.5}, "slope_window"),
-    ({"weights": [0.5]}, "weights"),
-    ({"weights": {"a": float("inf")}}, "weights"),
-    ({"scaler": object()}, "scaler"),
-    ({"autocast_dtype": torch.float32}, "autocast_dtype"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"start_lr": 0.0}, "start_lr"),
+        ({"start_lr": -1e-3}, "start_lr"),
+        ({"start_lr": 1.0, "end_lr": 0.5}, "end_lr"),
+        ({"end_lr": 1e-7}, "end_lr"),
+        ({"num_iter": 1}, "num_iter"),
+        ({"num_iter": 10.5}, "num_iter"),
+        ({"mode": "cubic"}, "mode"),
+        ({"smoothing": 1.0}, "smoothing"),
+        ({"smoothing": -0.1}, "smoothing"),
+        ({"diverge_factor": 1.0}, "diverge_factor"),
+        ({"diverge_factor": float("nan")}, "diverge_factor"),
+        ({"diverge_reference": "last"}, "diverge_reference"),
+        ({"accumulation": 0}, "accumulation"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm"),
+        ({"skip_start": 1.0}, "skip_start"),
+        ({"min_drop": 1.0}, "min_drop"),
+        ({"slope_window": 0.5}, "slope_window"),
+        ({"weights": [0.5]}, "weights"),
+        ({"weights": {"a": float("inf")}}, "weights"),
+        ({"scaler": object()}, "scaler"),
+        ({"autocast_dtype": torch.float32}, "autocast_dtype"),
+    ],
+)
 def test_bad_keyword_arguments_name_the_argument(kwargs, name):
     model = tiny_linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -419,7 +471,7 @@ def test_bad_loss_fn_outputs_are_reported():
         L.lr_find(model, opt, [0], lambda m, b: 1.0)
     with pytest.raises(ValueError, match="loss_fn: returned an empty dict"):
         L.lr_find(model, opt, [0], lambda m, b: {})
-    z = lambda m: m.weight.sum()  # noqa: E731
+    z = lambda m: m.weight.sum()
     with pytest.raises(ValueError, match=r"weights: keys must match.*missing \['b'\]"):
         L.lr_find(model, opt, [0], lambda m, b: {"a": z(m), "b": z(m)}, weights={"a": 1.0})
     with pytest.raises(ValueError, match="weights: given, but loss_fn returned a single tensor"):
@@ -442,13 +494,13 @@ def test_warns_when_optimizer_has_step_hooks():
 # outputs
 # --------------------------------------------------------------------------------------------
 
+
 def test_out_dir_writes_json_and_png_and_cyclic_lr(tmp_path):
     pytest.importorskip("matplotlib")
     torch.manual_seed(0)
     model = torch.nn.Linear(10, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    res = L.lr_find(model, opt, regression(), mse, start_lr=1e-5, end_lr=100, num_iter=60,
-                    out_dir=str(tmp_path / "lr"))
+    res = L.lr_find(model, opt, regression(), mse, start_lr=1e-5, end_lr=100, num_iter=60, out_dir=str(tmp_path / "lr"))
     data = json.loads((tmp_path / "lr" / L.JSON_FILE).read_text())
     assert data["lrs"] == pytest.approx(res.lrs)
     assert data["suggested_lr"] == pytest.approx(res.suggested_lr)
@@ -473,14 +525,25 @@ def test_out_dir_writes_json_and_png_and_cyclic_lr(tmp_path):
 def test_no_plot_writes_only_json(tmp_path):
     model = tiny_linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    L.lr_find(model, opt, [0], Scripted(opt, lambda lr: 1.0), num_iter=3, start_lr=1e-3, end_lr=1e-2,
-              out_dir=str(tmp_path), plot=False)
+    L.lr_find(
+        model,
+        opt,
+        [0],
+        Scripted(opt, lambda lr: 1.0),
+        num_iter=3,
+        start_lr=1e-3,
+        end_lr=1e-2,
+        out_dir=str(tmp_path),
+        plot=False,
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == [L.JSON_FILE]
 
 
 def test_importing_lr_find_imports_no_matplotlib():
-    code = ("import sys, sfmonitor, sfmonitor.tools.lr_find; "
-            "print(any(m.split('.')[0] in ('matplotlib', 'wandb', 'tensorboard') for m in sys.modules))")
+    code = (
+        "import sys, sfmonitor, sfmonitor.tools.lr_find; "
+        "print(any(m.split('.')[0] in ('matplotlib', 'wandb', 'tensorboard') for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -489,10 +552,24 @@ def test_importing_lr_find_imports_no_matplotlib():
 # sfmonitor lr-find
 # --------------------------------------------------------------------------------------------
 
+
 def test_cli_on_the_tiny_reference_config(tmp_path, capsys):
     from sfmonitor import cli
-    rc = cli.main(["lr-find", "--config", "tiny", "--num-iter", "8", "--out", str(tmp_path),
-                   "--no-plot", "--set", "train.amp=false"])
+
+    rc = cli.main(
+        [
+            "lr-find",
+            "--config",
+            "tiny",
+            "--num-iter",
+            "8",
+            "--out",
+            str(tmp_path),
+            "--no-plot",
+            "--set",
+            "train.amp=false",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "config tiny" in out and "fp32" in out
@@ -504,8 +581,9 @@ def test_cli_on_the_tiny_reference_config(tmp_path, capsys):
     assert data["config"]["accumulation"] == 2  # tiny.yaml's train.accumulation
     # weighted total of the three components (0.4/0.3/0.3) is the recorded loss
     c = data["components"]
-    assert data["losses"][0] == pytest.approx(0.4 * c["vision"][0] + 0.3 * c["text"][0]
-                                              + 0.3 * c["fusion"][0], rel=1e-5)
+    assert data["losses"][0] == pytest.approx(
+        0.4 * c["vision"][0] + 0.3 * c["text"][0] + 0.3 * c["fusion"][0], rel=1e-5
+    )
 
 
 def test_cli_with_fp16_grad_scaler(tmp_path, capsys):

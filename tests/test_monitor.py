@@ -1,4 +1,5 @@
 """Core monitor promises: bit-identical skips, statistics, groups, accumulation, detach, strict."""
+
 from __future__ import annotations
 
 import copy
@@ -34,8 +35,7 @@ class Tiny(nn.Module):
     def forward(self, x, t, y):
         hv, ht = self.vision(x), self.text(t)
         logits = self.fusion(torch.cat([hv, ht], -1)) * self.temp
-        return {"vision": hv.pow(2).mean(), "text": ht.abs().mean(),
-                "fusion": nn.functional.cross_entropy(logits, y)}
+        return {"vision": hv.pow(2).mean(), "text": ht.abs().mean(), "fusion": nn.functional.cross_entropy(logits, y)}
 
 
 WEIGHTS = {"vision": 0.4, "text": 0.3, "fusion": 0.3}
@@ -101,8 +101,7 @@ def test_nonfinite_step_is_skipped_bit_identically(opt_name, amp, how, tmp_path)
     model = Tiny()
     opt = OPTIMIZERS[opt_name](model.parameters())
     scaler = torch.amp.GradScaler("cpu") if amp else None
-    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[MemorySink()],
-                           config={"console": False})
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[MemorySink()], config={"console": False})
     for _ in range(3):
         train_step(model, opt, mon, batch(), scaler)
     before = snapshot(model, opt)
@@ -156,8 +155,9 @@ def slow_reference(model, groups):
         sq = sum(float(p.grad.double().norm()) ** 2 for n, p in model.named_parameters() if n in names)
         out[f"grad_norm/{g}"] = math.sqrt(sq)
         total += sq
-        out[f"param_norm/{g}"] = math.sqrt(sum(float(p.detach().double().norm()) ** 2
-                                              for n, p in model.named_parameters() if n in names))
+        out[f"param_norm/{g}"] = math.sqrt(
+            sum(float(p.detach().double().norm()) ** 2 for n, p in model.named_parameters() if n in names)
+        )
     out["grad_norm/total"] = math.sqrt(total)
     return out
 
@@ -187,7 +187,9 @@ def test_every_statistic_key_is_present_and_right(tmp_path):
     for k, v in ref.items():
         assert st[k] == pytest.approx(v, rel=1e-5), k
     for g, names in groups.items():
-        num = math.sqrt(sum(float((dict(model.named_parameters())[n].detach() - before[n]).double().norm()) ** 2 for n in names))
+        num = math.sqrt(
+            sum(float((dict(model.named_parameters())[n].detach() - before[n]).double().norm()) ** 2 for n in names)
+        )
         den = math.sqrt(sum(float(before[n].double().norm()) ** 2 for n in names))
         assert st[f"update_ratio/{g}"] == pytest.approx(num / den, rel=1e-4)
     assert st["loss/total"] == pytest.approx(float(loss.detach()), rel=1e-6)
@@ -195,7 +197,8 @@ def test_every_statistic_key_is_present_and_right(tmp_path):
         assert st[f"loss/{c}"] == pytest.approx(float(losses[c].detach()), rel=1e-6)
         assert st[f"loss_weight/{c}"] == WEIGHTS[c]
     assert st["loss_ratio/vision/fusion"] == pytest.approx(
-        (float(losses["vision"].detach()) + 1e-6) / (float(losses["fusion"].detach()) + 1e-6), rel=1e-5)
+        (float(losses["vision"].detach()) + 1e-6) / (float(losses["fusion"].detach()) + 1e-6), rel=1e-5
+    )
     assert {"loss_ratio/vision/text", "loss_ratio/text/fusion"} <= set(st)
     assert st["grad_ratio/vision/fusion"] == pytest.approx((na + 1e-6) / (nb + 1e-6), rel=1e-4)
     assert st["grad_cos/vision/fusion"] == pytest.approx(cos, rel=1e-4, abs=1e-6)
@@ -251,10 +254,14 @@ def test_explicit_groups_module_params_prefix_and_other():
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = sfmonitor.Monitor(sinks=[], config={"console": False}).attach(
-        model, opt, groups={"img": model.vision, "txt": list(model.text.parameters()), "fus": "fusion"})
+        model, opt, groups={"img": model.vision, "txt": list(model.text.parameters()), "fus": "fusion"}
+    )
     assert {g: [n for n, _ in ps] for g, ps in mon.groups.items()} == {
-        "img": ["vision.0.weight", "vision.0.bias"], "txt": ["text.weight", "text.bias"],
-        "fus": ["fusion.weight", "fusion.bias"], "other": ["temp"]}
+        "img": ["vision.0.weight", "vision.0.bias"],
+        "txt": ["text.weight", "text.bias"],
+        "fus": ["fusion.weight", "fusion.bias"],
+        "other": ["temp"],
+    }
     mon.detach()
     with pytest.raises(sfmonitor.ConfigError, match="text.weight.*two groups"):
         sfmonitor.attach(model, opt, groups={"a": model.text, "b": [model.text.weight]}, sinks=[])
@@ -328,6 +335,7 @@ def test_single_loss_tensor_and_event_step_is_zero_based(tmp_path):
 
 def test_one_host_read_per_step(tmp_path, monkeypatch):
     import sfmonitor.monitor as M
+
     model = Tiny()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False})
@@ -344,6 +352,7 @@ def test_one_host_read_per_step(tmp_path, monkeypatch):
             if os.sep + "sfmonitor" + os.sep in caller:
                 from_monitor.append(caller)
             return real(self, *a, **k)
+
         return wrapper
 
     monkeypatch.setattr(torch.Tensor, "item", spy(real_item))
@@ -367,8 +376,7 @@ def test_failing_sink_warns_once_and_training_goes_on(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     good = MemorySink()
     with pytest.warns(RuntimeWarning, match="disk full") as rec:
-        with sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[Broken(), good],
-                              config={"console": False}) as mon:
+        with sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[Broken(), good], config={"console": False}) as mon:
             for _ in range(4):
                 train_step(model, opt, mon, batch())
     assert len([w for w in rec if "sfmonitor" in str(w.message)]) == 1
@@ -390,8 +398,10 @@ def test_state_dict_round_trip(tmp_path):
 
 
 def test_import_does_not_pull_optional_backends():
-    code = ("import sys, sfmonitor; print([m for m in ('wandb', 'tensorboard', 'matplotlib', 'lightning', "
-            "'transformers', 'accelerate') if m in sys.modules])")
+    code = (
+        "import sys, sfmonitor; print([m for m in ('wandb', 'tensorboard', 'matplotlib', 'lightning', "
+        "'transformers', 'accelerate') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -442,6 +452,7 @@ def test_closure_optimizers_are_driven_externally(tmp_path):
             loss.backward()
             mon.before_update()  # what the integration's on_before_optimizer_step does
             return loss
+
         opt.step(closure)
         mon.after_update()  # no-op: the post-hook finished the step
 
@@ -458,8 +469,14 @@ def test_loss_scale_floor_is_a_standing_setting(tmp_path):
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2048.0)
-    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config={
-        "console": False, "actions": {"loss_scale": {"enforce_floor": True, "min_loss_scale": 512.0}}})
+    mon = sfmonitor.attach(
+        model,
+        opt,
+        scaler=scaler,
+        run_dir=tmp_path,
+        sinks=[],
+        config={"console": False, "actions": {"loss_scale": {"enforce_floor": True, "min_loss_scale": 512.0}}},
+    )
     h = model.text.weight.register_hook(lambda g: g * float("inf"))  # every step overflows
     for _ in range(6):
         train_step(model, opt, mon, batch(), scaler)

@@ -1,17 +1,23 @@
 """Policy: ladders escalate as configured, cooldowns and the budget hold, state round-trips."""
+
 import json
 
 import pytest
 import yaml
 
-from sfmonitor.events import Finding, ConfigError
+from sfmonitor.events import ConfigError, Finding
 from sfmonitor.policy import Policy, PolicyConfig
 from sfmonitor.registry import action_order
 
 
 def F(kind, occurrence=None, **data):
-    return Finding(kind=kind, message=f"{kind} seen", data=data, occurrence=occurrence,
-                   where=f"{data['a']}/{data['b']}" if "a" in data and "b" in data else "")
+    return Finding(
+        kind=kind,
+        message=f"{kind} seen",
+        data=data,
+        occurrence=occurrence,
+        where=f"{data['a']}/{data['b']}" if "a" in data and "b" in data else "",
+    )
 
 
 def acts(decisions):
@@ -41,15 +47,22 @@ def test_nonfinite_ladder_three_in_a_row():
 def test_loss_spike_escalates_within_window_only():
     p = Policy()
     assert acts(p.decide(10, [F("loss_spike")])) == ["rollback"]
-    assert acts(p.decide(100, [F("loss_spike")])) == ["rollback"]        # 90 > 50 apart: new streak
+    assert acts(p.decide(100, [F("loss_spike")])) == ["rollback"]  # 90 > 50 apart: new streak
     assert acts(p.decide(130, [F("loss_spike")])) == ["rollback", "lr_drop"]
 
 
 def test_default_ladders_of_every_kind():
-    cases = {"grad_spike": ["clip"], "update_ratio_spike": ["rollback", "lr_drop"],
-             "loss_ratio_imbalance": ["reweight"], "grad_ratio_imbalance": ["reweight"],
-             "loss_scale_floor": [], "activation_overflow": [], "accuracy_collapse": ["rollback", "lr_drop"],
-             "plateau": ["lr_drop"], "nonfinite_param": ["rollback", "lr_drop"]}
+    cases = {
+        "grad_spike": ["clip"],
+        "update_ratio_spike": ["rollback", "lr_drop"],
+        "loss_ratio_imbalance": ["reweight"],
+        "grad_ratio_imbalance": ["reweight"],
+        "loss_scale_floor": [],
+        "activation_overflow": [],
+        "accuracy_collapse": ["rollback", "lr_drop"],
+        "plateau": ["lr_drop"],
+        "nonfinite_param": ["rollback", "lr_drop"],
+    }
     for kind, want in cases.items():
         assert acts(Policy().decide(0, [F(kind)])) == want, kind
 
@@ -70,9 +83,14 @@ def test_plateau_uses_detector_occurrence():
 
 def test_several_findings_one_step_dedupe_and_order_and_per_finding_reweight():
     p = Policy()
-    fs = [F("grad_spike"), F("update_ratio_spike"), F("nonfinite_grad"),
-          F("loss_ratio_imbalance", a="vision", b="fusion"), F("loss_ratio_imbalance", a="text", b="fusion"),
-          F("loss_spike")]
+    fs = [
+        F("grad_spike"),
+        F("update_ratio_spike"),
+        F("nonfinite_grad"),
+        F("loss_ratio_imbalance", a="vision", b="fusion"),
+        F("loss_ratio_imbalance", a="text", b="fusion"),
+        F("loss_spike"),
+    ]
     d = p.decide(0, fs)
     names = acts(d)
     assert names == sorted(names, key=action_order().index)
@@ -107,9 +125,14 @@ def test_budget_spent_checkpoint_and_stop():
 
 
 def test_state_dict_round_trip_mid_sequence_continues_identically():
-    seq = [(s, [F("nonfinite_grad")]) for s in range(3)] + [(7, [F("loss_spike")]), (30, [F("loss_spike")]),
-                                                            (31, [F("nonfinite_grad")]), (32, [F("nonfinite_grad")]),
-                                                            (33, [F("nonfinite_grad")]), (60, [F("update_ratio_spike")])]
+    seq = [(s, [F("nonfinite_grad")]) for s in range(3)] + [
+        (7, [F("loss_spike")]),
+        (30, [F("loss_spike")]),
+        (31, [F("nonfinite_grad")]),
+        (32, [F("nonfinite_grad")]),
+        (33, [F("nonfinite_grad")]),
+        (60, [F("update_ratio_spike")]),
+    ]
     a = Policy(PolicyConfig(budget=2))
     out_a = [(s, acts(a.decide(s, fs))) for s, fs in seq]
     b = Policy(PolicyConfig(budget=2))
@@ -138,8 +161,12 @@ def test_config_validation_names_the_key():
 
 
 def test_partial_override_keeps_other_defaults_and_yaml_round_trip():
-    cfg = PolicyConfig.from_dict({"ladders": {"grad_spike": {"rungs": [{"after": 2, "actions": ["clip", "grad_noise"]}]}},
-                                  "cooldowns": {"clip": 5}})
+    cfg = PolicyConfig.from_dict(
+        {
+            "ladders": {"grad_spike": {"rungs": [{"after": 2, "actions": ["clip", "grad_noise"]}]}},
+            "cooldowns": {"clip": 5},
+        }
+    )
     assert cfg.ladders["nonfinite_grad"].rungs[1].actions == ["skip_step", "rollback", "lr_drop"]
     assert cfg.cooldowns["rollback"] == PolicyConfig().cooldowns["rollback"] and cfg.cooldowns["clip"] == 5
     p = Policy(cfg)

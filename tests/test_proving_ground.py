@@ -1,6 +1,7 @@
 """The proving ground, small: the reference trap, pushed so far that it always overflows
 (qk_init_gain 100, 256 pairs, 2 epochs), diverges bare and finishes with the monitor at its
 defaults. The 20-seed calibrated version is benchmarks/stability.py (docs/benchmarks.md)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ FAST_TRAP = {"model.qk_init_gain": 100.0, "data.n_train": 256, "data.n_val": 128
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pg")
     bare = train("trap", seed=0, monitor=False, overrides=FAST_TRAP)
-    mon = train("trap", seed=0, monitor=True, run_dir=str(root / "mon"), overrides=FAST_TRAP,
-                monitor_config={"console": False})
+    mon = train(
+        "trap", seed=0, monitor=True, run_dir=str(root / "mon"), overrides=FAST_TRAP, monitor_config={"console": False}
+    )
     return bare, mon, root / "mon"
 
 
@@ -40,8 +42,11 @@ def test_the_monitor_finishes_the_same_run(runs):
     fallback = [e for e in events if "precision_fallback" in e["actions"]]
     assert fallback[0]["kind"] == "activation_overflow" and fallback[0]["data"]["module"] == "fusion"
     # a non-finite step never reached the weights: every one of them was skipped
-    assert all(e["actions"] == ["skip_step"] or e["data"].get("skipped_by") == "grad_scaler"
-               for e in events if e["kind"] in ("nonfinite_loss", "nonfinite_grad") and e["actions"] != [])
+    assert all(
+        e["actions"] == ["skip_step"] or e["data"].get("skipped_by") == "grad_scaler"
+        for e in events
+        if e["kind"] in ("nonfinite_loss", "nonfinite_grad") and e["actions"] != []
+    )
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert metrics and all(k in metrics[-1] for k in ("grad_norm/fusion", "loss/fusion", "amp/loss_scale"))
 

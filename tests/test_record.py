@@ -1,5 +1,6 @@
 """One step, one record: whatever ends a step (hook, scaler, integration, exception) closes its
 record, and what the step hid or changed is put back."""
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,9 @@ def setup(config=None, sinks=(), lr=0.1):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    mon = sfmonitor.Monitor(config={"console": False, "watch": {"enabled": False}, **(config or {})},
-                            sinks=["jsonl", *sinks])
+    mon = sfmonitor.Monitor(
+        config={"console": False, "watch": {"enabled": False}, **(config or {})}, sinks=["jsonl", *sinks]
+    )
     mon.attach(model, opt)
     return model, opt, mon
 
@@ -123,14 +125,16 @@ def test_an_exception_mid_step_aborts_it_with_gradients_and_lr_put_back():
         opt.step()
     assert rec.phase is Phase.ABORTED and mon.step == 1
     assert same(state(model, opt), before)
-    assert [p.grad for p in model.parameters()] == grads      # not left hidden
-    assert opt.param_groups[0]["lr"] == 0.1                    # not left scaled
+    assert [p.grad for p in model.parameters()] == grads  # not left hidden
+    assert opt.param_groups[0]["lr"] == 0.1  # not left scaled
     opt.zero_grad()
     backward(mon, model, nan=True)  # the next step is fully checked
     opt.step()
     assert same(state(model, opt), before)
     assert [(e.step, e.kind, e.actions) for e in mon.events[-2:]] == [
-        (1, "nonfinite_loss", ["skip_step"]), (1, "nonfinite_grad", [])]
+        (1, "nonfinite_loss", ["skip_step"]),
+        (1, "nonfinite_grad", []),
+    ]
     opt.zero_grad()
     backward(mon, model)
     seen = []
@@ -148,8 +152,9 @@ def test_a_skip_then_a_failing_rollback_does_not_skip_a_later_healthy_step(monke
 
     monkeypatch.setattr(A, "restore_state", broken)
     ladder = {"rungs": [{"after": 1, "actions": ["skip_step", "rollback"]}], "window": 1}
-    model, opt, mon = setup({"policy": {"ladders": {"nonfinite_loss": ladder}},
-                             "actions": {"rollback": {"snapshot_every": 1}}})
+    model, opt, mon = setup(
+        {"policy": {"ladders": {"nonfinite_loss": ladder}}, "actions": {"rollback": {"snapshot_every": 1}}}
+    )
     backward(mon, model)
     opt.step()  # a healthy step: snapshot 0
     opt.zero_grad()

@@ -1,4 +1,5 @@
 """Synthetic product pairs, the word tokenizer, the folder loader and the bucketed loader."""
+
 import json
 
 import numpy as np
@@ -7,9 +8,19 @@ import torch
 from PIL import Image
 
 from reference_model import ConfigError
-from reference_model.data import (COLOURS, PATTERNS, SHAPES, BucketedLoader, DataConfig, DataError,
-                                  WordTokenizer, caption_lengths, filler_words, load_folder,
-                                  make_synthetic)
+from reference_model.data import (
+    COLOURS,
+    PATTERNS,
+    SHAPES,
+    BucketedLoader,
+    DataConfig,
+    DataError,
+    WordTokenizer,
+    caption_lengths,
+    filler_words,
+    load_folder,
+    make_synthetic,
+)
 
 SMALL = dict(n_train=64, n_val=16, filler_vocab=50)
 
@@ -26,14 +37,14 @@ def test_synthetic_set_is_deterministic_per_seed():
 
 def test_negative_share_and_hard_negatives():
     train, _, tok = make_synthetic(DataConfig(**SMALL))
-    assert train.num_candidates == 10                       # 90% negatives: 1 true + 9
+    assert train.num_candidates == 10  # 90% negatives: 1 true + 9
     attr = {tok.stoi[w] for w in list(COLOURS) + list(PATTERNS)}
     for i in range(len(train)):
         cands, t = train.candidates[i], int(train.target[i])
         assert len({tuple(r.tolist()) for r in cands}) == 10  # all candidates differ
         true = cands[t]
         assert tok.stoi[SHAPES[int(train.category[i])]] in true.tolist()
-        for r in range(10):                                   # same description, other attributes
+        for r in range(10):  # same description, other attributes
             diff = (cands[r] != true).nonzero().flatten().tolist()
             assert all(int(true[j]) in attr for j in diff)
             if r != t:
@@ -81,8 +92,14 @@ def _write_folder(root, rows):
 
 
 def _good_rows():
-    return [{"image": f"img{i}.png", "text": f"a {'red' if i % 2 else 'blue'} cotton shirt number {i}",
-             "category": "shirt" if i < 6 else "mug"} for i in range(12)]
+    return [
+        {
+            "image": f"img{i}.png",
+            "text": f"a {'red' if i % 2 else 'blue'} cotton shirt number {i}",
+            "category": "shirt" if i < 6 else "mug",
+        }
+        for i in range(12)
+    ]
 
 
 def test_folder_loader_reads_images_captions_categories(tmp_path):
@@ -100,13 +117,16 @@ def test_folder_loader_reads_images_captions_categories(tmp_path):
         assert tok.decode(true.tolist()) == " ".join(WordTokenizer.split(train.texts[i]))
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"image": "missing.png", "text": "a shirt", "category": "shirt"}, "not found"),
-    ({"image": "broken.png", "text": "a shirt", "category": "shirt"}, "unreadable"),
-    ({"image": "img0.png", "text": "  ", "category": "shirt"}, "empty text"),
-    ({"image": "img0.png", "category": "shirt"}, "missing key 'text'"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"image": "missing.png", "text": "a shirt", "category": "shirt"}, "not found"),
+        ({"image": "broken.png", "text": "a shirt", "category": "shirt"}, "unreadable"),
+        ({"image": "img0.png", "text": "  ", "category": "shirt"}, "empty text"),
+        ({"image": "img0.png", "category": "shirt"}, "missing key 'text'"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_folder_loader_rejects_bad_rows_naming_the_line(tmp_path, bad, message):
     rows = _good_rows()
     rows.insert(2, bad)

@@ -1,4 +1,5 @@
 """Superfusion model: shapes, the loss dict, module layout, and the real fp16 overflow mechanism."""
+
 import copy
 
 import pytest
@@ -10,8 +11,16 @@ from reference_model.model import LOSS_NAMES, Fusion, ModelConfig, build_model
 
 torch.set_num_threads(1)
 
-TINY_DATA = DataConfig(n_train=8, n_val=4, negative_share=0.75, length_median=12.0,
-                       length_sigma=0.5, min_len=4, max_len=40, filler_vocab=40)
+TINY_DATA = DataConfig(
+    n_train=8,
+    n_val=4,
+    negative_share=0.75,
+    length_median=12.0,
+    length_sigma=0.5,
+    min_len=4,
+    max_len=40,
+    filler_vocab=40,
+)
 
 
 def tiny_model(**kw):
@@ -66,7 +75,7 @@ def test_config_errors_are_value_errors_naming_key_and_range():
     with pytest.raises(ConfigError, match=r"temperature_init: 0\.0 is out of range; allowed: \(0\.0, inf\]"):
         build_model({"temperature_init": 0.0})
     cfg = ModelConfig(d_model=16, fusion_heads=4, text_ff=16)
-    assert build_model(cfg.to_dict()).config == cfg          # to_dict / from_dict round trip
+    assert build_model(cfg.to_dict()).config == cfg  # to_dict / from_dict round trip
 
 
 def test_qk_init_gain_scales_the_fusion_projections():
@@ -83,9 +92,9 @@ def _fusion_inputs(length, scale):
     """Correlated token features (sum-pooling grows with length) and grown image tokens."""
     g = torch.Generator().manual_seed(1)
     u = torch.randn(64, generator=g)
-    text = (u + 0.1 * torch.randn(1, 4, length, 64, generator=g))          # (B, K, T, d)
+    text = u + 0.1 * torch.randn(1, 4, length, 64, generator=g)  # (B, K, T, d)
     pad = torch.zeros(1, 4, length, dtype=torch.bool)
-    image = scale * torch.randn(1, 16, 64, generator=g)                      # (B, P, d)
+    image = scale * torch.randn(1, 16, 64, generator=g)  # (B, P, d)
     return image, text, pad
 
 
@@ -99,12 +108,12 @@ def test_trap_logits_overflow_fp16_for_long_unnormalised_text_and_stable_do_not(
     scale = 2 * 65504 / float(trap.last_max_logit)
     image = image * scale
     trap(image, text, pad)
-    assert float(trap.last_max_logit) > 65504            # exact logits exceed float16's range
+    assert float(trap.last_max_logit) > 65504  # exact logits exceed float16's range
     trap.fp32_attention = False
     with torch.autocast("cpu", dtype=torch.float16):
         out = trap(image, text, pad)
-    assert torch.isinf(trap.last_max_logit)              # q @ k^T overflowed in fp16 ...
-    assert not torch.isfinite(out).all()                 # ... and the softmax turned it into NaN
+    assert torch.isinf(trap.last_max_logit)  # q @ k^T overflowed in fp16 ...
+    assert not torch.isfinite(out).all()  # ... and the softmax turned it into NaN
 
     # The same layer on a short caption (10 tokens): sum-pooled logits 60x smaller, finite.
     short = (image, text[:, :, :10], pad[:, :, :10])

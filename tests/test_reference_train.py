@@ -1,4 +1,5 @@
 """The reference trainer: learning, the result line, determinism, resume, config errors, DDP."""
+
 import json
 import os
 import subprocess
@@ -59,18 +60,28 @@ def test_resume_continues_bit_for_bit(tmp_path):
 def test_resume_with_the_monitor_keeps_its_state(tmp_path):
     quiet = {"console": False}
     straight = train("tiny", seed=0, monitor=True, monitor_config=quiet, overrides={"train.epochs": 3})
-    train("tiny", seed=0, monitor=True, monitor_config=quiet, run_dir=str(tmp_path / "a"),
-          overrides={"train.epochs": 2})
-    resumed = train("tiny", seed=0, monitor=True, monitor_config=quiet, run_dir=str(tmp_path / "b"),
-                    resume=str(tmp_path / "a" / "checkpoint.pt"), overrides={"train.epochs": 3})
+    train(
+        "tiny", seed=0, monitor=True, monitor_config=quiet, run_dir=str(tmp_path / "a"), overrides={"train.epochs": 2}
+    )
+    resumed = train(
+        "tiny",
+        seed=0,
+        monitor=True,
+        monitor_config=quiet,
+        run_dir=str(tmp_path / "b"),
+        resume=str(tmp_path / "a" / "checkpoint.pt"),
+        overrides={"train.epochs": 3},
+    )
     assert resumed["history"] == straight["history"]
     metrics = read_jsonl(str(tmp_path / "b" / "metrics.jsonl"))
     assert metrics[0]["step"] == 8  # the monitor's step count went on from the checkpoint
 
 
 def test_main_prints_json_last_line_and_rejects_bad_keys(capsys):
-    assert main(["--config", "tiny", "--seed", "0", "--epochs", "1", "--no-progress",
-                 "--set", "train.optimizer=radam"]) == 0
+    assert (
+        main(["--config", "tiny", "--seed", "0", "--epochs", "1", "--no-progress", "--set", "train.optimizer=radam"])
+        == 0
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
     out = json.loads(line)
     assert out["config"] == "tiny" and out["optimizer_steps"] == 4
@@ -97,9 +108,17 @@ def test_shipped_configs_load_with_the_report_settings():
 
 
 def test_cyclic_schedule_and_clipping_run():
-    r = train("tiny", seed=0, overrides={"train.schedule": "cyclic", "train.max_grad_norm": 1.0,
-                                         "train.epochs": 1, "model.mask_ratio": 0.15,
-                                         "model.dropout": 0.1})
+    r = train(
+        "tiny",
+        seed=0,
+        overrides={
+            "train.schedule": "cyclic",
+            "train.max_grad_norm": 1.0,
+            "train.epochs": 1,
+            "model.mask_ratio": 0.15,
+            "model.dropout": 0.1,
+        },
+    )
     assert r["optimizer_steps"] == 4 and r["val_loss"] == r["val_loss"]
 
 
@@ -114,9 +133,25 @@ def test_monitor_path_attaches_and_reports(tmp_path):
 
 def test_two_rank_gloo_ddp_run_finishes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "reference_model.train", "--", "--config", "tiny", "--seed", "0", "--no-progress",
-           "--run-dir", str(tmp_path), "--monitor"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "reference_model.train",
+        "--",
+        "--config",
+        "tiny",
+        "--seed",
+        "0",
+        "--no-progress",
+        "--run-dir",
+        str(tmp_path),
+        "--monitor",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -130,6 +165,7 @@ def test_two_rank_gloo_ddp_run_finishes(tmp_path):
 
 def test_demo_prints_both_runs_side_by_side(tmp_path, capsys):
     from reference_model.demo import main as demo_main
+
     assert demo_main(["--config", "tiny", "--seed", "0", "--out", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "| | without monitor | with monitor |" in out and "| final_top1 |" in out
@@ -138,14 +174,28 @@ def test_demo_prints_both_runs_side_by_side(tmp_path, capsys):
 
 
 def test_cli_sinks_reach_the_monitor(tmp_path, capsys):
-    assert main(["--config", "tiny", "--epochs", "1", "--monitor", "--no-progress", "--run-dir", str(tmp_path),
-                 "--sinks", "jsonl,tensorboard"]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                "tiny",
+                "--epochs",
+                "1",
+                "--monitor",
+                "--no-progress",
+                "--run-dir",
+                str(tmp_path),
+                "--sinks",
+                "jsonl,tensorboard",
+            ]
+        )
+        == 0
+    )
     assert os.listdir(tmp_path / "tensorboard") and (tmp_path / "metrics.jsonl").exists()
 
 
 def test_main_reports_a_bad_monitor_config(tmp_path, capsys):
     bad = tmp_path / "monitor.yaml"
     bad.write_text("no_such_monitor_key: 1\n")
-    assert main(["--config", "tiny", "--epochs", "1", "--monitor", "--no-progress",
-                 "--monitor-config", str(bad)]) == 2
+    assert main(["--config", "tiny", "--epochs", "1", "--monitor", "--no-progress", "--monitor-config", str(bad)]) == 2
     assert "no_such_monitor_key" in capsys.readouterr().err

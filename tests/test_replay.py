@@ -4,6 +4,7 @@ The toy is a miniature of the report's late fusion: a text query sum-pooled over
 length-normalised) attends over image tokens with an unscaled q @ k^T written inline, in fp16 under
 CPU autocast. A long caption overflows the fusion logits; the vision and text losses stay finite.
 """
+
 import json
 import os
 import shutil
@@ -14,12 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from sfmonitor.forensics import BatchRecorder, BundleError, load_bundle, write_bundle
 from sfmonitor import replay as replay_module
-from sfmonitor.replay import (FACTORY_GROUP, first_nonfinite_param, main, replay_bundle,
-                              trusted_factories)
+from sfmonitor.forensics import BatchRecorder, BundleError, load_bundle, write_bundle
+from sfmonitor.replay import FACTORY_GROUP, first_nonfinite_param, main, replay_bundle, trusted_factories
 
-WEIGHTS = {"vision": 0.4, "text": 0.3, "fusion": 0.3}   # the report's L_total weights
+WEIGHTS = {"vision": 0.4, "text": 0.3, "fusion": 0.3}  # the report's L_total weights
 
 
 class Fusion(nn.Module):
@@ -28,35 +28,37 @@ class Fusion(nn.Module):
         self.q = nn.Linear(d, d)
         self.k = nn.Linear(d, d)
 
-    def forward(self, img, txt):                            # (B, P, d), (B, T, d)
-        q = self.q(txt.sum(dim=1, keepdim=True))            # (B, 1, d): sum-pooled, grows with T
-        k = self.k(img.relu())                              # (B, P, d)
-        att = (q @ k.transpose(-1, -2)).softmax(dim=-1)     # (B, 1, P), inline, unscaled, fp16
-        return (att @ img).squeeze(1)                       # (B, d)
+    def forward(self, img, txt):  # (B, P, d), (B, T, d)
+        q = self.q(txt.sum(dim=1, keepdim=True))  # (B, 1, d): sum-pooled, grows with T
+        k = self.k(img.relu())  # (B, P, d)
+        att = (q @ k.transpose(-1, -2)).softmax(dim=-1)  # (B, 1, P), inline, unscaled, fp16
+        return (att @ img).squeeze(1)  # (B, d)
 
 
 class ToyFusion(nn.Module):
     def __init__(self, d=8, vocab=20, gain=1.0):
         super().__init__()
         self.vision = nn.Linear(4, d)
-        self.drop = nn.Dropout(0.1)                         # makes the replay depend on the RNG state
+        self.drop = nn.Dropout(0.1)  # makes the replay depend on the RNG state
         self.text = nn.Embedding(vocab, d)
         self.fusion = Fusion(d)
         self.head_v = nn.Linear(d, 2)
         self.head_t = nn.Linear(d, 2)
         self.head_f = nn.Linear(d, 2)
-        with torch.no_grad():        # positive weights: the scores overflow to +inf (-inf is harmless)
+        with torch.no_grad():  # positive weights: the scores overflow to +inf (-inf is harmless)
             self.text.weight.abs_()
             self.fusion.q.weight.abs_().mul_(gain)
             self.fusion.k.weight.abs_().mul_(gain)
 
-    def forward(self, image, text, label):                 # (B, P, 4), (B, T), (B,)
+    def forward(self, image, text, label):  # (B, P, 4), (B, T), (B,)
         img = self.drop(self.vision(image))
         txt = self.text(text)
         ce = nn.functional.cross_entropy
-        return {"vision": ce(self.head_v(img.mean(1)).float(), label),
-                "text": ce(self.head_t(txt.mean(1)).float(), label),
-                "fusion": ce(self.head_f(self.fusion(img, txt)).float(), label)}
+        return {
+            "vision": ce(self.head_v(img.mean(1)).float(), label),
+            "text": ce(self.head_t(txt.mean(1)).float(), label),
+            "fusion": ce(self.head_f(self.fusion(img, txt)).float(), label),
+        }
 
 
 def build_toy(d=8, vocab=20, gain=1.0):
@@ -69,16 +71,19 @@ MODEL_KWARGS = {"d": 8, "vocab": 20, "gain": 6.0}
 
 def _batch(length, seed):
     g = torch.Generator().manual_seed(seed)
-    return {"image": torch.randn(2, 3, 4, generator=g) * 3, "text": torch.randint(1, 20, (2, length), generator=g),
-            "label": torch.randint(0, 2, (2,), generator=g)}
+    return {
+        "image": torch.randn(2, 3, 4, generator=g) * 3,
+        "text": torch.randint(1, 20, (2, length), generator=g),
+        "label": torch.randint(0, 2, (2,), generator=g),
+    }
 
 
-def _live_run(tmp_path, max_bytes=64 * 2 ** 20):
+def _live_run(tmp_path, max_bytes=64 * 2**20):
     """A little training loop with the report's assertion; writes a bundle at the first NaN grad."""
     model = build_toy(**MODEL_KWARGS)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rec = BatchRecorder().attach(model)
-    for step, lengths in enumerate([(4, 8), (8, 16), (16, 400)]):   # 2 micro-batches a step
+    for step, lengths in enumerate([(4, 8), (8, 16), (16, 400)]):  # 2 micro-batches a step
         rec.clear()
         opt.zero_grad()
         live_losses = []
@@ -88,16 +93,25 @@ def _live_run(tmp_path, max_bytes=64 * 2 ** 20):
             live_losses.append({k: float(v.detach()) for k, v in losses.items()})
             sum(WEIGHTS[k] * v for k, v in losses.items()).backward()
         # The live check of the report: the first parameter (named_parameters order) with NaN grad.
-        live_param = next((n for n, p in model.named_parameters()
-                           if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+        live_param = next(
+            (n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()), None
+        )
         if live_param is not None:
             path = write_bundle(
-                tmp_path, step, "nonfinite_grad", model_state=model.state_dict(),
-                optimizer_state=opt.state_dict(), batch=rec.batches, rng_state=rec.rng_state,
+                tmp_path,
+                step,
+                "nonfinite_grad",
+                model_state=model.state_dict(),
+                optimizer_state=opt.state_dict(),
+                batch=rec.batches,
+                rng_state=rec.rng_state,
                 stats={"loss/total": float("nan")},
                 event={"step": step, "kind": "nonfinite_grad", "message": "", "data": {"param": live_param}},
-                model_factory=f"{__name__}:build_toy", model_kwargs=MODEL_KWARGS,
-                loss_weights=WEIGHTS, max_bytes=max_bytes)
+                model_factory=f"{__name__}:build_toy",
+                model_kwargs=MODEL_KWARGS,
+                loss_weights=WEIGHTS,
+                max_bytes=max_bytes,
+            )
             rec.detach()
             return path, live_param, live_losses
         opt.step()
@@ -116,7 +130,7 @@ def test_replay_reproduces_and_names_the_live_parameter(live):
     r = replay_bundle(path, factory=build_toy)
     assert r["reproduced"] is True and r["grad_nonfinite"]
     assert r["first_nonfinite_param"] == live_param and r["same_param"] is True
-    assert r["first_nonfinite_module"] == "fusion"          # the inline logits overflowed there
+    assert r["first_nonfinite_module"] == "fusion"  # the inline logits overflowed there
     assert r["autocast"] == "float16" and r["micro_batches"] == 2
     # Same RNG state, autocast dtype and pre-step weights: the very same losses, micro-batch by micro-batch.
     for k in WEIGHTS:
@@ -132,7 +146,7 @@ def test_ablation_singles_out_the_fusion_loss(live):
     assert r["removal_fixes"] == ["fusion"]
     rows = {row["component"]: row for row in r["ablation"]}
     assert not rows["vision"]["alone_nonfinite_grad"] and not rows["text"]["alone_nonfinite_grad"]
-    assert rows["vision"]["without_nonfinite_grad"]          # fusion still in: still NaN
+    assert rows["vision"]["without_nonfinite_grad"]  # fusion still in: still NaN
 
 
 def test_cli_replay_with_model_and_ablate(live, capsys):
@@ -170,7 +184,8 @@ def test_a_bundle_cannot_make_replay_import_its_module(live, tmp_path, monkeypat
     (tmp_path / "mods").mkdir()
     marker = tmp_path / "imported"
     (tmp_path / "mods" / "sfm_untrusted_factory.py").write_text(
-        f"open({str(marker)!r}, 'w').close()\ndef build(**kw):\n    raise AssertionError\n")
+        f"open({str(marker)!r}, 'w').close()\ndef build(**kw):\n    raise AssertionError\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path / "mods"))
     for factory in ("sfm_untrusted_factory:build", "os:system", None):
         bundle = _with_factory(path, tmp_path / f"b{abs(hash(str(factory)))}", factory)
@@ -190,7 +205,7 @@ def test_factories_registered_under_the_entry_point_group_are_trusted(live, monk
 
     monkeypatch.setattr(replay_module, "entry_points", fake_entry_points)
     assert trusted_factories() == {f"{__name__}:build_toy"}
-    r = replay_bundle(path)                                 # no factory given: the bundle's is registered
+    r = replay_bundle(path)  # no factory given: the bundle's is registered
     assert r["reproduced"] is True and r["first_nonfinite_param"] == live_param
     assert seen and set(seen) == {FACTORY_GROUP}
 
@@ -231,7 +246,7 @@ def test_reference_model_factory_is_trusted_from_the_bundle(tmp_path):
     """The built-in factory: the Superfusion trap (huge Wq/Wk gain) overflows in `fusion`."""
     ref = pytest.importorskip("reference_model.model")
     data = pytest.importorskip("reference_model.data")
-    factory = "reference_model.model:build_model"   # registered in pyproject.toml
+    factory = "reference_model.model:build_model"  # registered in pyproject.toml
     train, _, tok = data.make_synthetic(data.DataConfig(n_train=16, n_val=8))
     cfg = {"vocab_size": len(tok), "d_model": 16, "text_ff": 16, "qk_init_gain": 200.0}
     model = ref.build_model(cfg)
@@ -239,9 +254,17 @@ def test_reference_model_factory_is_trusted_from_the_bundle(tmp_path):
     with torch.autocast("cpu", dtype=torch.float16):
         losses = model(**train.collate(list(range(4))))
     assert not torch.isfinite(losses["fusion"])
-    path = write_bundle(tmp_path, 0, "nonfinite_loss", model_state=model.state_dict(), batch=rec.batches,
-                        rng_state=rec.rng_state, model_factory=factory,
-                        model_kwargs={"cfg": cfg}, loss_weights=WEIGHTS)
-    r = replay_bundle(path, ablate=True)                    # no factory given: the bundle's is trusted
+    path = write_bundle(
+        tmp_path,
+        0,
+        "nonfinite_loss",
+        model_state=model.state_dict(),
+        batch=rec.batches,
+        rng_state=rec.rng_state,
+        model_factory=factory,
+        model_kwargs={"cfg": cfg},
+        loss_weights=WEIGHTS,
+    )
+    r = replay_bundle(path, ablate=True)  # no factory given: the bundle's is trusted
     assert r["reproduced"] is True and r["first_nonfinite_module"] == "fusion"
     assert r["culprits"] == ["fusion"]

@@ -1,4 +1,5 @@
 """HTML run report: normal run, NaN/rescue story, cut JSONL, errors, CLI."""
+
 from __future__ import annotations
 
 import base64
@@ -38,7 +39,7 @@ def synthetic_stats(s: int, nan_step: int = 140) -> dict[str, float]:
     stats["amp/loss_scale"] = 65536.0 / 2 ** max(0, min(s, nan_step) - 120) if s >= 120 else 65536.0
     stats["amp/skipped_steps"] = float(max(0, min(s, nan_step) - 119))
     stats["lr/0"] = 3e-4 * (0.2 if rescued else 1.0)
-    stats["act_absmax/fusion"] = 900.0 if rescued else 1200.0 * 1.03 ** s
+    stats["act_absmax/fusion"] = 900.0 if rescued else 1200.0 * 1.03**s
     stats["act_absmax/text"] = 40.0
     if s == nan_step:
         stats["loss/total"] = math.nan
@@ -49,13 +50,27 @@ def synthetic_stats(s: int, nan_step: int = 140) -> dict[str, float]:
 
 
 STORY_EVENTS = [
-    Event(60, "grad_spike", "grad_norm/text 3.5 > 1.9 (z=4.1 over the last 50 steps)",
-          {"group": "text", "value": 3.5, "z": 4.1}, []),
-    Event(121, "activation_overflow", "act_absmax/fusion 4.5e4 is 69% of the fp16 limit in fusion",
-          {"module": "fusion", "value": 45000.0, "limit": 65504.0}, []),
-    Event(140, "nonfinite_loss", "loss/total is nan at step 140; first non-finite component fusion",
-          {"component": "fusion", "loss": math.nan},
-          ["skip_step", "rollback", "lr_drop", "precision_fallback"]),
+    Event(
+        60,
+        "grad_spike",
+        "grad_norm/text 3.5 > 1.9 (z=4.1 over the last 50 steps)",
+        {"group": "text", "value": 3.5, "z": 4.1},
+        [],
+    ),
+    Event(
+        121,
+        "activation_overflow",
+        "act_absmax/fusion 4.5e4 is 69% of the fp16 limit in fusion",
+        {"module": "fusion", "value": 45000.0, "limit": 65504.0},
+        [],
+    ),
+    Event(
+        140,
+        "nonfinite_loss",
+        "loss/total is nan at step 140; first non-finite component fusion",
+        {"component": "fusion", "loss": math.nan},
+        ["skip_step", "rollback", "lr_drop", "precision_fallback"],
+    ),
 ]
 
 
@@ -86,10 +101,10 @@ def test_story_report_is_self_contained_and_holds_events(tmp_path):
     for ev in STORY_EVENTS:
         assert html.escape(ev.message) in page
     assert "skip_step, rollback, lr_drop, precision_fallback" in page
-    assert page.count("<tr class='act'>") == 1          # one event with actions
+    assert page.count("<tr class='act'>") == 1  # one event with actions
     assert "non-finite loss or gradient norm at step 140" in page
     assert "cut line" not in page
-    assert "<td>rollback</td><td>1</td>" in page        # action counts
+    assert "<td>rollback</td><td>1</td>" in page  # action counts
 
 
 def test_events_are_drawn_on_the_charts(tmp_path):
@@ -107,7 +122,7 @@ def test_events_are_drawn_on_the_charts(tmp_path):
 def test_cut_last_line_is_tolerated_and_flagged(tmp_path):
     write_run(tmp_path, steps=70, events=STORY_EVENTS[:1])
     with open(tmp_path / METRICS_FILE, "a", encoding="utf-8") as fh:
-        fh.write('{"step": 70, "time": 1.0, "loss/total": 0.7')   # the crash
+        fh.write('{"step": 70, "time": 1.0, "loss/total": 0.7')  # the crash
     with open(tmp_path / EVENTS_FILE, "a", encoding="utf-8") as fh:
         fh.write('{"step": 70, "kind": "nonfinite_gr')
     run = report.load_run(str(tmp_path))
@@ -147,6 +162,7 @@ def test_cli_writes_the_file(tmp_path, capsys):
     assert report.main([str(tmp_path), "-o", str(out)]) == 0
     assert out.exists() and str(out) in capsys.readouterr().out
     from sfmonitor import cli
+
     assert cli.main(["report", str(tmp_path)]) == 0
     assert (tmp_path / report.REPORT_FILE).exists()
 
@@ -160,9 +176,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 from sfmonitor.sinks.jsonl import read_jsonl  # noqa: E402
 
+
 def _fuzz(n: int):
-    return settings(max_examples=n, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    return settings(
+        max_examples=n, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    )
 
 
 def _page(run_dir) -> str:
@@ -172,10 +190,10 @@ def _page(run_dir) -> str:
 def test_invalid_utf8_a_non_object_line_and_a_null_step_are_skipped_and_counted(tmp_path):
     write_run(tmp_path, steps=20, events=STORY_EVENTS[:1])
     with open(tmp_path / METRICS_FILE, "ab") as fh:
-        fh.write(b'{"step": 20, "loss/total": 0.5, "name": "\xff\xfe"}\n')   # not UTF-8
-        fh.write(b'[1, 2, 3]\n')                                           # not an object
-        fh.write(b'{"step": null, "loss/total": 0.5}\n')                   # null step
-        fh.write(b'garbage in the middle\n')
+        fh.write(b'{"step": 20, "loss/total": 0.5, "name": "\xff\xfe"}\n')  # not UTF-8
+        fh.write(b"[1, 2, 3]\n")  # not an object
+        fh.write(b'{"step": null, "loss/total": 0.5}\n')  # null step
+        fh.write(b"garbage in the middle\n")
         fh.write(b'{"step": 21, "loss/total": 0.25}\n')
     with open(tmp_path / EVENTS_FILE, "ab") as fh:
         fh.write(b'{"step": null, "kind": "loss_spike"}\n"just a string"\n\xff\n')
@@ -202,8 +220,9 @@ def test_a_garbage_line_mid_file_is_not_dropped_silently(tmp_path):
 def test_a_non_numeric_metric_value_is_not_drawn_as_a_non_finite_loss(tmp_path):
     sink = JsonlSink(str(tmp_path))
     for s in range(6):
-        sink.log_metrics(s, {"loss/total": 1.0 / (s + 1), "grad_norm/total": 1.0,
-                             "loss/extra": {"nested": 1} if s == 3 else 0.5})
+        sink.log_metrics(
+            s, {"loss/total": 1.0 / (s + 1), "grad_norm/total": 1.0, "loss/extra": {"nested": 1} if s == 3 else 0.5}
+        )
     sink.close()
     run = report.load_run(str(tmp_path))
     assert run["series"]["loss/extra"][0] == [0, 1, 2, 4, 5]  # step 3 left out, not NaN
@@ -242,26 +261,61 @@ def test_any_bytes_as_the_logs_give_a_page_or_a_report_error(tmp_path, metrics, 
     _page_or_report_error(tmp_path)
 
 
-_values = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6)
-           | st.sampled_from(["nan", "inf", "-inf"]) | st.lists(st.integers(), max_size=2)
-           | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
-_keys = st.sampled_from(["loss/total", "loss/a", "loss_weight/a", "grad_norm/total", "grad_norm/$x$",
-                         "update_ratio/g", "amp/loss_scale", "amp/skipped_steps", "act_absmax/m",
-                         "lr/0", "loss_ratio/a/b", "time", "step"]) | st.text(max_size=5)
-_records = st.lists(st.builds(lambda step, rest: {**rest, "step": step},
-                              st.integers(0, 1000) | _values, st.dictionaries(_keys, _values, max_size=6)),
-                    min_size=1, max_size=8)
-_events = st.lists(st.builds(lambda step, rest: {**rest, "step": step}, st.integers(0, 1000) | _values,
-                             st.dictionaries(st.sampled_from(["kind", "message", "actions", "data"]),
-                                             _values | st.lists(st.text(max_size=4), max_size=2),
-                                             max_size=4)),
-                   max_size=4)
+_values = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=6)
+    | st.sampled_from(["nan", "inf", "-inf"])
+    | st.lists(st.integers(), max_size=2)
+    | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)
+)
+_keys = st.sampled_from(
+    [
+        "loss/total",
+        "loss/a",
+        "loss_weight/a",
+        "grad_norm/total",
+        "grad_norm/$x$",
+        "update_ratio/g",
+        "amp/loss_scale",
+        "amp/skipped_steps",
+        "act_absmax/m",
+        "lr/0",
+        "loss_ratio/a/b",
+        "time",
+        "step",
+    ]
+) | st.text(max_size=5)
+_records = st.lists(
+    st.builds(
+        lambda step, rest: {**rest, "step": step},
+        st.integers(0, 1000) | _values,
+        st.dictionaries(_keys, _values, max_size=6),
+    ),
+    min_size=1,
+    max_size=8,
+)
+_events = st.lists(
+    st.builds(
+        lambda step, rest: {**rest, "step": step},
+        st.integers(0, 1000) | _values,
+        st.dictionaries(
+            st.sampled_from(["kind", "message", "actions", "data"]),
+            _values | st.lists(st.text(max_size=4), max_size=2),
+            max_size=4,
+        ),
+    ),
+    max_size=4,
+)
 
 
 @_fuzz(25)
 @given(records=_records, events=_events)
 def test_any_json_records_give_a_page_or_a_report_error(tmp_path, records, events):
     import json
+
     with open(tmp_path / METRICS_FILE, "w", encoding="utf-8") as fh:
         for r in records:
             fh.write(json.dumps(r) + "\n")

@@ -1,6 +1,7 @@
 """The monitor as a rescuer, end to end: each detector's finding reaches the policy, the right
 actions change training exactly, every action is an event with its cause, and a healthy run
 records no action."""
+
 from __future__ import annotations
 
 import copy
@@ -73,9 +74,16 @@ def acted(mon):
 def test_a_landed_update_spike_is_rolled_back_to_the_last_good_snapshot(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(
-        detectors={"grad_spike": {"enabled": False}, "loss_spike": {"enabled": False}},
-        actions={"rollback": {"snapshot_every": 5, "skip_batches": 2}}))
+    mon = sfmonitor.attach(
+        model,
+        opt,
+        run_dir=tmp_path,
+        sinks=[],
+        config=cfg(
+            detectors={"grad_spike": {"enabled": False}, "loss_spike": {"enabled": False}},
+            actions={"rollback": {"snapshot_every": 5, "skip_batches": 2}},
+        ),
+    )
     xs = data(40)
     for x in xs[:30]:
         step(model, opt, mon, x)
@@ -115,8 +123,9 @@ def test_grad_spike_is_clipped_before_it_lands(tmp_path):
 def test_a_loss_jump_rolls_back_to_the_last_good_snapshot(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(
-        actions={"rollback": {"snapshot_every": 5}}))
+    mon = sfmonitor.attach(
+        model, opt, run_dir=tmp_path, sinks=[], config=cfg(actions={"rollback": {"snapshot_every": 5}})
+    )
     xs = data(40)
     for i, x in enumerate(xs[:30]):
         if i == 25:
@@ -135,9 +144,16 @@ def test_loss_imbalance_is_reweighted_through_combine_and_drifts_back(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.001)
     sink = MemorySink()
     pair = {"pairs": [["vision", "fusion"]]}  # the report's pair (none is watched by default)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[sink], config=cfg(
-        detectors={"loss_ratio_imbalance": pair, "grad_ratio_imbalance": pair},
-        actions={"reweight": {"relax_rate": 0.5}}))
+    mon = sfmonitor.attach(
+        model,
+        opt,
+        run_dir=tmp_path,
+        sinks=[sink],
+        config=cfg(
+            detectors={"loss_ratio_imbalance": pair, "grad_ratio_imbalance": pair},
+            actions={"reweight": {"relax_rate": 0.5}},
+        ),
+    )
     xs = data(30)
     x = xs[0]
     losses = {k: float(v.detach()) for k, v in model(x).items()}
@@ -157,7 +173,9 @@ def test_loss_imbalance_is_reweighted_through_combine_and_drifts_back(tmp_path):
     # combine() now uses the rescued weights, and loss_weight/<c> shows them
     out = model(xs[1])
     total = mon.combine(out, weights={"vision": 0.5, "fusion": 0.5})
-    assert float(total.detach()) == pytest.approx(float((new["vision"] * out["vision"] + new["fusion"] * out["fusion"]).detach()))
+    assert float(total.detach()) == pytest.approx(
+        float((new["vision"] * out["vision"] + new["fusion"] * out["fusion"]).detach())
+    )
     total.backward()
     opt.step()
     opt.zero_grad()
@@ -202,8 +220,12 @@ def test_state_dict_round_trip_mid_run_continues_identically(tmp_path):
         mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"a{split}", sinks=[], config=QUIET)
         for i, x in enumerate(xs):
             if i == split:  # save everything, rebuild from scratch, load, go on
-                saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
-                         copy.deepcopy(mon.state_dict()), [(e.step, e.kind, e.actions) for e in mon.events])
+                saved = (
+                    copy.deepcopy(model.state_dict()),
+                    copy.deepcopy(opt.state_dict()),
+                    copy.deepcopy(mon.state_dict()),
+                    [(e.step, e.kind, e.actions) for e in mon.events],
+                )
                 mon.detach()
                 model = Net()
                 model.load_state_dict(saved[0])
@@ -229,10 +251,17 @@ def test_state_dict_round_trip_mid_run_continues_identically(tmp_path):
 def test_spent_budget_saves_a_checkpoint_and_stops_with_the_reason(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(
-        policy={"budget": 1, "cooldowns": {"rollback": 0, "lr_drop": 0}},
-        detectors={"grad_spike": {"enabled": False}, "loss_spike": {"enabled": False}},
-        actions={"rollback": {"snapshot_every": 5}}))
+    mon = sfmonitor.attach(
+        model,
+        opt,
+        run_dir=tmp_path,
+        sinks=[],
+        config=cfg(
+            policy={"budget": 1, "cooldowns": {"rollback": 0, "lr_drop": 0}},
+            detectors={"grad_spike": {"enabled": False}, "loss_spike": {"enabled": False}},
+            actions={"rollback": {"snapshot_every": 5}},
+        ),
+    )
     xs = data(60)
     for x in xs[:30]:
         step(model, opt, mon, x)
@@ -298,8 +327,10 @@ class AttNet(nn.Module):
         self.head = nn.Linear(8, 1)
 
     def forward(self, x):
-        return {"fusion": torch.tanh(self.head(self.fusion(x)).float()).pow(2).mean(),
-                "aux": x.new_zeros((), dtype=torch.float32) + 0.1}
+        return {
+            "fusion": torch.tanh(self.head(self.fusion(x)).float()).pow(2).mean(),
+            "aux": x.new_zeros((), dtype=torch.float32) + 0.1,
+        }
 
 
 def make_att_model():
@@ -316,14 +347,13 @@ def test_overflow_is_warned_then_the_module_falls_back_to_fp32_before_any_inf(tm
     model = make_att_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the weights: the input grows instead
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[],
-                           config=cfg(watch={"stride": 1}))
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config=cfg(watch={"stride": 1}))
     g = torch.Generator().manual_seed(0)
     base = torch.randn(2, 4, 8, generator=g)
     fell_back = None
     for i in range(120):  # logits grow ~21% a step, as the trap's image features grow
         with torch.autocast("cpu", dtype=torch.float16):
-            losses = model(base * (1.1 ** i))
+            losses = model(base * (1.1**i))
         loss = mon.combine(losses, weights={"fusion": 1.0, "aux": 1.0})
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -355,7 +385,7 @@ def test_a_module_that_overflows_at_once_falls_back_at_once(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(watch={"stride": 1}))
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 4, 8, generator=g) * 1.35 ** 20  # inf logits on the very first step
+    x = torch.randn(2, 4, 8, generator=g) * 1.35**20  # inf logits on the very first step
     with torch.autocast("cpu", dtype=torch.float16):
         losses = model(x)
     mon.combine(losses, weights={"fusion": 1.0, "aux": 1.0}).backward()
@@ -367,6 +397,7 @@ def test_a_module_that_overflows_at_once_falls_back_at_once(tmp_path):
 
 def test_first_anomaly_writes_a_bundle_that_replays(tmp_path):
     from sfmonitor.replay import replay_bundle
+
     model = make_net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
@@ -387,6 +418,7 @@ def test_first_anomaly_writes_a_bundle_that_replays(tmp_path):
 
 def test_a_bundle_on_request_replays_the_next_step(tmp_path):
     from sfmonitor.replay import replay_bundle
+
     model = make_net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)

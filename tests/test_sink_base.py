@@ -3,6 +3,7 @@ disabled later with an AttributeError. Decision (docs/guide.md): an object with 
 sink method is accepted and its missing methods are no-ops; a method that is not callable or
 does not take the sink's arguments, or an object with no sink method at all, is a ConfigError
 naming the methods."""
+
 from __future__ import annotations
 
 import warnings
@@ -71,14 +72,16 @@ def test_sink_subclasses_and_names_are_returned_as_they_are():
     assert type(make_sink("console")).__name__ == "ConsoleSink"
 
 
-@pytest.mark.parametrize("obj,match", [
-    (object(), "none of the sink methods"),
-    (3, "none of the sink methods"),
-    (type("NotCallable", (), {"log_metrics": 5})(), "log_metrics is not callable"),
-    (type("WrongArgs", (), {"log_metrics": lambda self, metrics: None})(),
-     r"log_metrics\(step, metrics\)"),
-    (type("WrongEvent", (), {"log_event": lambda self: None})(), r"log_event\(event\)"),
-])
+@pytest.mark.parametrize(
+    "obj,match",
+    [
+        (object(), "none of the sink methods"),
+        (3, "none of the sink methods"),
+        (type("NotCallable", (), {"log_metrics": 5})(), "log_metrics is not callable"),
+        (type("WrongArgs", (), {"log_metrics": lambda self, metrics: None})(), r"log_metrics\(step, metrics\)"),
+        (type("WrongEvent", (), {"log_event": lambda self: None})(), r"log_event\(event\)"),
+    ],
+)
 def test_unusable_objects_are_refused_with_config_error(obj, match):
     with pytest.raises(ConfigError, match=match):
         make_sink(obj)

@@ -1,5 +1,6 @@
 """JSONL sink: metrics.jsonl and events.jsonl fail alone (one warning per file); the rescues are
 still written when the metrics file cannot be."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,7 @@ needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="nee
 
 
 def _event(step: int) -> Event:
-    return Event(step=step, kind="nonfinite_grad", message="grad is nan", data={"x": 1},
-                 actions=["skip_step"])
+    return Event(step=step, kind="nonfinite_grad", message="grad is nan", data={"x": 1}, actions=["skip_step"])
 
 
 def _drive(run_dir, steps=3):
@@ -82,8 +82,9 @@ def test_both_files_failing_warn_once_each(tmp_path):
     os.symlink("/dev/full", tmp_path / METRICS_FILE)
     sink, router, warned = _drive(tmp_path, steps=5)
     assert len(warned) == 2
-    assert {METRICS_FILE, EVENTS_FILE} == {f for f in (METRICS_FILE, EVENTS_FILE)
-                                           for w in warned if f in str(w.message)}
+    assert {METRICS_FILE, EVENTS_FILE} == {
+        f for f in (METRICS_FILE, EVENTS_FILE) for w in warned if f in str(w.message)
+    }
 
 
 def test_a_record_that_cannot_be_encoded_is_skipped_not_the_file(tmp_path):

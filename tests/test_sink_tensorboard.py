@@ -1,4 +1,5 @@
 """TensorBoard sink: scalars, events as text, and the custom-scalars layout, read back from disk."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,8 @@ from sfmonitor.sinks import make_sink
 from sfmonitor.sinks.tensorboard import CHARTS, LAYOUT_CATEGORY, TensorBoardSink
 
 pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 
 
 def _load(log_dir: str) -> EventAccumulator:
@@ -25,15 +26,29 @@ def _load(log_dir: str) -> EventAccumulator:
 
 def _write_run(sink, steps=5):
     for s in range(steps):
-        sink.log_metrics(s, {
-            "loss/total": 1.0 / (s + 1) if s != 3 else float("nan"),
-            "loss/vision": 0.5, "loss_weight/vision": 0.4,
-            "grad_norm/total": 2.0 + s, "grad_norm/fusion": 1.0 + s,
-            "update_ratio/fusion": 1e-3, "amp/loss_scale": 65536.0 / (2 ** max(0, s - 2)),
-            "amp/skipped_steps": float(max(0, s - 2)), "act_absmax/fusion": 100.0 * (s + 1),
-        })
-    sink.log_event(Event(3, "nonfinite_loss", "loss/total is nan at step 3",
-                         {"loss": float("nan"), "component": "fusion"}, ["skip_step", "rollback"]))
+        sink.log_metrics(
+            s,
+            {
+                "loss/total": 1.0 / (s + 1) if s != 3 else float("nan"),
+                "loss/vision": 0.5,
+                "loss_weight/vision": 0.4,
+                "grad_norm/total": 2.0 + s,
+                "grad_norm/fusion": 1.0 + s,
+                "update_ratio/fusion": 1e-3,
+                "amp/loss_scale": 65536.0 / (2 ** max(0, s - 2)),
+                "amp/skipped_steps": float(max(0, s - 2)),
+                "act_absmax/fusion": 100.0 * (s + 1),
+            },
+        )
+    sink.log_event(
+        Event(
+            3,
+            "nonfinite_loss",
+            "loss/total is nan at step 3",
+            {"loss": float("nan"), "component": "fusion"},
+            ["skip_step", "rollback"],
+        )
+    )
     sink.log_event(Event(4, "grad_spike", "grad_norm/total 6.0 > 4.1 (z=3.1)", {"z": 3.1}, []))
 
 
@@ -85,8 +100,7 @@ def test_scalars_events_and_layout_read_back(tmp_path):
     assert matched("loss scale") == ["amp/loss_scale"]
     assert matched("skipped steps (GradScaler)") == ["amp/skipped_steps"]
     assert matched("activation max by module") == ["act_absmax/fusion"]
-    assert matched("events by kind (cumulative)") == ["event_count/grad_spike",
-                                                       "event_count/nonfinite_loss"]
+    assert matched("events by kind (cumulative)") == ["event_count/grad_spike", "event_count/nonfinite_loss"]
 
 
 def test_prefix_and_log_dir(tmp_path):
@@ -122,9 +136,11 @@ def test_missing_tensorboard_gives_install_hint(tmp_path, monkeypatch):
 
 
 def test_import_does_not_pull_tensorboard():
-    code = ("import sys, sfmonitor.sinks.tensorboard, sfmonitor.sinks.wandb, sfmonitor.tools.report;"
-            "bad = [m for m in ('tensorboard', 'wandb', 'matplotlib') if m in sys.modules];"
-            "assert not bad, bad")
+    code = (
+        "import sys, sfmonitor.sinks.tensorboard, sfmonitor.sinks.wandb, sfmonitor.tools.report;"
+        "bad = [m for m in ('tensorboard', 'wandb', 'matplotlib') if m in sys.modules];"
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -136,8 +152,9 @@ def test_monitor_end_to_end_jsonl_tensorboard_and_report(tmp_path):
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = sfmonitor.Monitor(config={"console": False}, run_dir=str(tmp_path),
-                            sinks=["jsonl", "tensorboard"]).attach(model, opt)
+    mon = sfmonitor.Monitor(config={"console": False}, run_dir=str(tmp_path), sinks=["jsonl", "tensorboard"]).attach(
+        model, opt
+    )
     x, y = torch.randn(16, 4), torch.randn(16, 1)
     for s in range(8):
         opt.zero_grad()
@@ -178,8 +195,9 @@ def test_unwritable_log_dir_warns_once_and_training_goes_on(tmp_path):
     sinks = [TensorBoardSink(log_dir=str(blocker / "tb")), "jsonl"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mon = sfmonitor.Monitor(config={"console": False}, run_dir=str(tmp_path / "run"),
-                                sinks=sinks).attach(model, opt)
+        mon = sfmonitor.Monitor(config={"console": False}, run_dir=str(tmp_path / "run"), sinks=sinks).attach(
+            model, opt
+        )
         for _ in range(5):
             opt.zero_grad()
             model(torch.randn(4, 3)).pow(2).mean().backward()

@@ -1,5 +1,6 @@
 """W&B sink, offline: history, events table, alerts and summary read back from the .wandb file;
 W&B that hangs or fails never blocks a training step; WANDB_DIR is honoured."""
+
 from __future__ import annotations
 
 import glob
@@ -45,15 +46,15 @@ def read_records(path: str) -> list:
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         pos += 7
         if kind == 0 and length == 0:
             pos += left - 7
             continue
-        chunk, pos = data[pos:pos + length], pos + length
-        if kind in (1, 2):       # FULL, FIRST
+        chunk, pos = data[pos : pos + length], pos + length
+        if kind in (1, 2):  # FULL, FIRST
             chunks = chunk
-        else:                    # MIDDLE, LAST
+        else:  # MIDDLE, LAST
             chunks += chunk
         if kind in (1, 4):
             rec = pb.Record()
@@ -84,8 +85,12 @@ def parse_run(run_dir: str) -> dict:
             summary.update({_key(u): json.loads(u.value_json) for u in rec.summary.update})
         elif kind == "alert":
             alerts.append(rec.alert)
-    return {"history": history, "summary": summary, "alerts": alerts,
-            "files": os.path.join(os.path.dirname(files[0]), "files")}
+    return {
+        "history": history,
+        "summary": summary,
+        "alerts": alerts,
+        "files": os.path.join(os.path.dirname(files[0]), "files"),
+    }
 
 
 class FakeClock:
@@ -102,18 +107,26 @@ def test_offline_history_table_alerts_summary(tmp_path):
     sink.open(str(tmp_path), {"strict": False})
     assert wandb.run is None  # nothing started before the first write
     for s in range(4):
-        sink.log_metrics(s, {"loss/total": 1.0 / (s + 1) if s != 2 else float("nan"),
-                             "grad_norm/fusion": 1.0 + s, "amp/loss_scale": 65536.0})
+        sink.log_metrics(
+            s,
+            {
+                "loss/total": 1.0 / (s + 1) if s != 2 else float("nan"),
+                "grad_norm/fusion": 1.0 + s,
+                "amp/loss_scale": 65536.0,
+            },
+        )
     assert sink.drain(60)  # the background thread started the run and sent the rows
     assert sink.owns_run and wandb.run is sink.run
-    sink.log_event(Event(2, "nonfinite_loss", "loss/total is nan", {"loss": float("nan")},
-                         ["skip_step", "rollback"]))                     # alert (first)
+    sink.log_event(
+        Event(2, "nonfinite_loss", "loss/total is nan", {"loss": float("nan")}, ["skip_step", "rollback"])
+    )  # alert (first)
     clock.t += 10
     sink.log_event(Event(3, "grad_spike", "grad_norm/total 9.0 > 4.0", {"z": 4.2}, []))  # no action
     sink.log_event(Event(3, "loss_spike", "loss jumped", {}, ["lr_drop"]))  # held (rate limit)
     clock.t += 400
-    sink.log_event(Event(4, "activation_overflow", "fusion scores 7e4", {"module": "fusion"},
-                         ["precision_fallback"]))                        # alert, counts the held one
+    sink.log_event(
+        Event(4, "activation_overflow", "fusion scores 7e4", {"module": "fusion"}, ["precision_fallback"])
+    )  # alert, counts the held one
     sink.close()
     sink.close()  # safe twice
     assert wandb.run is None  # the sink's own run is finished
@@ -124,8 +137,11 @@ def test_offline_history_table_alerts_summary(tmp_path):
     assert [r["sfmonitor/step"] for r in rows] == [0, 1, 2, 3]
     assert [r["sfmonitor/grad_norm/fusion"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
     assert math.isnan(float(rows[2]["sfmonitor/loss/total"]))
-    counts = [(h["sfmonitor/step"], h["sfmonitor/event_count/nonfinite_loss"])
-              for h in got["history"] if "sfmonitor/event_count/nonfinite_loss" in h]
+    counts = [
+        (h["sfmonitor/step"], h["sfmonitor/event_count/nonfinite_loss"])
+        for h in got["history"]
+        if "sfmonitor/event_count/nonfinite_loss" in h
+    ]
     assert counts == [(2, 1)]
 
     # the events table: the last logged version holds every event
@@ -134,14 +150,20 @@ def test_offline_history_table_alerts_summary(tmp_path):
     with open(os.path.join(got["files"], paths[-1])) as fh:
         table = json.load(fh)
     assert table["columns"] == TABLE_COLUMNS
-    assert [r[:2] for r in table["data"]] == [[2, "nonfinite_loss"], [3, "grad_spike"],
-                                             [3, "loss_spike"], [4, "activation_overflow"]]
+    assert [r[:2] for r in table["data"]] == [
+        [2, "nonfinite_loss"],
+        [3, "grad_spike"],
+        [3, "loss_spike"],
+        [4, "activation_overflow"],
+    ]
     assert table["data"][0][3] == "skip_step, rollback"
     assert json.loads(table["data"][0][4]) == {"loss": "nan"}
 
     # alerts: rescues only, rate-limited, the held one counted in the next
-    assert [a.title for a in got["alerts"]] == ["sfmonitor: nonfinite_loss at step 2",
-                                               "sfmonitor: activation_overflow at step 4"]
+    assert [a.title for a in got["alerts"]] == [
+        "sfmonitor: nonfinite_loss at step 2",
+        "sfmonitor: activation_overflow at step 4",
+    ]
     assert got["alerts"][0].level == "WARN"
     assert "rollback" in got["alerts"][0].text
     assert "+1 more rescue since the last alert" in got["alerts"][1].text
@@ -237,7 +259,7 @@ def test_slow_wandb_init_never_blocks_a_step_and_close_delivers_the_buffer(tmp_p
 
     def slow_init(**kwargs):
         started.append(time.monotonic())
-        time.sleep(3.0)          # a W&B server that takes its time
+        time.sleep(3.0)  # a W&B server that takes its time
         return real_init(**kwargs)
 
     monkeypatch.setattr(wandb, "init", slow_init)
@@ -253,7 +275,7 @@ def test_slow_wandb_init_never_blocks_a_step_and_close_delivers_the_buffer(tmp_p
         time.sleep(0.01)
     assert started, "W&B is started in the background at the first write"
     router.flush()
-    router.close()               # waits for the run, sends the 20 buffered rows, finishes
+    router.close()  # waits for the run, sends the 20 buffered rows, finishes
     assert not router.disabled and sink.failed is None and sink.dropped == 0, (sink.failed, sink.dropped)
     got = parse_run(str(tmp_path / "wandb_dir"))
     steps = [h["sfmonitor/step"] for h in got["history"] if "sfmonitor/loss/total" in h]
@@ -285,6 +307,7 @@ def test_failing_wandb_init_returns_fast_and_warns_once(tmp_path, monkeypatch, d
 
 def test_hung_wandb_init_close_gives_up_after_close_timeout(tmp_path, monkeypatch):
     import threading
+
     release = threading.Event()
 
     def hung_init(**kwargs):
@@ -310,6 +333,7 @@ def test_hung_wandb_init_close_gives_up_after_close_timeout(tmp_path, monkeypatc
 
 def test_a_full_buffer_drops_rows_with_one_warning_and_keeps_events(tmp_path, monkeypatch):
     import threading
+
     release = threading.Event()
     real_init = wandb.init
 
@@ -323,7 +347,7 @@ def test_a_full_buffer_drops_rows_with_one_warning_and_keeps_events(tmp_path, mo
     router.open(str(tmp_path), {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _steps(router, 20)   # the first row is taken by the worker (waiting in init), 5 wait
+        _steps(router, 20)  # the first row is taken by the worker (waiting in init), 5 wait
         release.set()
         router.close()
     msgs = [str(w.message) for w in caught if "max_buffer" in str(w.message)]

@@ -3,13 +3,13 @@
 CPU autocast keeps softmax in fp16, so the unscaled q @ k^T written inline in ``Fusion.forward``
 truly overflows 65504 (the report's first trap). Sizes are tiny: fp16 on CPU is slow.
 """
+
 import pytest
 import torch
 from torch import nn
 
-from sfmonitor.events import ACTIVATION_OVERFLOW, ConfigError, PRECISION_FALLBACK
-from sfmonitor.watch import (ACT_ABSMAX_PREFIX, FIRST_NONFINITE_KEY, ActivationWatch, WatchConfig,
-                             precision_fallback)
+from sfmonitor.events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError
+from sfmonitor.watch import ACT_ABSMAX_PREFIX, FIRST_NONFINITE_KEY, ActivationWatch, WatchConfig, precision_fallback
 
 
 class Fusion(nn.Module):
@@ -20,10 +20,10 @@ class Fusion(nn.Module):
         self.q = nn.Linear(d, d)
         self.k = nn.Linear(d, d)
 
-    def forward(self, x):                       # x: (B, T, d)
+    def forward(self, x):  # x: (B, T, d)
         q, k = self.q(x), self.k(x)
-        att = (q @ k.transpose(-1, -2)).softmax(dim=-1)   # (B, T, T), fp16 under autocast
-        return att @ x                                    # bounded by max|x|
+        att = (q @ k.transpose(-1, -2)).softmax(dim=-1)  # (B, T, T), fp16 under autocast
+        return att @ x  # bounded by max|x|
 
 
 class Toy(nn.Module):
@@ -37,14 +37,14 @@ class Toy(nn.Module):
         return self.head(self.fusion(self.enc(x))).float().mean()
 
 
-SCALES = [2 ** (k / 2) for k in range(21)]   # inputs growing step by step: logits x2 a step
+SCALES = [2 ** (k / 2) for k in range(21)]  # inputs growing step by step: logits x2 a step
 
 
 def _step(model, watch, step, x):
     watch.reset(step)
     with torch.autocast("cpu", dtype=torch.float16):
         out = model(x)
-    stats = {k: float(v) for k, v in watch.pending().items()}   # the single host read
+    stats = {k: float(v) for k, v in watch.pending().items()}  # the single host read
     return out, stats, watch.findings(step, stats)
 
 
@@ -82,7 +82,7 @@ def test_warns_before_first_inf_and_names_the_module():
     assert warn.data["module"] == "fusion" and warn.where == "fusion"
     assert warn.data["dtype"] == "float16" and warn.data["limit"] == 65504.0
     assert 0.5 * 65504 <= warn.data["absmax"] < 65504
-    assert names["inf"] == "fusion"          # first in forward order; head is NaN too, after it
+    assert names["inf"] == "fusion"  # first in forward order; head is NaN too, after it
     watch.detach()
 
 
@@ -203,10 +203,9 @@ def test_detach_restores_original_behaviour_exactly():
     watch.reset(0)
     with torch.autocast("cpu", dtype=torch.float16):
         watched = model(x * 16)
-    assert torch.equal(watched, ref)                  # observing changes nothing
+    assert torch.equal(watched, ref)  # observing changes nothing
     watch.detach()
-    assert [(n, dict(m._forward_hooks), dict(m._forward_pre_hooks))
-            for n, m in model.named_modules()] == hooks_before
+    assert [(n, dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()] == hooks_before
     assert torch._C._len_torch_function_stack() == 0
     with torch.autocast("cpu", dtype=torch.float16):
         assert torch.equal(model(x * 16), ref)
@@ -220,18 +219,18 @@ def test_precision_fallback_gives_finite_outputs_and_remove_undoes_it():
     watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
     handle = precision_fallback(model, "fusion")
     assert handle.active and handle.module_name == "fusion"
-    for step, s in enumerate(SCALES):                 # the same inputs as the overflow test
+    for step, s in enumerate(SCALES):  # the same inputs as the overflow test
         watch.reset(step)
         with torch.autocast("cpu", dtype=torch.float16):
             fused = model.fusion(model.enc(x * s))
             out = model(x * s)
         assert torch.isfinite(out), f"scale {s}"
-        assert fused.dtype == torch.float16           # cast back to the caller's autocast dtype
+        assert fused.dtype == torch.float16  # cast back to the caller's autocast dtype
         stats = {k: float(v) for k, v in watch.pending().items()}
-        assert watch._dtypes["fusion"] == torch.float32   # the logits now live in fp32
+        assert watch._dtypes["fusion"] == torch.float32  # the logits now live in fp32
         assert not [f for f in watch.findings(step, stats) if f.data["nonfinite"]]
     handle.remove()
-    handle.remove()                                   # safe twice
+    handle.remove()  # safe twice
     assert not handle.active
     watch.detach()
     assert not model.fusion._forward_hooks and not model.fusion._forward_pre_hooks

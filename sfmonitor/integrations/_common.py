@@ -1,8 +1,10 @@
 """What the Lightning and transformers callbacks share: metric mapping, value reading, and
 dropping a step's gradients when the monitor stops the run mid-step."""
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -14,9 +16,12 @@ def check_eval_metrics(eval_metrics: Mapping[str, str] | None, default: Mapping[
     if eval_metrics is None:
         return dict(default)
     if not isinstance(eval_metrics, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in eval_metrics.items()):
-        raise ConfigError("eval_metrics: expected a dict {framework metric name: monitor metric name}, "
-                          f"e.g. {dict(default)}; got {eval_metrics!r}")
+        isinstance(k, str) and isinstance(v, str) for k, v in eval_metrics.items()
+    ):
+        raise ConfigError(
+            "eval_metrics: expected a dict {framework metric name: monitor metric name}, "
+            f"e.g. {dict(default)}; got {eval_metrics!r}"
+        )
     return dict(eval_metrics)
 
 

@@ -7,6 +7,7 @@ its deterministic detectors and policy decide the same thing. It is one collecti
 vector, not one per statistic. Values that only make sense locally (indices of the offending
 parameter) are kept as they are.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ def world_size() -> int:
     return 1
 
 
-def agree(vector: torch.Tensor, mean_mask: torch.Tensor, local_mask: torch.Tensor,
-          max_mask: torch.Tensor | None = None) -> torch.Tensor:
+def agree(
+    vector: torch.Tensor, mean_mask: torch.Tensor, local_mask: torch.Tensor, max_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """All-reduce ``vector`` across ranks: the mean where ``mean_mask``, the max where ``max_mask``
     (activation maxima: one rank near the fp16 limit must not be diluted by the others; NaN counts
     as +inf), the sum elsewhere, except where ``local_mask`` (this rank's value is kept).

@@ -34,10 +34,12 @@ The monitor's ``stop`` action (a spent rescue budget) raises ``StopTraining`` in
 the callback turns it into a graceful stop: the step in flight does not land (its gradients are
 dropped), ``trainer.should_stop`` is set and ``stop_reason`` holds the message.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -45,8 +47,9 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 except ImportError as e:  # pragma: no cover - exercised only without lightning installed
-    raise ImportError("sfmonitor.integrations.lightning needs PyTorch Lightning: "
-                      "pip install 'sfmonitor[lightning]'") from e
+    raise ImportError(
+        "sfmonitor.integrations.lightning needs PyTorch Lightning: pip install 'sfmonitor[lightning]'"
+    ) from e
 
 from ..events import StopTraining
 from ..monitor import Monitor
@@ -69,8 +72,14 @@ class SFMonitorCallback(Callback):
         **monitor_kwargs: ``Monitor(config=..., run_dir=..., sinks=...)``.
     """
 
-    def __init__(self, *, eval_metrics: Mapping[str, str] | None = None, chance: float | None = None,
-                 groups: Mapping[str, Any] | None = None, **monitor_kwargs: Any):
+    def __init__(
+        self,
+        *,
+        eval_metrics: Mapping[str, str] | None = None,
+        chance: float | None = None,
+        groups: Mapping[str, Any] | None = None,
+        **monitor_kwargs: Any,
+    ):
         super().__init__()
         self.eval_metrics = check_eval_metrics(eval_metrics, DEFAULT_EVAL_METRICS)
         self.chance = chance
@@ -79,28 +88,30 @@ class SFMonitorCallback(Callback):
         self.stop_reason: str | None = None
 
     # -- attach / detach -----------------------------------------------------------------------
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.optimizers:
-            raise RuntimeError("SFMonitorCallback: the trainer has no optimizer to watch "
-                               "(configure_optimizers returned none)")
+            raise RuntimeError(
+                "SFMonitorCallback: the trainer has no optimizer to watch (configure_optimizers returned none)"
+            )
         if len(trainer.optimizers) > 1:
-            warnings.warn("SFMonitorCallback watches the first of "
-                          f"{len(trainer.optimizers)} optimizers only", stacklevel=2)
+            warnings.warn(
+                f"SFMonitorCallback watches the first of {len(trainer.optimizers)} optimizers only", stacklevel=2
+            )
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # MixedPrecision("16-mixed")
         self.monitor.attach(pl_module, trainer.optimizers[0], scaler=scaler, groups=self.groups)
         self.monitor.drive_externally()
         self.stop_reason = None
 
-    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.monitor.detach()
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                     exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.monitor.detach()
 
     # -- the step ------------------------------------------------------------------------------
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                                 optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         mon = self.monitor
         if optimizer is not mon.optimizer or mon.scaler is not None:
             # Another optimizer; or a GradScaler, whose step the monitor wraps: the pipeline runs
@@ -111,20 +122,21 @@ class SFMonitorCallback(Callback):
         except StopTraining as e:
             self._stop(trainer, optimizer, e)
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.monitor.after_update()
         if self.monitor.should_stop:
             trainer.should_stop = True
 
-    def _stop(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, err: StopTraining) -> None:
+    def _stop(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, err: StopTraining) -> None:
         drop_gradients(optimizer)  # the step in flight must not land
         self.stop_reason = str(err)
         trainer.should_stop = True
         warnings.warn(self.stop_reason, stacklevel=2)
 
     # -- evaluation ----------------------------------------------------------------------------
-    def on_validation_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self.monitor.model is None:
             return
         metrics = {}

@@ -39,18 +39,21 @@ The monitor's ``stop`` action (a spent rescue budget) raises ``StopTraining`` in
 the callback turns it into a graceful stop: the step in flight does not land (its gradients are
 dropped), ``control.should_training_stop`` is set and ``stop_reason`` holds the message.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 try:
     from transformers import TrainerCallback
 except ImportError as e:  # pragma: no cover - exercised only without transformers installed
-    raise ImportError("sfmonitor.integrations.transformers needs Hugging Face transformers: "
-                      "pip install 'sfmonitor[transformers]'") from e
+    raise ImportError(
+        "sfmonitor.integrations.transformers needs Hugging Face transformers: pip install 'sfmonitor[transformers]'"
+    ) from e
 
 from ..events import StopTraining
 from ..monitor import Monitor
@@ -86,13 +89,22 @@ class SFMonitorTrainerCallback(TrainerCallback):
         **monitor_kwargs: ``Monitor(config=..., run_dir=..., sinks=...)``.
     """
 
-    def __init__(self, *, eval_metrics: Mapping[str, str] | None = None, chance: float | None = None,
-                 groups: Mapping[str, Any] | None = None, **monitor_kwargs: Any):
+    def __init__(
+        self,
+        *,
+        eval_metrics: Mapping[str, str] | None = None,
+        chance: float | None = None,
+        groups: Mapping[str, Any] | None = None,
+        **monitor_kwargs: Any,
+    ):
         if not hasattr(TrainerCallback, PRE_STEP_HOOK):
             import transformers
-            raise ImportError(f"SFMonitorTrainerCallback needs TrainerCallback.{PRE_STEP_HOOK} "
-                              f"(transformers >= 4.42); installed: {transformers.__version__}. "
-                              "pip install 'sfmonitor[transformers]'")
+
+            raise ImportError(
+                f"SFMonitorTrainerCallback needs TrainerCallback.{PRE_STEP_HOOK} "
+                f"(transformers >= 4.42); installed: {transformers.__version__}. "
+                "pip install 'sfmonitor[transformers]'"
+            )
         self.eval_metrics = check_eval_metrics(eval_metrics, DEFAULT_EVAL_METRICS)
         self.chance = chance
         self.groups = groups
@@ -102,8 +114,7 @@ class SFMonitorTrainerCallback(TrainerCallback):
     # -- attach / detach -----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is None or optimizer is None:
-            raise RuntimeError("SFMonitorTrainerCallback: the Trainer passed no model or optimizer "
-                               "to on_train_begin")
+            raise RuntimeError("SFMonitorTrainerCallback: the Trainer passed no model or optimizer to on_train_begin")
         scaler = getattr(optimizer, "scaler", None)  # accelerate's GradScaler (fp16)
         self.monitor.attach(model, inner_optimizer(optimizer), scaler=scaler, groups=self.groups)
         self.monitor.drive_externally()

@@ -3,6 +3,7 @@
 Backends are named here and imported only when a run asks for them, so ``import sfmonitor``
 imports neither wandb nor tensorboard.
 """
+
 from .base import SINK_METHODS, DuckSink, MemorySink, Sink, SinkRouter, make_sink
 
 # name -> "relative module:class"; adding a sink is one file plus one line here.
@@ -13,4 +14,4 @@ SINKS = {
     "wandb": ".wandb:WandbSink",
 }
 
-__all__ = ["Sink", "SinkRouter", "MemorySink", "DuckSink", "make_sink", "SINKS", "SINK_METHODS"]
+__all__ = ["SINKS", "SINK_METHODS", "DuckSink", "MemorySink", "Sink", "SinkRouter", "make_sink"]

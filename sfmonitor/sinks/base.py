@@ -13,11 +13,13 @@ missing methods do nothing, as ``Sink``'s do, so such a sink is never disabled l
 none of the methods, a method attribute that is not callable, or one that cannot take the
 arguments the router passes is a ``ConfigError`` naming the method and its expected signature.
 """
+
 from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..errors import ConfigError
 from ..events import Event
@@ -95,8 +97,10 @@ def _check_duck(spec: Any) -> DuckSink:
     what = type(spec).__name__
     if not present:
         sigs = ", ".join(f"{m}({', '.join(a)})" for m, a in SINK_METHODS.items())
-        raise ConfigError(f"sinks: a {what} has none of the sink methods ({sigs}); pass a sink name, "
-                          f"a sfmonitor.sinks.Sink subclass, or an object with at least one of them")
+        raise ConfigError(
+            f"sinks: a {what} has none of the sink methods ({sigs}); pass a sink name, "
+            f"a sfmonitor.sinks.Sink subclass, or an object with at least one of them"
+        )
     for method in present:
         fn = getattr(spec, method)
         expected = f"{method}({', '.join(SINK_METHODS[method])})"
@@ -109,8 +113,7 @@ def _check_duck(spec: Any) -> DuckSink:
         try:
             sig.bind(*SINK_METHODS[method])
         except TypeError as e:
-            raise ConfigError(f"sinks: {what}.{method}{sig} cannot be called as {expected} "
-                              f"({e})") from None
+            raise ConfigError(f"sinks: {what}.{method}{sig} cannot be called as {expected} ({e})") from None
     return DuckSink(spec)
 
 
@@ -126,13 +129,16 @@ class SinkRouter:
         for sink in list(self.sinks):
             try:
                 getattr(sink, method)(*args)
-            except Exception as e:  # noqa: BLE001 - a sink must never stop training
+            except Exception as e:
                 self.sinks.remove(sink)
                 label = getattr(sink, "name", type(sink).__name__)
                 self.disabled[label] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"sfmonitor: sink {label!r} failed in {method}() and is disabled for "
-                              f"the rest of the run ({type(e).__name__}: {e}); training goes on",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"sfmonitor: sink {label!r} failed in {method}() and is disabled for "
+                    f"the rest of the run ({type(e).__name__}: {e}); training goes on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def open(self, run_dir: str | None, config: dict[str, Any]) -> None:
         self._call("open", run_dir, config)
@@ -150,7 +156,7 @@ class SinkRouter:
         self._call("close")
 
 
-def make_sink(spec: "str | Sink | Any") -> Sink:
+def make_sink(spec: str | Sink | Any) -> Sink:
     """A sink from its name ("jsonl", "console", "tensorboard", "wandb"), a Sink object (returned
     as it is), or a duck-typed object with at least one sink method (wrapped in ``DuckSink``; its
     missing methods are no-ops). Anything else is a ConfigError naming what is missing."""
@@ -159,8 +165,10 @@ def make_sink(spec: "str | Sink | Any") -> Sink:
     if not isinstance(spec, str):
         return _check_duck(spec)
     from . import SINKS  # name -> "module:Class", imported only when asked for
+
     if spec not in SINKS:
         raise ConfigError(f"sinks: unknown sink {spec!r}; choose from {', '.join(sorted(SINKS))}")
     module, cls = SINKS[spec].split(":")
     import importlib
+
     return getattr(importlib.import_module(module, __package__), cls)()

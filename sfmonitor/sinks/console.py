@@ -1,4 +1,5 @@
 """Console sink: one line per event on stderr. Metrics are not printed (too many)."""
+
 from __future__ import annotations
 
 import sys

@@ -7,14 +7,16 @@ metrics.jsonl line: {"step": 12, "time": 1733140000.1, "loss/total": 0.71, "grad
 events.jsonl line:  {"step": 12, "time": ..., "kind": "nonfinite_grad", "message": "...",
                      "data": {...}, "actions": ["skip_step"]}
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..events import Event, jsonable
 from .base import Sink
@@ -36,8 +38,8 @@ class JsonlSink(Sink):
     def __init__(self, run_dir: str | None = None):
         self.run_dir = run_dir
         self._files: dict[str, Any] = {}
-        self.failed: dict[str, str] = {}       # file name -> the error that turned it off
-        self.dropped: dict[str, int] = {}      # file name -> records not written
+        self.failed: dict[str, str] = {}  # file name -> the error that turned it off
+        self.dropped: dict[str, int] = {}  # file name -> records not written
         self._warned_encode: set[str] = set()
 
     def open(self, run_dir: str | None, config: dict[str, Any]) -> None:
@@ -63,12 +65,16 @@ class JsonlSink(Sink):
         if fh is not None:
             try:
                 fh.close()
-            except Exception:  # noqa: BLE001 - the file is already broken
+            except Exception:
                 pass
         path = os.path.join(self.run_dir or ".", name)
-        warnings.warn(f"sfmonitor: the jsonl sink cannot {where} {path} ({self.failed[name]}); "
-                      f"nothing more is written to {name} for the rest of the run, the other "
-                      f"file goes on and training goes on", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"sfmonitor: the jsonl sink cannot {where} {path} ({self.failed[name]}); "
+            f"nothing more is written to {name} for the rest of the run, the other "
+            f"file goes on and training goes on",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _write(self, name: str, record: Callable[[], dict[str, Any]]) -> None:
         if name in self.failed:
@@ -76,13 +82,16 @@ class JsonlSink(Sink):
             return
         try:
             line = json.dumps(jsonable(record()), allow_nan=False, default=str) + "\n"
-        except Exception as e:  # noqa: BLE001 - one bad record (circular data...) is skipped
+        except Exception as e:
             self.dropped[name] = self.dropped.get(name, 0) + 1
             if name not in self._warned_encode:
                 self._warned_encode.add(name)
-                warnings.warn(f"sfmonitor: the jsonl sink skipped a record of {name} it cannot "
-                              f"encode ({type(e).__name__}: {e}); later records are written",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"sfmonitor: the jsonl sink skipped a record of {name} it cannot "
+                    f"encode ({type(e).__name__}: {e}); later records are written",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return
         if self.run_dir is None:
             raise RuntimeError("the jsonl sink needs a run_dir (Monitor(run_dir=...))")
@@ -90,29 +99,35 @@ class JsonlSink(Sink):
             fh = self._file(name)
             fh.write(line)
             fh.flush()
-        except Exception as e:  # noqa: BLE001 - OSError, a folder in the way, ...
+        except Exception as e:
             self._fail(name, "write", e)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self._write(METRICS_FILE, lambda: {"step": step, "time": time.time(), **metrics})
 
     def log_event(self, event: Event) -> None:
-        self._write(EVENTS_FILE, lambda: {"step": event.step, "time": time.time(),
-                                          **{k: v for k, v in event.to_dict().items() if k != "step"}})
+        self._write(
+            EVENTS_FILE,
+            lambda: {
+                "step": event.step,
+                "time": time.time(),
+                **{k: v for k, v in event.to_dict().items() if k != "step"},
+            },
+        )
 
     def flush(self) -> None:
         for name, fh in list(self._files.items()):
             try:
                 fh.flush()
                 os.fsync(fh.fileno())
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self._fail(name, "flush", e)
 
     def close(self) -> None:
         for fh in self._files.values():
             try:
                 fh.close()
-            except Exception:  # noqa: BLE001 - closing must not raise (it may flush a full disk)
+            except Exception:
                 pass
         self._files.clear()
 
@@ -123,7 +138,7 @@ class JsonlScan:
     a cut line."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
-    lines: list[int] = field(default_factory=list)      # line number of each record
+    lines: list[int] = field(default_factory=list)  # line number of each record
     bad_lines: list[int] = field(default_factory=list)  # 1-based numbers of skipped lines
     cut: bool = False  # the last line has no newline and does not parse: the writer died mid-line
 

@@ -21,6 +21,7 @@ The groups and loss components of a run are only known from the keys it logs, so
 tag regexes (``^grad_norm/.*``) and is written once, when the writer opens. One text tag per event
 kind keeps each tag's steps increasing (TensorBoard drops entries of a tag whose step goes back).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..schema import Section, option
 from ..events import Event, jsonable
+from ..schema import Section, option
 from .base import Sink
 
 INSTALL_HINT = "pip install 'sfmonitor[tensorboard]'"
-LOG_SUBDIR = "tensorboard"          # run_dir/tensorboard
-LAYOUT_CATEGORY = "sfmonitor"       # custom-scalars category name
-EVENT_TEXT_TAG = "events"           # events/<kind>: text entries
-EVENT_COUNT_TAG = "event_count"     # event_count/<kind>: cumulative count, scalar
+LOG_SUBDIR = "tensorboard"  # run_dir/tensorboard
+LAYOUT_CATEGORY = "sfmonitor"  # custom-scalars category name
+EVENT_TEXT_TAG = "events"  # events/<kind>: text entries
+EVENT_COUNT_TAG = "event_count"  # event_count/<kind>: cumulative count, scalar
 
 # Chart title -> statistic-key prefixes it collects (DESIGN.md "Statistic keys"). Shared with the
 # W&B sink and the HTML report so the three show the same sections.
@@ -72,8 +73,7 @@ def custom_scalars_layout(prefix: str = "") -> dict[str, dict[str, list]]:
 def event_markdown(event: Event) -> str:
     """One event as Markdown for the TensorBoard text dashboard."""
     acts = ", ".join(f"`{a}`" for a in event.actions) if event.actions else "none (reported only)"
-    lines = [f"**step {event.step} - {event.kind}**", "", event.message or "(no message)", "",
-             f"actions: {acts}"]
+    lines = [f"**step {event.step} - {event.kind}**", "", event.message or "(no message)", "", f"actions: {acts}"]
     data = jsonable(event.data or {})
     if data:
         lines += ["", "| data | value |", "|---|---|"]
@@ -88,10 +88,10 @@ class TensorBoardConfig(Section):
     """Options of the TensorBoard sink (constructor keyword arguments)."""
 
     log_dir: str = option("", "folder for the event files; empty: run_dir/tensorboard")
-    prefix: str = option("", "prepended to every tag, e.g. 'sfmonitor/' when sharing a log dir "
-                             "with the training script's own writer")
-    flush_secs: float = option(10.0, "SummaryWriter: seconds between automatic flushes",
-                               lo=0.0, lo_open=True)
+    prefix: str = option(
+        "", "prepended to every tag, e.g. 'sfmonitor/' when sharing a log dir with the training script's own writer"
+    )
+    flush_secs: float = option(10.0, "SummaryWriter: seconds between automatic flushes", lo=0.0, lo_open=True)
     max_queue: int = option(100, "SummaryWriter: events queued before a forced flush", lo=1)
     layout: bool = option(True, "write the custom-scalars layout (category 'sfmonitor') on open")
 
@@ -120,8 +120,9 @@ class TensorBoardSink(Sink):
         if self.config.log_dir:
             return self.config.log_dir
         if self.run_dir is None:
-            raise RuntimeError("the tensorboard sink needs a run_dir (Monitor(run_dir=...)) or "
-                               "TensorBoardSink(log_dir=...)")
+            raise RuntimeError(
+                "the tensorboard sink needs a run_dir (Monitor(run_dir=...)) or TensorBoardSink(log_dir=...)"
+            )
         return os.path.join(self.run_dir, LOG_SUBDIR)
 
     def _get_writer(self):
@@ -130,11 +131,11 @@ class TensorBoardSink(Sink):
                 import tensorboard  # noqa: F401 - SummaryWriter needs it; fail with the hint
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise ImportError(f"the tensorboard sink needs the tensorboard package: "
-                                  f"{INSTALL_HINT} ({e})") from e
+                raise ImportError(f"the tensorboard sink needs the tensorboard package: {INSTALL_HINT} ({e})") from e
             os.makedirs(self.log_dir, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=self.log_dir, flush_secs=self.config.flush_secs,
-                                         max_queue=self.config.max_queue)
+            self._writer = SummaryWriter(
+                log_dir=self.log_dir, flush_secs=self.config.flush_secs, max_queue=self.config.max_queue
+            )
             if self.config.layout:
                 self._writer.add_custom_scalars(custom_scalars_layout(self.config.prefix))
         return self._writer
@@ -156,8 +157,7 @@ class TensorBoardSink(Sink):
     def log_event(self, event: Event) -> None:
         w = self._get_writer()
         p = self.config.prefix
-        w.add_text(f"{p}{EVENT_TEXT_TAG}/{event.kind}", event_markdown(event),
-                   global_step=int(event.step))
+        w.add_text(f"{p}{EVENT_TEXT_TAG}/{event.kind}", event_markdown(event), global_step=int(event.step))
         n = self._event_counts.get(event.kind, 0) + 1
         self._event_counts[event.kind] = n
         w.add_scalar(f"{p}{EVENT_COUNT_TAG}/{event.kind}", float(n), global_step=int(event.step))

@@ -36,6 +36,7 @@ is sent (tests, notebooks).
 Files: a run the sink starts itself is written under ``$WANDB_DIR`` when the user set that
 variable, else under ``run_dir`` (``run_dir/wandb/``), else W&B's default.
 """
+
 from __future__ import annotations
 
 import collections
@@ -47,19 +48,20 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from ..schema import Section, option
 from ..events import Event, jsonable
+from ..schema import Section, option
 from .base import Sink
 
 INSTALL_HINT = "pip install 'sfmonitor[wandb]'"
 KEY_PREFIX = "sfmonitor/"
 STEP_KEY = KEY_PREFIX + "step"
 TABLE_KEY = KEY_PREFIX + "events"
-EVENT_COUNT_KEY = KEY_PREFIX + "event_count/"     # + kind
-ACTION_COUNT_KEY = KEY_PREFIX + "action_count/"   # + action name
+EVENT_COUNT_KEY = KEY_PREFIX + "event_count/"  # + kind
+ACTION_COUNT_KEY = KEY_PREFIX + "action_count/"  # + action name
 EVENTS_TOTAL_KEY = KEY_PREFIX + "events_total"
 ACTIONS_TOTAL_KEY = KEY_PREFIX + "actions_total"
 TABLE_COLUMNS = ["step", "kind", "message", "actions", "data"]
@@ -75,24 +77,41 @@ class WandbConfig(Section):
     name: str = option("", "run name of a run the sink starts itself; empty: W&B picks one")
     group: str = option("", "W&B run group; empty: none")
     tags: list[str] = option([], "W&B run tags")
-    mode: str = option("", "wandb.init mode; empty: from WANDB_MODE / the W&B default",
-                       choices=("", "online", "offline", "disabled"))
-    init_timeout_s: float = option(30.0, "longest wait for wandb.init before the sink gives up "
-                                         "(warns once, training goes on); W&B's own default is 90",
-                                   lo=0.0, lo_open=True)
-    commit: bool = option(True, "log sfmonitor rows as their own history rows; False: attach them "
-                                "to the script's next wandb.log (use when the script passes step=)")
+    mode: str = option(
+        "", "wandb.init mode; empty: from WANDB_MODE / the W&B default", choices=("", "online", "offline", "disabled")
+    )
+    init_timeout_s: float = option(
+        30.0,
+        "longest wait for wandb.init before the sink gives up (warns once, training goes on); W&B's own default is 90",
+        lo=0.0,
+        lo_open=True,
+    )
+    commit: bool = option(
+        True,
+        "log sfmonitor rows as their own history rows; False: attach them "
+        "to the script's next wandb.log (use when the script passes step=)",
+    )
     alerts: bool = option(True, "wandb.alert when an event triggered an action (a rescue)")
-    alert_interval_s: float = option(300.0, "at most one alert per this many seconds; alerts held "
-                                            "back are counted in the next one", lo=0.0)
+    alert_interval_s: float = option(
+        300.0, "at most one alert per this many seconds; alerts held back are counted in the next one", lo=0.0
+    )
     alert_level: str = option("WARN", "wandb.alert level", choices=("INFO", "WARN", "ERROR"))
-    table_interval_s: float = option(60.0, "re-log the events table at most this often while "
-                                           "events arrive (always on flush and close)", lo=0.0)
-    max_buffer: int = option(10000, "metrics rows held while W&B starts or lags; beyond it new "
-                                    "rows are dropped (counted in sink.dropped, one warning)", lo=1)
-    close_timeout_s: float = option(60.0, "longest wait in close() for the buffer to reach W&B and "
-                                          "the run to finish; then the rest is dropped with a "
-                                          "warning", lo=0.0)
+    table_interval_s: float = option(
+        60.0, "re-log the events table at most this often while events arrive (always on flush and close)", lo=0.0
+    )
+    max_buffer: int = option(
+        10000,
+        "metrics rows held while W&B starts or lags; beyond it new "
+        "rows are dropped (counted in sink.dropped, one warning)",
+        lo=1,
+    )
+    close_timeout_s: float = option(
+        60.0,
+        "longest wait in close() for the buffer to reach W&B and "
+        "the run to finish; then the rest is dropped with a "
+        "warning",
+        lo=0.0,
+    )
 
 
 class WandbSink(Sink):
@@ -109,25 +128,25 @@ class WandbSink(Sink):
         self.config = WandbConfig(**kwargs)
         self.run_dir: str | None = None
         self.run_config: dict[str, Any] = {}
-        self.run = None             # the wandb Run in use (set by the worker thread)
-        self.owns_run = False       # True: the sink started it and finishes it on close
+        self.run = None  # the wandb Run in use (set by the worker thread)
+        self.owns_run = False  # True: the sink started it and finishes it on close
         self.failed: str | None = None  # the W&B error that turned the sink off
         self.clock = clock
         self.rows: list[list[Any]] = []
         self.event_counts: Counter[str] = Counter()
         self.action_counts: Counter[str] = Counter()
         self.alerts_sent = 0
-        self.alerts_held = 0        # rescues not alerted since the last alert (rate limit)
-        self.dropped = 0            # metrics rows dropped (buffer full, or W&B failed)
+        self.alerts_held = 0  # rescues not alerted since the last alert (rate limit)
+        self.dropped = 0  # metrics rows dropped (buffer full, or W&B failed)
         self._last_alert: float | None = None
         self._table_logged_rows = 0
         self._last_table: float | None = None
         self._wandb = None
         # Training thread -> worker thread: a queue of (kind, callable) guarded by a condition.
         self._ops: collections.deque[tuple[str, Callable[[], None]]] = collections.deque()
-        self._metric_ops = 0        # metrics rows in the queue (max_buffer bounds them)
+        self._metric_ops = 0  # metrics rows in the queue (max_buffer bounds them)
         self._cv = threading.Condition()
-        self._busy = False          # the worker is running an op
+        self._busy = False  # the worker is running an op
         self._closing = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -146,7 +165,8 @@ class WandbSink(Sink):
             return
         try:
             found = sys.modules.get("wandb", False) is not None and (
-                "wandb" in sys.modules or importlib.util.find_spec("wandb") is not None)
+                "wandb" in sys.modules or importlib.util.find_spec("wandb") is not None
+            )
         except (ImportError, ValueError):
             found = False
         if not found:
@@ -170,13 +190,21 @@ class WandbSink(Sink):
         """Training thread: the one warning for a failure, and one for dropped rows."""
         if self.failed is not None and not self._warned_failed:
             self._warned_failed = True
-            warnings.warn(f"sfmonitor: W&B failed ({self.failed}); the wandb sink is off for the "
-                          f"rest of the run, training goes on", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"sfmonitor: W&B failed ({self.failed}); the wandb sink is off for the "
+                f"rest of the run, training goes on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if self.dropped and not self._warned_dropped and self.failed is None:
             self._warned_dropped = True
-            warnings.warn(f"sfmonitor: W&B is not keeping up; the wandb sink dropped metrics rows "
-                          f"(more than max_buffer={self.config.max_buffer} were waiting); events "
-                          f"and alerts are kept, training goes on", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"sfmonitor: W&B is not keeping up; the wandb sink dropped metrics rows "
+                f"(more than max_buffer={self.config.max_buffer} were waiting); events "
+                f"and alerts are kept, training goes on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _submit(self, kind: str, fn: Callable[[], None]) -> None:
         """Training thread: queue one W&B call for the worker; never waits for W&B."""
@@ -194,8 +222,7 @@ class WandbSink(Sink):
                 self._metric_ops += 1
             self._ops.append((kind, fn))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._worker, name="sfmonitor-wandb",
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._worker, name="sfmonitor-wandb", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
 
@@ -217,7 +244,7 @@ class WandbSink(Sink):
                     fn()
                 elif kind == "metrics":
                     self.dropped += 1
-            except Exception as e:  # noqa: BLE001 - never let the worker die silently
+            except Exception as e:
                 self._fail(kind, e)
             finally:
                 with self._cv:
@@ -248,8 +275,7 @@ class WandbSink(Sink):
             if wandb.run is not None:
                 self.run, self.owns_run = wandb.run, False
                 if self.run_config:
-                    self.run.config.update({"sfmonitor": jsonable(self.run_config)},
-                                           allow_val_change=True)
+                    self.run.config.update({"sfmonitor": jsonable(self.run_config)}, allow_val_change=True)
             else:
                 c = self.config
                 kwargs: dict[str, Any] = {
@@ -273,7 +299,7 @@ class WandbSink(Sink):
                 self.run, self.owns_run = run, True
             self.run.define_metric(STEP_KEY)
             self.run.define_metric(KEY_PREFIX + "*", step_metric=STEP_KEY)
-        except Exception as e:  # noqa: BLE001 - unreachable server, bad credentials, ...
+        except Exception as e:
             self.run = None
             self._fail("wandb.init", e)
         return self.run
@@ -297,10 +323,16 @@ class WandbSink(Sink):
     def log_event(self, event: Event) -> None:
         self.event_counts[event.kind] += 1
         self.action_counts.update(event.actions)
-        self.rows.append([int(event.step), event.kind, event.message, ", ".join(event.actions),
-                          json.dumps(jsonable(event.data or {}), sort_keys=True, default=str)])
-        self._log({STEP_KEY: int(event.step),
-                   EVENT_COUNT_KEY + event.kind: self.event_counts[event.kind]})
+        self.rows.append(
+            [
+                int(event.step),
+                event.kind,
+                event.message,
+                ", ".join(event.actions),
+                json.dumps(jsonable(event.data or {}), sort_keys=True, default=str),
+            ]
+        )
+        self._log({STEP_KEY: int(event.step), EVENT_COUNT_KEY + event.kind: self.event_counts[event.kind]})
         if event.actions and self.config.alerts:
             self._maybe_alert(event)
         now = self.clock()
@@ -315,8 +347,7 @@ class WandbSink(Sink):
         held = self.alerts_held
         text = f"step {event.step}: {event.message}\nactions: {', '.join(event.actions)}"
         if held:
-            text += (f"\n(+{held} more rescue{'s' if held > 1 else ''} since the last alert; "
-                     f"see the {TABLE_KEY} table)")
+            text += f"\n(+{held} more rescue{'s' if held > 1 else ''} since the last alert; see the {TABLE_KEY} table)"
         title = f"sfmonitor: {event.kind} at step {event.step}"[:ALERT_TITLE_MAX]
         level, wait = self.config.alert_level, max(1.0, self.config.alert_interval_s)
 
@@ -331,7 +362,7 @@ class WandbSink(Sink):
     def _log_table(self) -> None:
         if len(self.rows) == self._table_logged_rows:
             return
-        rows = [list(r) for r in self.rows]   # the table as of now, whatever comes later
+        rows = [list(r) for r in self.rows]  # the table as of now, whatever comes later
         commit = self.config.commit
 
         def send() -> None:
@@ -344,8 +375,10 @@ class WandbSink(Sink):
 
     def summary(self) -> dict[str, Any]:
         """The counts written to the run summary."""
-        out: dict[str, Any] = {EVENTS_TOTAL_KEY: sum(self.event_counts.values()),
-                               ACTIONS_TOTAL_KEY: sum(self.action_counts.values())}
+        out: dict[str, Any] = {
+            EVENTS_TOTAL_KEY: sum(self.event_counts.values()),
+            ACTIONS_TOTAL_KEY: sum(self.action_counts.values()),
+        }
         out.update({EVENT_COUNT_KEY + k: n for k, n in sorted(self.event_counts.items())})
         out.update({ACTION_COUNT_KEY + k: n for k, n in sorted(self.action_counts.items())})
         return out
@@ -380,9 +413,13 @@ class WandbSink(Sink):
                     self._ops.clear()
                     self._metric_ops = 0
                 self.dropped += lost
-                self._fail("close", TimeoutError(
-                    f"W&B did not take the buffer within close_timeout_s={self.config.close_timeout_s}"
-                    f" s; {lost} metrics rows and the records queued after them are dropped"))
+                self._fail(
+                    "close",
+                    TimeoutError(
+                        f"W&B did not take the buffer within close_timeout_s={self.config.close_timeout_s}"
+                        f" s; {lost} metrics rows and the records queued after them are dropped"
+                    ),
+                )
         self._closed = True
         self._warn()
 

@@ -42,6 +42,7 @@ steps (a warning says so).
 The ``sfmonitor lr-find`` command is a preset of this function on one model; the package that
 ships the model registers it (entry point group ``sfmonitor.commands``, see ``sfmonitor.cli``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,29 +52,37 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any
 
 import torch
 
 from ..checkpoint import copy_tree
-from ..schema import Section, option
 from ..events import ConfigError
+from ..schema import Section, option
 
-__all__ = ["LRFindConfig", "LRFindResult", "lr_find",
-           "STOP_COMPLETED", "STOP_DIVERGED", "STOP_NONFINITE", "STOP_LOADER_EXHAUSTED"]
+__all__ = [
+    "STOP_COMPLETED",
+    "STOP_DIVERGED",
+    "STOP_LOADER_EXHAUSTED",
+    "STOP_NONFINITE",
+    "LRFindConfig",
+    "LRFindResult",
+    "lr_find",
+]
 
 INSTALL_HINT = "pip install 'sfmonitor[report]'"
-JSON_FILE = "lr_find.json"        # --out DIR / save(): the curve and the suggestions
-PNG_FILE = "lr_find.png"          # --out DIR / save(): loss against LR (log x axis)
+JSON_FILE = "lr_find.json"  # --out DIR / save(): the curve and the suggestions
+PNG_FILE = "lr_find.png"  # --out DIR / save(): loss against LR (log x axis)
 
 # Why the sweep ended (LRFindResult.stop_reason)
-STOP_COMPLETED = "completed"                 # all num_iter steps ran
-STOP_DIVERGED = "diverged"                   # smoothed loss > diverge_factor x reference
-STOP_NONFINITE = "nonfinite"                 # the loss turned inf/NaN
-STOP_LOADER_EXHAUSTED = "loader_exhausted"   # a one-shot iterator ran out
+STOP_COMPLETED = "completed"  # all num_iter steps ran
+STOP_DIVERGED = "diverged"  # smoothed loss > diverge_factor x reference
+STOP_NONFINITE = "nonfinite"  # the loss turned inf/NaN
+STOP_LOADER_EXHAUSTED = "loader_exhausted"  # a one-shot iterator ran out
 
-MIN_LOSS_DIVISOR = 10.0   # lr_min_loss / 10: fastai's "minimum / 10" rule (Smith's one-cycle)
+MIN_LOSS_DIVISOR = 10.0  # lr_min_loss / 10: fastai's "minimum / 10" rule (Smith's one-cycle)
 CYCLIC_BASE_RATIO = 0.25  # base_lr = max_lr / 4: Smith 2017, section 3.3 ("1/3 or 1/4")
 
 
@@ -82,31 +91,48 @@ class LRFindConfig(Section):
     """Settings of one LR range test (keyword arguments of ``lr_find``)."""
 
     start_lr: float = option(1e-7, "first learning rate of the sweep", lo=0.0, lo_open=True)
-    end_lr: float = option(10.0, "last learning rate of the sweep (reached at step num_iter - 1)",
-                           lo=0.0, lo_open=True)
+    end_lr: float = option(10.0, "last learning rate of the sweep (reached at step num_iter - 1)", lo=0.0, lo_open=True)
     num_iter: int = option(100, "optimizer steps of the sweep at most", lo=2)
-    mode: str = option("exp", "exp: geometric steps from start_lr to end_lr; linear: equal steps",
-                       choices=("exp", "linear"))
-    smoothing: float = option(0.95, "beta of the bias-corrected EMA of the loss (0: no smoothing; "
-                                    "torch-lr-finder: 0.95, fastai: 0.98)", lo=0.0, hi=0.999)
-    diverge_factor: float = option(10.0, "stop when the smoothed loss exceeds this x the reference "
-                                         "loss (the report: 10x)", lo=1.0, lo_open=True)
-    diverge_reference: str = option("best", "reference loss of the divergence test: best (lowest "
-                                            "smoothed loss so far) or initial (the report's wording)",
-                                    choices=("best", "initial"))
+    mode: str = option(
+        "exp", "exp: geometric steps from start_lr to end_lr; linear: equal steps", choices=("exp", "linear")
+    )
+    smoothing: float = option(
+        0.95,
+        "beta of the bias-corrected EMA of the loss (0: no smoothing; torch-lr-finder: 0.95, fastai: 0.98)",
+        lo=0.0,
+        hi=0.999,
+    )
+    diverge_factor: float = option(
+        10.0, "stop when the smoothed loss exceeds this x the reference loss (the report: 10x)", lo=1.0, lo_open=True
+    )
+    diverge_reference: str = option(
+        "best",
+        "reference loss of the divergence test: best (lowest smoothed loss so far) or initial (the report's wording)",
+        choices=("best", "initial"),
+    )
     accumulation: int = option(1, "micro-batches per optimizer step (loss averaged over them)", lo=1)
     max_grad_norm: float = option(0.0, "clip the total gradient norm before each step (0: off)", lo=0.0)
-    skip_start: float = option(0.1, "share of the first steps the steepest-descent search ignores "
-                                    "(torch-lr-finder: 10 of 100)", lo=0.0, hi=0.9)
-    min_drop: float = option(0.02, "the smoothed loss must fall below (1 - min_drop) x the initial "
-                                   "loss for a suggestion; a flat curve gives none", lo=0.0, hi=0.99)
-    slope_window: float = option(0.05, "half-width of the slope's finite difference, as a share of "
-                                       "the steps run (at least one step)", lo=0.0, hi=0.25)
+    skip_start: float = option(
+        0.1, "share of the first steps the steepest-descent search ignores (torch-lr-finder: 10 of 100)", lo=0.0, hi=0.9
+    )
+    min_drop: float = option(
+        0.02,
+        "the smoothed loss must fall below (1 - min_drop) x the initial loss for a suggestion; a flat curve gives none",
+        lo=0.0,
+        hi=0.99,
+    )
+    slope_window: float = option(
+        0.05,
+        "half-width of the slope's finite difference, as a share of the steps run (at least one step)",
+        lo=0.0,
+        hi=0.25,
+    )
 
     def validate(self) -> None:
         if self.end_lr <= self.start_lr:
-            raise ConfigError(f"{self._prefix}end_lr: must be greater than start_lr "
-                              f"({self.start_lr!r}), got {self.end_lr!r}")
+            raise ConfigError(
+                f"{self._prefix}end_lr: must be greater than start_lr ({self.start_lr!r}), got {self.end_lr!r}"
+            )
 
     def schedule(self) -> list[float]:
         """The num_iter learning rates of the sweep."""
@@ -129,24 +155,24 @@ class LRFindResult:
     """bias-corrected EMA of the loss; NaN where the raw loss was non-finite"""
     components: dict[str, list[float]]
     """raw loss per component when loss_fn returns a dict (unweighted), else empty"""
-    suggested_lr: Optional[float]
+    suggested_lr: float | None
     """lr_steepest where it exists, else lr_min_loss / 10; None when the smoothed loss never fell
     below (1 - min_drop) x its initial value (a flat curve: sweep longer) or no loss was finite"""
-    lr_steepest: Optional[float]
+    lr_steepest: float | None
     """LR of the steepest fall of the smoothed loss (against log10(lr)) before its minimum"""
-    lr_min_loss: Optional[float]
+    lr_min_loss: float | None
     """LR of the minimum smoothed loss"""
-    lr_diverged: Optional[float]
+    lr_diverged: float | None
     """LR of the step where the sweep stopped on divergence or a non-finite loss, else None"""
     stop_reason: str
     """completed, diverged, nonfinite or loader_exhausted"""
-    cyclic_base_lr: Optional[float]
+    cyclic_base_lr: float | None
     """suggested CyclicLR base_lr (cyclic_max_lr / 4, Smith 2017)"""
-    cyclic_max_lr: Optional[float]
+    cyclic_max_lr: float | None
     """suggested CyclicLR max_lr (lr_min_loss / 10)"""
-    initial_loss: Optional[float]
+    initial_loss: float | None
     """first finite smoothed loss (= the first loss)"""
-    min_loss: Optional[float]
+    min_loss: float | None
     """minimum smoothed loss"""
     current_lr: float
     """the optimizer's (largest) LR before the sweep"""
@@ -171,7 +197,7 @@ class LRFindResult:
         return len(self.lrs)
 
     @property
-    def current_lr_too_large(self) -> Optional[bool]:
+    def current_lr_too_large(self) -> bool | None:
         """The report's test: does the optimizer's own LR sit at or past the LR where the loss
         diverged (moved by more than diverge_factor x)? None when the sweep never diverged and
         never reached current_lr."""
@@ -181,8 +207,9 @@ class LRFindResult:
             return False
         return None
 
-    def cyclic_lr(self, optimizer: torch.optim.Optimizer, step_size_up: int = 2000,
-                  **kwargs: Any) -> torch.optim.lr_scheduler.CyclicLR:
+    def cyclic_lr(
+        self, optimizer: torch.optim.Optimizer, step_size_up: int = 2000, **kwargs: Any
+    ) -> torch.optim.lr_scheduler.CyclicLR:
         """A triangular CyclicLR over the suggested range (``cycle_momentum=False`` unless given).
 
         Note: CyclicLR sets the optimizer's LRs to base_lr when it is built.
@@ -191,14 +218,18 @@ class LRFindResult:
             raise ValueError("no cyclic range: the sweep saw no finite loss")
         kwargs.setdefault("mode", "triangular")
         kwargs.setdefault("cycle_momentum", False)
-        return torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=self.cyclic_base_lr,
-                                                 max_lr=self.cyclic_max_lr,
-                                                 step_size_up=step_size_up, **kwargs)
+        return torch.optim.lr_scheduler.CyclicLR(
+            optimizer, base_lr=self.cyclic_base_lr, max_lr=self.cyclic_max_lr, step_size_up=step_size_up, **kwargs
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d.update(diverged=self.diverged, flat=self.flat, iterations=self.iterations,
-                 current_lr_too_large=self.current_lr_too_large)
+        d.update(
+            diverged=self.diverged,
+            flat=self.flat,
+            iterations=self.iterations,
+            current_lr_too_large=self.current_lr_too_large,
+        )
         return _json_safe(d)
 
     def table(self, rows: int = 20) -> str:
@@ -207,43 +238,58 @@ class LRFindResult:
         if n == 0:
             return "(no steps ran)"
         marks: dict[int, list[str]] = {}
-        for name, lr in (("steepest", self.lr_steepest), ("min loss", self.lr_min_loss),
-                         ("diverged", self.lr_diverged)):
+        for name, lr in (
+            ("steepest", self.lr_steepest),
+            ("min loss", self.lr_min_loss),
+            ("diverged", self.lr_diverged),
+        ):
             if lr is not None:
                 marks.setdefault(min(range(n), key=lambda i: abs(self.lrs[i] - lr)), []).append(name)
         stride = max(1, math.ceil(n / max(rows, 1)))
         idx = sorted(set(range(0, n, stride)) | {n - 1} | set(marks))
-        lines = [f"{'step':>5}  {'lr':>10}  {'loss':>10}  {'smoothed':>10}  note",
-                 f"{'-' * 5}  {'-' * 10}  {'-' * 10}  {'-' * 10}  ----"]
+        lines = [
+            f"{'step':>5}  {'lr':>10}  {'loss':>10}  {'smoothed':>10}  note",
+            f"{'-' * 5}  {'-' * 10}  {'-' * 10}  {'-' * 10}  ----",
+        ]
         for i in idx:
-            lines.append(f"{i:>5}  {self.lrs[i]:>10.3e}  {_fmt(self.losses[i])}  "
-                         f"{_fmt(self.smoothed[i])}  {', '.join(marks.get(i, []))}".rstrip())
+            lines.append(
+                f"{i:>5}  {self.lrs[i]:>10.3e}  {_fmt(self.losses[i])}  "
+                f"{_fmt(self.smoothed[i])}  {', '.join(marks.get(i, []))}".rstrip()
+            )
         return "\n".join(lines)
 
     def summary(self) -> str:
         """The suggestion in a few lines."""
-        out = [f"stopped: {self.stop_reason} after {self.iterations} steps"
-               + (f" (GradScaler skipped {self.skipped_steps})" if self.skipped_steps else "")]
+        out = [
+            f"stopped: {self.stop_reason} after {self.iterations} steps"
+            + (f" (GradScaler skipped {self.skipped_steps})" if self.skipped_steps else "")
+        ]
         if self.min_loss is None:
             out.append("no finite loss: no suggestion (is start_lr already too large?)")
         elif self.suggested_lr is None:
-            out.append(f"flat: the smoothed loss never fell {self.config.get('min_drop', 0):.0%} below "
-                       f"its initial {self.initial_loss:.4g}: no suggestion; sweep longer "
-                       f"(num_iter) or start higher (start_lr)")
+            out.append(
+                f"flat: the smoothed loss never fell {self.config.get('min_drop', 0):.0%} below "
+                f"its initial {self.initial_loss:.4g}: no suggestion; sweep longer "
+                f"(num_iter) or start higher (start_lr)"
+            )
         else:
-            out.append(f"suggested lr:   {self.suggested_lr:.3e}"
-                       + (" (steepest descent)" if self.lr_steepest is not None else " (min loss / 10)"))
-            out.append(f"min loss:       {self.min_loss:.4g} at lr {self.lr_min_loss:.3e} "
-                       f"(initial {self.initial_loss:.4g})")
+            out.append(
+                f"suggested lr:   {self.suggested_lr:.3e}"
+                + (" (steepest descent)" if self.lr_steepest is not None else " (min loss / 10)")
+            )
+            out.append(
+                f"min loss:       {self.min_loss:.4g} at lr {self.lr_min_loss:.3e} (initial {self.initial_loss:.4g})"
+            )
         if self.lr_diverged is not None:
             out.append(f"diverged at lr: {self.lr_diverged:.3e}")
         if self.cyclic_max_lr is not None:
-            out.append(f"cyclic range:   CyclicLR(base_lr={self.cyclic_base_lr:.3e}, "
-                       f"max_lr={self.cyclic_max_lr:.3e}, mode='triangular')")
+            out.append(
+                f"cyclic range:   CyclicLR(base_lr={self.cyclic_base_lr:.3e}, "
+                f"max_lr={self.cyclic_max_lr:.3e}, mode='triangular')"
+            )
         verdict = self.current_lr_too_large
         if verdict is True:
-            out.append(f"current lr {self.current_lr:.3e} is too large: the loss diverged at "
-                       f"{self.lr_diverged:.3e}")
+            out.append(f"current lr {self.current_lr:.3e} is too large: the loss diverged at {self.lr_diverged:.3e}")
         elif verdict is False and self.lr_diverged is not None:
             out.append(f"current lr {self.current_lr:.3e} is below the divergence point")
         elif verdict is False:
@@ -273,24 +319,25 @@ class LRFindResult:
         fig = Figure(figsize=(7, 4), dpi=96)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
-        fin = [(lr, l) for lr, l in zip(self.lrs, self.losses) if math.isfinite(l)]
+        fin = [(lr, loss) for lr, loss in zip(self.lrs, self.losses) if math.isfinite(loss)]
         if fin:
             ax.plot(*zip(*fin), color="#bbbbbb", lw=1, label="loss")
         sm = [(lr, s) for lr, s in zip(self.lrs, self.smoothed) if math.isfinite(s)]
         if sm:
             ax.plot(*zip(*sm), color="black", lw=1.6, label="smoothed")
-        for lr, name, color in ((self.suggested_lr, "suggested", "#2ca02c"),
-                                (self.lr_min_loss, "min loss", "#1f77b4"),
-                                (self.lr_diverged, "diverged", "#d62728")):
+        for lr, name, color in (
+            (self.suggested_lr, "suggested", "#2ca02c"),
+            (self.lr_min_loss, "min loss", "#1f77b4"),
+            (self.lr_diverged, "diverged", "#d62728"),
+        ):
             if lr is not None:
                 ax.axvline(lr, color=color, ls="--", lw=1, label=f"{name} {lr:.2e}")
         if self.cyclic_base_lr is not None:
-            ax.axvspan(self.cyclic_base_lr, self.cyclic_max_lr, color="#ff9f1c", alpha=0.2,
-                       label="cyclic range")
+            ax.axvspan(self.cyclic_base_lr, self.cyclic_max_lr, color="#ff9f1c", alpha=0.2, label="cyclic range")
         if self.config.get("mode", "exp") == "exp":
             ax.set_xscale("log")
         if sm:  # keep the plot readable: clip the y range at a few times the initial loss
-            lo = min([s for _, s in sm] + [l for _, l in fin])
+            lo = min([s for _, s in sm] + [loss for _, loss in fin])
             hi = max(s for _, s in sm[: max(1, len(sm) // 10)])
             span = max(hi - lo, abs(lo) * 0.05, 1e-12)
             ax.set_ylim(lo - 0.1 * span, hi + 1.5 * span)
@@ -303,7 +350,7 @@ class LRFindResult:
 
 
 def _fmt(x: float) -> str:
-    return f"{x:>10.4g}" if math.isfinite(x) else f"{str(x):>10}"
+    return f"{x:>10.4g}" if math.isfinite(x) else f"{x!s:>10}"
 
 
 def _json_safe(v: Any) -> Any:
@@ -320,13 +367,13 @@ def _json_safe(v: Any) -> Any:
 # Snapshot / restore: the sweep leaves no trace
 # --------------------------------------------------------------------------------------------
 
+
 class _Snapshot:
     """Everything the sweep may change, copied: parameters (the model's and the optimizer's),
     their .grad, every buffer (persistent or not), the optimizer state and param groups, the
     GradScaler, the torch RNG (CPU and CUDA), each module's training flag."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: Optional[torch.amp.GradScaler]):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None):
         tensors: dict[int, torch.Tensor] = {}
         for p in model.parameters():
             tensors[id(p)] = p
@@ -337,16 +384,16 @@ class _Snapshot:
             tensors[id(b)] = b
         with torch.no_grad():
             self.values = [(t, t.detach().clone()) for t in tensors.values()]
-            self.grads = [(t, None if t.grad is None else t.grad.detach().clone())
-                          for t in tensors.values()]
+            self.grads = [(t, None if t.grad is None else t.grad.detach().clone()) for t in tensors.values()]
         self.optimizer = copy_tree(optimizer.state_dict())
         self.scaler = copy_tree(scaler.state_dict()) if scaler is not None else None
         self.modes = [(m, m.training) for m in model.modules()]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                scaler: Optional[torch.amp.GradScaler]) -> None:
+    def restore(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> None:
         with torch.no_grad():
             for t, v in self.values:
                 t.copy_(v)
@@ -366,6 +413,7 @@ class _Snapshot:
 # The sweep
 # --------------------------------------------------------------------------------------------
 
+
 def _check_args(model, optimizer, loader, loss_fn, weights, scaler, autocast_dtype) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -376,8 +424,7 @@ def _check_args(model, optimizer, loader, loss_fn, weights, scaler, autocast_dty
     except TypeError:
         raise ValueError(f"loader: expected an iterable of batches, got {type(loader).__name__}") from None
     if not callable(loss_fn):
-        raise ValueError(f"loss_fn: expected a callable loss_fn(model, batch) -> loss, "
-                         f"got {type(loss_fn).__name__}")
+        raise ValueError(f"loss_fn: expected a callable loss_fn(model, batch) -> loss, got {type(loss_fn).__name__}")
     if weights is not None:
         if not isinstance(weights, Mapping):
             raise ValueError(f"weights: expected a dict {{component: weight}}, got {type(weights).__name__}")
@@ -387,13 +434,12 @@ def _check_args(model, optimizer, loader, loss_fn, weights, scaler, autocast_dty
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ValueError(f"scaler: expected a torch.amp.GradScaler or None, got {type(scaler).__name__}")
     if autocast_dtype is not None and autocast_dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"autocast_dtype: expected torch.float16, torch.bfloat16 or None, "
-                         f"got {autocast_dtype!r}")
+        raise ValueError(f"autocast_dtype: expected torch.float16, torch.bfloat16 or None, got {autocast_dtype!r}")
     if not any(len(g["params"]) for g in optimizer.param_groups):
         raise ValueError("optimizer: has no parameters")
 
 
-def _total(out: Any, weights: Optional[Mapping[str, float]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _total(out: Any, weights: Mapping[str, float] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """loss_fn's output -> (weighted total, {component: loss}) ; validates it."""
     if isinstance(out, torch.Tensor):
         if out.numel() != 1:
@@ -411,8 +457,9 @@ def _total(out: Any, weights: Optional[Mapping[str, float]]) -> tuple[torch.Tens
             missing = sorted(set(out) - set(weights))
             extra = sorted(set(weights) - set(out))
             if missing or extra:
-                raise ValueError(f"weights: keys must match loss_fn's components {sorted(out)}; "
-                                 f"missing {missing}, unknown {extra}")
+                raise ValueError(
+                    f"weights: keys must match loss_fn's components {sorted(out)}; missing {missing}, unknown {extra}"
+                )
         comps = {str(k): v.reshape(()) for k, v in out.items()}
         total = sum(v.float() * (1.0 if weights is None else float(weights[k])) for k, v in comps.items())
         return total, comps
@@ -441,16 +488,30 @@ class _Batches:
             raise ValueError("loader: yielded no batches") from None
 
 
-def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable,
-            loss_fn: Callable[[torch.nn.Module, Any], "torch.Tensor | Mapping[str, torch.Tensor]"], *,
-            start_lr: float = 1e-7, end_lr: float = 10.0, num_iter: int = 100, mode: str = "exp",
-            smoothing: float = 0.95, diverge_factor: float = 10.0, diverge_reference: str = "best",
-            accumulation: int = 1, max_grad_norm: float = 0.0,
-            skip_start: float = 0.1, slope_window: float = 0.05, min_drop: float = 0.02,
-            weights: Optional[Mapping[str, float]] = None,
-            scaler: Optional[torch.amp.GradScaler] = None,
-            autocast_dtype: Optional[torch.dtype] = None,
-            out_dir: Optional[str] = None, plot: bool = True) -> LRFindResult:
+def lr_find(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: Iterable,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor | Mapping[str, torch.Tensor]],
+    *,
+    start_lr: float = 1e-7,
+    end_lr: float = 10.0,
+    num_iter: int = 100,
+    mode: str = "exp",
+    smoothing: float = 0.95,
+    diverge_factor: float = 10.0,
+    diverge_reference: str = "best",
+    accumulation: int = 1,
+    max_grad_norm: float = 0.0,
+    skip_start: float = 0.1,
+    slope_window: float = 0.05,
+    min_drop: float = 0.02,
+    weights: Mapping[str, float] | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    out_dir: str | None = None,
+    plot: bool = True,
+) -> LRFindResult:
     """LR range test; see the module docstring. Returns an ``LRFindResult``.
 
     ``loss_fn(model, batch)`` returns a scalar loss tensor or a dict of them (summed, times
@@ -460,15 +521,27 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: It
     scaler, the torch RNG and train/eval modes are restored bit-exactly afterwards, also when
     loss_fn raises. Bad arguments raise ValueError naming the argument.
     """
-    cfg = LRFindConfig(start_lr=start_lr, end_lr=end_lr, num_iter=num_iter, mode=mode,
-                       smoothing=smoothing, diverge_factor=diverge_factor,
-                       diverge_reference=diverge_reference, accumulation=accumulation,
-                       max_grad_norm=max_grad_norm, skip_start=skip_start,
-                       slope_window=slope_window, min_drop=min_drop)
+    cfg = LRFindConfig(
+        start_lr=start_lr,
+        end_lr=end_lr,
+        num_iter=num_iter,
+        mode=mode,
+        smoothing=smoothing,
+        diverge_factor=diverge_factor,
+        diverge_reference=diverge_reference,
+        accumulation=accumulation,
+        max_grad_norm=max_grad_norm,
+        skip_start=skip_start,
+        slope_window=slope_window,
+        min_drop=min_drop,
+    )
     _check_args(model, optimizer, loader, loss_fn, weights, scaler, autocast_dtype)
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
-        warnings.warn("lr_find: the optimizer has step hooks (an attached sfmonitor.Monitor?); they "
-                      "will see the sweep's steps. Run lr_find before attaching.", stacklevel=2)
+        warnings.warn(
+            "lr_find: the optimizer has step hooks (an attached sfmonitor.Monitor?); they "
+            "will see the sweep's steps. Run lr_find before attaching.",
+            stacklevel=2,
+        )
 
     t0 = time.perf_counter()
     snapshot = _Snapshot(model, optimizer, scaler)
@@ -482,8 +555,7 @@ def lr_find(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: It
     return result
 
 
-def _sweep(model, optimizer, loader, loss_fn, cfg: LRFindConfig, weights, scaler,
-           autocast_dtype) -> LRFindResult:
+def _sweep(model, optimizer, loader, loss_fn, cfg: LRFindConfig, weights, scaler, autocast_dtype) -> LRFindResult:
     groups = optimizer.param_groups
     base = [float(g["lr"]) for g in groups]
     top = max(base)
@@ -491,8 +563,7 @@ def _sweep(model, optimizer, loader, loss_fn, cfg: LRFindConfig, weights, scaler
     ratios = [b / top if top > 0 else 1.0 for b in base]
     params = [p for g in groups for p in g["params"]]
     device = params[0].device
-    amp = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
+    amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     use_scaler = scaler is not None and scaler.is_enabled()
 
     batches = _Batches(loader)
@@ -560,15 +631,36 @@ def _sweep(model, optimizer, loader, loss_fn, cfg: LRFindConfig, weights, scaler
     return _analyse(cfg, lrs, losses, smoothed, components, stop, skipped, top)
 
 
-def _analyse(cfg: LRFindConfig, lrs: list[float], losses: list[float], smoothed: list[float],
-             components: dict[str, list[float]], stop: str, skipped: int,
-             current_lr: float) -> LRFindResult:
+def _analyse(
+    cfg: LRFindConfig,
+    lrs: list[float],
+    losses: list[float],
+    smoothed: list[float],
+    components: dict[str, list[float]],
+    stop: str,
+    skipped: int,
+    current_lr: float,
+) -> LRFindResult:
     finite = [i for i, s in enumerate(smoothed) if math.isfinite(s)]
     lr_diverged = lrs[-1] if stop in (STOP_DIVERGED, STOP_NONFINITE) and lrs else None
-    res = dict(lrs=lrs, losses=losses, smoothed=smoothed, components=components, stop_reason=stop,
-               lr_diverged=lr_diverged, current_lr=current_lr, skipped_steps=skipped,
-               config=cfg.to_dict(), suggested_lr=None, lr_steepest=None, lr_min_loss=None,
-               cyclic_base_lr=None, cyclic_max_lr=None, initial_loss=None, min_loss=None)
+    res = dict(
+        lrs=lrs,
+        losses=losses,
+        smoothed=smoothed,
+        components=components,
+        stop_reason=stop,
+        lr_diverged=lr_diverged,
+        current_lr=current_lr,
+        skipped_steps=skipped,
+        config=cfg.to_dict(),
+        suggested_lr=None,
+        lr_steepest=None,
+        lr_min_loss=None,
+        cyclic_base_lr=None,
+        cyclic_max_lr=None,
+        initial_loss=None,
+        min_loss=None,
+    )
     if not finite:
         return LRFindResult(**res)
     i_min = min(finite, key=lambda i: smoothed[i])

@@ -17,6 +17,7 @@ non-finite value as an ``x`` on the top edge of its chart; then a table of event
 Plots are PNGs embedded as base64: the file needs nothing else to open. matplotlib is imported
 only here (``pip install 'sfmonitor[report]'``), without pyplot, so no global backend changes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,16 +37,16 @@ from ..events import SFMonitorError
 from ..sinks.jsonl import EVENTS_FILE, METRICS_FILE, scan_jsonl
 
 INSTALL_HINT = "pip install 'sfmonitor[report]'"
-REPORT_FILE = "report.html"     # default output: RUN_DIR/report.html
-FP16_MAX = 65504.0              # largest finite float16: activations above it overflow to inf
-MAX_LEGEND = 12                 # series named in a legend; the rest are drawn unnamed
-MAX_TABLE_EVENTS = 2000         # rows of the events table (the counts above it cover all)
-ACTION_COLOR = "#d62728"        # event that triggered an action
-REPORTED_COLOR = "#ff9f1c"      # event reported only
+REPORT_FILE = "report.html"  # default output: RUN_DIR/report.html
+FP16_MAX = 65504.0  # largest finite float16: activations above it overflow to inf
+MAX_LEGEND = 12  # series named in a legend; the rest are drawn unnamed
+MAX_TABLE_EVENTS = 2000  # rows of the events table (the counts above it cover all)
+ACTION_COLOR = "#d62728"  # event that triggered an action
+REPORTED_COLOR = "#ff9f1c"  # event reported only
 NON_RECORD_KEYS = ("step", "time")
-MAX_STEP = 2 ** 53                # steps beyond this are no optimizer steps (and lose precision)
-MAX_LISTED = 20                   # line numbers / keys named in a warning
-TOTAL_SUFFIX = "/total"         # loss/total, grad_norm/total: drawn black and thicker
+MAX_STEP = 2**53  # steps beyond this are no optimizer steps (and lose precision)
+MAX_LISTED = 20  # line numbers / keys named in a warning
+TOTAL_SUFFIX = "/total"  # loss/total, grad_norm/total: drawn black and thicker
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Panel:
     prefixes: tuple[str, ...]
     log: bool = False
     log2: bool = False
-    twin_prefixes: tuple[str, ...] = ()   # drawn dashed on a right-hand axis
+    twin_prefixes: tuple[str, ...] = ()  # drawn dashed on a right-hand axis
     twin_label: str = ""
     hline: tuple[float, str] | None = None  # (value, label) reference line
 
@@ -65,8 +66,13 @@ PANELS = (
     Panel("Loss components", ("loss/",), twin_prefixes=("loss_weight/",), twin_label="loss weight"),
     Panel("Gradient norm by group", ("grad_norm/",), log=True),
     Panel("Update ratio by group (|dθ| / |θ| per step)", ("update_ratio/",), log=True),
-    Panel("Loss scale and skipped steps", ("amp/loss_scale",), log2=True,
-          twin_prefixes=("amp/skipped_steps",), twin_label="skipped steps (cumulative)"),
+    Panel(
+        "Loss scale and skipped steps",
+        ("amp/loss_scale",),
+        log2=True,
+        twin_prefixes=("amp/skipped_steps",),
+        twin_label="skipped steps (cumulative)",
+    ),
     Panel("Activation max by module", ("act_absmax/",), log=True, hline=(FP16_MAX, "fp16 max 65504")),
     Panel("Loss and gradient ratios between components", ("loss_ratio/", "grad_ratio/"), log=True),
     Panel("Learning rate", ("lr/",), log=True),
@@ -132,8 +138,10 @@ def load_run(run_dir: str) -> dict[str, Any]:
         raise ReportError(f"{run_dir!r} is not a folder")
     mpath = os.path.join(run_dir, METRICS_FILE)
     if not os.path.exists(mpath):
-        raise ReportError(f"{run_dir!r} has no {METRICS_FILE}: not a run folder written by the "
-                          f"JSONL sink (Monitor(run_dir=..., sinks=['jsonl']))")
+        raise ReportError(
+            f"{run_dir!r} has no {METRICS_FILE}: not a run folder written by the "
+            f"JSONL sink (Monitor(run_dir=..., sinks=['jsonl']))"
+        )
     epath = os.path.join(run_dir, EVENTS_FILE)
     mscan, escan = _scan(mpath), _scan(epath)
     bad: dict[str, list[int]] = {METRICS_FILE: list(mscan.bad_lines), EVENTS_FILE: list(escan.bad_lines)}
@@ -162,9 +170,10 @@ def load_run(run_dir: str) -> dict[str, Any]:
             v_list.append(v)
     if not steps:
         skipped = len(bad[METRICS_FILE])
-        raise ReportError(f"{mpath!r} holds no complete metrics line"
-                          + (f" ({skipped} line{'s' if skipped != 1 else ''} could not be read)"
-                             if skipped else ""))
+        raise ReportError(
+            f"{mpath!r} holds no complete metrics line"
+            + (f" ({skipped} line{'s' if skipped != 1 else ''} could not be read)" if skipped else "")
+        )
     events = []
     for ev, lineno in zip(escan.records, escan.lines):
         step, actions = _step(ev.get("step")), _actions(ev.get("actions"))
@@ -172,11 +181,17 @@ def load_run(run_dir: str) -> dict[str, Any]:
             bad[EVENTS_FILE].append(lineno)
             continue
         events.append({**ev, "step": step, "actions": actions})
-    return {"run_dir": run_dir, "series": series, "events": events, "steps": steps, "times": times,
-            "cut": [name for name, sc in ((METRICS_FILE, mscan), (EVENTS_FILE, escan)) if sc.cut],
-            "bad_lines": {name: len(v) for name, v in bad.items() if v},
-            "bad_line_numbers": {name: sorted(v) for name, v in bad.items() if v},
-            "non_numeric": dict(non_numeric)}
+    return {
+        "run_dir": run_dir,
+        "series": series,
+        "events": events,
+        "steps": steps,
+        "times": times,
+        "cut": [name for name, sc in ((METRICS_FILE, mscan), (EVENTS_FILE, escan)) if sc.cut],
+        "bad_lines": {name: len(v) for name, v in bad.items() if v},
+        "bad_line_numbers": {name: sorted(v) for name, v in bad.items() if v},
+        "non_numeric": dict(non_numeric),
+    }
 
 
 def _keys_for(series: dict, prefixes: tuple[str, ...]) -> list[str]:
@@ -187,9 +202,14 @@ def _keys_for(series: dict, prefixes: tuple[str, ...]) -> list[str]:
 
 def _mark_events(ax, events: list[dict]) -> None:
     for ev in events:
-        ax.axvline(ev["step"], color=ACTION_COLOR if ev["actions"] else REPORTED_COLOR,
-                   lw=1.1 if ev["actions"] else 0.8, ls="-" if ev["actions"] else "--",
-                   alpha=0.75, zorder=0)
+        ax.axvline(
+            ev["step"],
+            color=ACTION_COLOR if ev["actions"] else REPORTED_COLOR,
+            lw=1.1 if ev["actions"] else 0.8,
+            ls="-" if ev["actions"] else "--",
+            alpha=0.75,
+            zorder=0,
+        )
 
 
 def _draw_series(ax, series: dict, keys: list[str], style: str = "-", named: bool = True) -> list:
@@ -211,8 +231,16 @@ def _draw_series(ax, series: dict, keys: list[str], style: str = "-", named: boo
             (ln,) = ax.plot([], [], style, label=label)
         bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
         if bad:
-            ax.plot(bad, [0.98] * len(bad), "x", color=ln.get_color(), ms=7, mew=2,
-                    transform=ax.get_xaxis_transform(), clip_on=False)
+            ax.plot(
+                bad,
+                [0.98] * len(bad),
+                "x",
+                color=ln.get_color(),
+                ms=7,
+                mew=2,
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+            )
         lines.append(ln)
     return lines
 
@@ -245,8 +273,9 @@ def _panel_png(panel: Panel, run: dict[str, Any]) -> str | None:
         ax.set_yscale("log")
     if panel.hline is not None and keys:
         ax.axhline(panel.hline[0], color="black", lw=0.8, ls=":")
-        ax.text(0.005, panel.hline[0], " " + panel.hline[1], transform=ax.get_yaxis_transform(),
-                va="bottom", fontsize=7)
+        ax.text(
+            0.005, panel.hline[0], " " + panel.hline[1], transform=ax.get_yaxis_transform(), va="bottom", fontsize=7
+        )
     if twin_keys:
         ax2 = ax.twinx()
         ax2.set_prop_cycle(color=["#7f7f7f", "#8c564b", "#e377c2", "#17becf", "#bcbd22"])
@@ -266,8 +295,14 @@ def _panel_png(panel: Panel, run: dict[str, Any]) -> str | None:
     if any(not math.isfinite(v) for k in keys + twin_keys for v in series[k][1]):
         extra.append(Line2D([], [], color="black", marker="x", ls="", label="non-finite value"))
     named = [h for h in handles if h.get_label() and not h.get_label().startswith("_")]
-    ax.legend(handles=named + extra, fontsize=7, loc="upper left", bbox_to_anchor=(1.09 if twin_keys
-              else 1.01, 1.0), borderaxespad=0.0, frameon=False)
+    ax.legend(
+        handles=named + extra,
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.09 if twin_keys else 1.01, 1.0),
+        borderaxespad=0.0,
+        frameon=False,
+    )
     fig.subplots_adjust(left=0.07, right=0.74, top=0.88, bottom=0.15)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -289,8 +324,7 @@ def _counts_table(title: str, counts: Counter) -> str:
     if not counts:
         return f"<p class='meta'>{html.escape(title)}: none</p>"
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{n}</td></tr>" for k, n in counts.most_common())
-    return (f"<table class='counts'><tr><th>{html.escape(title)}</th><th>count</th></tr>"
-            f"{rows}</table>")
+    return f"<table class='counts'><tr><th>{html.escape(title)}</th><th>count</th></tr>{rows}</table>"
 
 
 def _event_rows(events: list[dict]) -> str:
@@ -300,15 +334,19 @@ def _event_rows(events: list[dict]) -> str:
         if len(data) > 400:
             data = data[:400] + " ..."
         cls = " class='act'" if ev["actions"] else ""
-        rows.append(f"<tr{cls}><td>{ev['step']}</td><td>{html.escape(str(ev.get('kind', '')))}</td>"
-                    f"<td>{html.escape(str(ev.get('message', '')))}</td>"
-                    f"<td>{html.escape(', '.join(map(str, ev['actions']))) or '-'}</td>"
-                    f"<td><code>{html.escape(data)}</code></td></tr>")
+        rows.append(
+            f"<tr{cls}><td>{ev['step']}</td><td>{html.escape(str(ev.get('kind', '')))}</td>"
+            f"<td>{html.escape(str(ev.get('message', '')))}</td>"
+            f"<td>{html.escape(', '.join(map(str, ev['actions']))) or '-'}</td>"
+            f"<td><code>{html.escape(data)}</code></td></tr>"
+        )
     more = ""
     if len(events) > MAX_TABLE_EVENTS:
         more = f"<p class='meta'>... and {len(events) - MAX_TABLE_EVENTS} more events (see events.jsonl)</p>"
-    return ("<table><tr><th>step</th><th>kind</th><th>message (cause)</th><th>actions</th>"
-            f"<th>data</th></tr>{''.join(rows)}</table>{more}")
+    return (
+        "<table><tr><th>step</th><th>kind</th><th>message (cause)</th><th>actions</th>"
+        f"<th>data</th></tr>{''.join(rows)}</table>{more}"
+    )
 
 
 def _last_finite(series: dict, key: str) -> str:
@@ -329,41 +367,63 @@ def build_html(run: dict[str, Any]) -> str:
     span = ""
     if len(run["times"]) >= 2 and run["times"][-1] - run["times"][0] >= 0.05:
         span = f", {run['times'][-1] - run['times'][0]:.1f} s of training"
-    parts.append(f"<p class='meta'>{html.escape(os.path.abspath(run['run_dir']))}<br>"
-                 f"{len(steps)} logged steps (optimizer steps {min(steps)}..{max(steps)}){span}; "
-                 f"{len(events)} events, {sum(actions.values())} actions; "
-                 f"final loss/total {_last_finite(run['series'], 'loss/total')}, "
-                 f"grad_norm/total {_last_finite(run['series'], 'grad_norm/total')}<br>"
-                 f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>")
+    parts.append(
+        f"<p class='meta'>{html.escape(os.path.abspath(run['run_dir']))}<br>"
+        f"{len(steps)} logged steps (optimizer steps {min(steps)}..{max(steps)}){span}; "
+        f"{len(events)} events, {sum(actions.values())} actions; "
+        f"final loss/total {_last_finite(run['series'], 'loss/total')}, "
+        f"grad_norm/total {_last_finite(run['series'], 'grad_norm/total')}<br>"
+        f"generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>"
+    )
     for fname in run["cut"]:
-        parts.append(f"<div class='warn'>{html.escape(fname)} ends in a cut line: the run stopped "
-                     f"while writing it (crash or kill). The report shows everything up to the last "
-                     f"complete line.</div>")
+        parts.append(
+            f"<div class='warn'>{html.escape(fname)} ends in a cut line: the run stopped "
+            f"while writing it (crash or kill). The report shows everything up to the last "
+            f"complete line.</div>"
+        )
     for fname, numbers in run.get("bad_line_numbers", {}).items():
         n = len(numbers)
         listed = ", ".join(map(str, numbers[:MAX_LISTED])) + (" ..." if n > MAX_LISTED else "")
-        parts.append(f"<div class='warn'>{n} line{'s' if n != 1 else ''} of {html.escape(fname)} "
-                     f"could not be read and {'were' if n != 1 else 'was'} skipped "
-                     f"(line{'s' if n != 1 else ''} {listed}): not a UTF-8 JSON object with a "
-                     f"valid step. Everything else is shown.</div>")
+        parts.append(
+            f"<div class='warn'>{n} line{'s' if n != 1 else ''} of {html.escape(fname)} "
+            f"could not be read and {'were' if n != 1 else 'was'} skipped "
+            f"(line{'s' if n != 1 else ''} {listed}): not a UTF-8 JSON object with a "
+            f"valid step. Everything else is shown.</div>"
+        )
     non_numeric = run.get("non_numeric") or {}
     if non_numeric:
         n = sum(non_numeric.values())
         keys = sorted(non_numeric)
         listed = ", ".join(keys[:MAX_LISTED]) + (" ..." if len(keys) > MAX_LISTED else "")
-        parts.append(f"<div class='warn'>{n} value{'s' if n != 1 else ''} that "
-                     f"{'are' if n != 1 else 'is'} not {'numbers' if n != 1 else 'a number'} "
-                     f"{'were' if n != 1 else 'was'} left out ({html.escape(listed)}).</div>")
-    nonfinite = sorted({s for k in ("loss/total", "grad_norm/total") if k in run["series"]
-                        for s, v in zip(*run["series"][k]) if not math.isfinite(v)})
+        parts.append(
+            f"<div class='warn'>{n} value{'s' if n != 1 else ''} that "
+            f"{'are' if n != 1 else 'is'} not {'numbers' if n != 1 else 'a number'} "
+            f"{'were' if n != 1 else 'was'} left out ({html.escape(listed)}).</div>"
+        )
+    nonfinite = sorted(
+        {
+            s
+            for k in ("loss/total", "grad_norm/total")
+            if k in run["series"]
+            for s, v in zip(*run["series"][k])
+            if not math.isfinite(v)
+        }
+    )
     if nonfinite:
         shown = ", ".join(map(str, nonfinite[:20])) + (" ..." if len(nonfinite) > 20 else "")
-        parts.append(f"<div class='warn'>non-finite loss or gradient norm at step{'s' if len(nonfinite) > 1 else ''} {shown}</div>")
-    parts.append("<div style='display:flex;gap:24px;flex-wrap:wrap'>"
-                 f"{_counts_table('event kind', kinds)}{_counts_table('action', actions)}</div>")
-    parts.append("<h2>Charts</h2><p class='meta'>x axis: optimizer step. Vertical lines: events "
-                 "(solid red: an action was taken; dashed amber: reported only). x on the top edge: "
-                 "a non-finite value (NaN/inf) of that series.</p>")
+        parts.append(
+            f"<div class='warn'>non-finite loss or gradient norm at "
+            f"step{'s' if len(nonfinite) > 1 else ''} {shown}</div>"
+        )
+    parts.append(
+        "<div style='display:flex;gap:24px;flex-wrap:wrap'>"
+        f"{_counts_table('event kind', kinds)}{_counts_table('action', actions)}</div>"
+    )
+    parts.append(
+        "<h2>Charts</h2><p class='meta'>x axis: optimizer step. Vertical lines: events "
+        "(solid red: an action was taken; dashed amber: reported only). x on the top edge: "
+        "a non-finite value (NaN/inf) of that series.</p>"
+    )
     missing = []
     for panel in PANELS:
         png = _panel_png(panel, run)
@@ -375,9 +435,11 @@ def build_html(run: dict[str, Any]) -> str:
         parts.append(f"<p class='missing'>not recorded in this run: {html.escape('; '.join(missing))}</p>")
     parts.append(f"<h2>Events and actions ({len(events)})</h2>")
     parts.append(_event_rows(events) if events else "<p class='meta'>no events: a quiet run</p>")
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
-            f"<title>sfmonitor report: {html.escape(name)}</title><style>{CSS}</style></head>"
-            f"<body>{''.join(parts)}</body></html>")
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>sfmonitor report: {html.escape(name)}</title><style>{CSS}</style></head>"
+        f"<body>{''.join(parts)}</body></html>"
+    )
 
 
 def render_report(run_dir: str | os.PathLike, out_path: str | os.PathLike | None = None) -> str:
@@ -398,11 +460,11 @@ def render_report(run_dir: str | os.PathLike, out_path: str | os.PathLike | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sfmonitor report",
-                                     description="Render RUN_DIR's JSONL logs as one HTML file.")
+    parser = argparse.ArgumentParser(
+        prog="sfmonitor report", description="Render RUN_DIR's JSONL logs as one HTML file."
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="folder holding metrics.jsonl and events.jsonl")
-    parser.add_argument("-o", "--output", default=None,
-                        help=f"output HTML file (default: RUN_DIR/{REPORT_FILE})")
+    parser.add_argument("-o", "--output", default=None, help=f"output HTML file (default: RUN_DIR/{REPORT_FILE})")
     args = parser.parse_args(argv)
     try:
         path = render_report(args.run_dir, args.output)
