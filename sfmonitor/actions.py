@@ -198,6 +198,14 @@ class CheckpointConfig(Section):
     subdir: str = option("checkpoints", "folder under run_dir")
     keep: int = option(3, "emergency checkpoints kept (older ones are deleted)", lo=1)
 
+    def validate(self) -> None:
+        parts = self.subdir.replace("\\", "/").split("/")
+        if not self.subdir or os.path.isabs(self.subdir) or self.subdir[0] in "/\\" or ".." in parts:
+            raise ConfigError(
+                f"{self._prefix}subdir: expected a relative folder inside run_dir "
+                f"(no absolute path, no '..'), got {self.subdir!r}"
+            )
+
 
 @dataclass
 class GradNoiseConfig(Section):
@@ -224,6 +232,17 @@ class StopConfig(Section):
     graceful_kinds: list[str] = option(
         [PLATEAU], "causes that only set monitor.should_stop instead of raising StopTraining (early stopping)"
     )
+
+    def validate(self) -> None:
+        from . import events  # EVENT_KINDS: the kinds registered now (a user's own kinds included)
+
+        known = tuple(events.EVENT_KINDS)
+        for i, kind in enumerate(self.graceful_kinds):
+            if kind not in known:
+                raise ConfigError(
+                    f"{self._prefix}graceful_kinds[{i}]: {kind!r} is not an event kind; "
+                    f"known kinds: {', '.join(sorted(known))}"
+                )
 
 
 class ActionsConfig(SectionTable):
@@ -609,6 +628,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         }
     label, state = snap
     restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=cfg.restore_rng)
+    assert ctx.snapshots is not None  # snap came from it
     ctx.snapshots.discard_after(label)
     ctx.batches_to_skip += cfg.skip_batches
     return {
@@ -673,7 +693,7 @@ def grad_noise(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     std = grad_noise_std(epoch, cfg.eta, cfg.gamma)
     if ctx._noise_gen is None:
         ctx._noise_gen = torch.Generator().manual_seed(cfg.seed)
-    grads = [p.grad for ps in ctx.params_with_grad().values() for p in ps]
+    grads = [p.grad for ps in ctx.params_with_grad().values() for p in ps if p.grad is not None]
     noise = [torch.randn(g.shape, generator=ctx._noise_gen).to(device=g.device, dtype=g.dtype) for g in grads]
     if grads:
         torch._foreach_add_(grads, noise, alpha=std)

@@ -487,7 +487,7 @@ class UpdateRatioSpike(_Windowed):
             if value > limit:
                 group = key[len(UPDATE_RATIO_PREFIX) :]
                 why = (
-                    f"{cfg.factor:g} x its rolling median {_fmt(med)}"
+                    f"{cfg.factor:g} x its rolling median {_fmt(med or 0.0)}"
                     if rel_limit <= cfg.ceiling
                     else f"the ceiling {cfg.ceiling:g}"
                 )

@@ -29,6 +29,8 @@ docs/design.md walks through one step from hook to sink.
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 import os
 import time
 import warnings
@@ -238,6 +240,12 @@ class Monitor:
     def attached(self) -> bool:
         return self.model is not None
 
+    def _live(self) -> A.ActionContext:
+        """The action context of the attached model and optimizer (what the pipeline works on)."""
+        if self._ctx is None:
+            raise RuntimeError("the monitor is not attached (call attach() first)")
+        return self._ctx
+
     def attach(
         self,
         model: nn.Module,
@@ -443,7 +451,7 @@ class Monitor:
             self._base_weights.update({k: float(weights[k]) for k in losses})
             self._weights.clear()
             self._weights.update(self._base_weights)
-        total = sum(self._weights[k] * v for k, v in losses.items())
+        total = functools.reduce(operator.add, [self._weights[k] * v for k, v in losses.items()])
         if rec.losses.count == 0 and self._grad_ratio_due():
             rec.grad_ratio = self._component_grad_stats(losses)
         rec.losses.add(losses, total, self._weights)
@@ -525,7 +533,7 @@ class Monitor:
                 "its actions would have no model to act on"
             )
         values = {k: float(v) for k, v in metrics.items()}
-        self._ctx.epoch += 1  # validations mark epochs (the gradient-noise decay counts them)
+        self._live().epoch += 1  # validations mark epochs (the gradient-noise decay counts them)
         findings = [f for d in self._detectors for f in d.observe_eval(self.step, values, chance)]
         return self._decide_and_act(self.step, findings, None)
 
@@ -618,7 +626,9 @@ class Monitor:
         # A healthy step starts from a good state to come back to: snapshot it, at the first
         # healthy step once `snapshot_every` steps have passed since the last snapshot.
         if all(f.handled_by_scaler for f in findings):
-            self._ctx.snapshots.maybe_take(step, self.model, self.optimizer, self.scaler, {"step": step})
+            ctx = self._live()
+            if ctx.snapshots is not None:
+                ctx.snapshots.maybe_take(step, ctx.model, ctx.optimizer, ctx.scaler, {"step": step})
 
         if self._bundle_next and self._writer:  # request_bundle(): this step, as it is now
             self._bundle_next = False
@@ -636,7 +646,7 @@ class Monitor:
     def _decide_and_act(self, step: int, findings: list[Finding], rec: StepRecord | None) -> list[Event]:
         """Stages 3-5 for a list of findings: policy -> actions -> one event per finding.
         ``rec``: the step in flight (None for findings of an evaluation, between steps)."""
-        ctx = self._ctx
+        ctx = self._live()
         outcomes = [Outcome(f) for f in findings]
         if rec is not None:
             rec.outcomes = outcomes
@@ -688,7 +698,7 @@ class Monitor:
                     break
             if rec is not None:
                 if ctx.skip:
-                    rec.hide_grads(self.optimizer)
+                    rec.hide_grads(ctx.optimizer)
                 relaxed = A.relax_weights(ctx)
                 if relaxed.get("restored"):
                     outcomes.append(
@@ -705,8 +715,8 @@ class Monitor:
                     )
                 # The LR scale (lr_drop) applies around this update only; the user's own LR and
                 # scheduler are put back when the step closes (see actions.py).
-                rec.saved_lr = A.apply_lr_scale(self.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
-                for i, pg in enumerate(self.optimizer.param_groups):
+                rec.saved_lr = A.apply_lr_scale(ctx.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
+                for i, pg in enumerate(ctx.optimizer.param_groups):
                     self._stats[S.LR.format(i)] = float(pg["lr"])
         finally:
             ctx.skip = False
@@ -773,8 +783,8 @@ class Monitor:
             self._ensure_run_dir(),
             step,
             kind,
-            model_state=unwrap(self.model).state_dict(),
-            optimizer_state=self.optimizer.state_dict(),
+            model_state=self._live().model.state_dict(),
+            optimizer_state=self._live().optimizer.state_dict(),
             batch=self._recorder.batches,
             stats=self._stats,
             event=event,
@@ -795,7 +805,9 @@ class Monitor:
             raise ConfigError("request_bundle: bundle.on_demand is false (or bundle.enabled is false)")
         self._bundle_next = True
 
-    def _collect_tensors(self, rec: StepRecord, grads: list[torch.Tensor | None]) -> tuple[dict[str, Any], list[int]]:
+    def _collect_tensors(
+        self, rec: StepRecord, grads: list[torch.Tensor | None]
+    ) -> tuple[dict[str, Any], tuple[int, ...]]:
         """All values of the step as 0-d tensors (or Python numbers); nothing is read here.
         Returns them and the indices of the parameters that have a gradient."""
         out: dict[str, Any] = {}
@@ -814,7 +826,8 @@ class Monitor:
         per_group_p = S.group_norms(param_norms, self._param_group_t, len(self._group_names))
         for gi, g in enumerate(self._group_names):
             out[S.PARAM_NORM.format(g)] = per_group_p[gi]
-        for i, pg in enumerate(self.optimizer.param_groups):
+        optimizer = self._live().optimizer
+        for i, pg in enumerate(optimizer.param_groups):
             lr = pg["lr"]
             out[S.LR.format(i)] = lr if isinstance(lr, torch.Tensor) else float(lr)
         out.update(rec.grad_ratio)
@@ -822,7 +835,7 @@ class Monitor:
             scale = self.scaler._scale
             out[S.AMP_LOSS_SCALE] = scale if scale is not None else float(self.scaler.get_scale())
             out[S.AMP_SKIPPED] = float(self._amp_skipped)
-            found = self.scaler._per_optimizer_states[id(self.optimizer)].get("found_inf_per_device", {})
+            found = self.scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
             if found:
                 out[S.AMP_FOUND_INF] = sum(v.to(next(iter(found.values())).device) for v in found.values())
         # Which gradients / parameters are non-finite: first index, count (resolved at the read).
@@ -906,7 +919,7 @@ class Monitor:
             rec.phase = Phase.ABORTED if aborted else Phase.LANDED
             if rec.scaler_skips and not aborted:
                 self._amp_skipped += 1
-            if rec.before_params is not None:
+            if rec.before_params is not None and rec.before_norms is not None:
                 if rec.update_landed:
                     upd = S.update_norms_(rec.before_params, [p.detach() for p in self._params])
                     per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))

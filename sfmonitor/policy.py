@@ -160,7 +160,7 @@ class Policy:
             count = last[1]
         else:
             near = last is not None and (ladder.window == 0 or step - last[0] <= ladder.window)
-            count = last[1] + 1 if near else 1
+            count = last[1] + 1 if last is not None and near else 1
         if any(f.urgent for f in findings):
             acting = next((r.after for r in ladder.rungs if r.actions), None)
             if acting is not None:

@@ -197,7 +197,7 @@ def register_detector(
                 names.append(kind)
         DETECTORS[name] = DetectorSpec(name, c, config, tuple(names))
         if not getattr(c, "name", ""):
-            c.name = name
+            setattr(c, "name", name)  # noqa: B010 - any class may be registered, not only Detector
         return c
 
     return add(cls) if cls is not None else add

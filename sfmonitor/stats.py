@@ -31,7 +31,7 @@ import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -190,9 +190,9 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
         dtype = torch.float32 if device.type == "mps" else torch.float64
         vec = torch.stack(
             [
-                named[k].detach().reshape(()).to(dtype)
-                if isinstance(named[k], torch.Tensor)
-                else torch.tensor(float(named[k]), dtype=dtype).to(device, non_blocking=True)
+                v.detach().reshape(()).to(dtype)
+                if isinstance(v := named[k], torch.Tensor)
+                else torch.tensor(float(v), dtype=dtype).to(device, non_blocking=True)
                 for k in ks
             ]
         )
@@ -206,7 +206,7 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
     return {k: out[k] for k in named}
 
 
-def finite(x: Any) -> bool:
+def finite(x: Any) -> TypeGuard[float]:
     """A real number (not a bool, not None) that is neither NaN nor infinite."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 

@@ -369,7 +369,7 @@ class ActivationWatch:
             self._dtypes[name] = dtype
             out[ACT_ABSMAX_PREFIX + name] = rec.absmax[dtype]
             order.append(name)
-            bads.append(rec.first_bad)
+            bads.append(rec.first_bad if rec.first_bad is not None else torch.tensor(_NO_NONFINITE))
         self._order = order
         if bads:
             seqs = torch.stack(bads)
