@@ -151,12 +151,12 @@ class ReweightConfig(Section):
     relax_rate: float = option(
         0.05,
         "per step, once a/b <= t again, the weights move this fraction of "
-        "the way back to their base (our choice: ~60 steps to 95%)",
+        "the way back to their base (0.05: ~60 steps to 95%, slow enough not to undo a reweight the ratio still needs)",
         lo=0,
         hi=1,
         lo_open=True,
     )
-    min_weight: float = option(1e-3, "no weight goes below this (our choice)", lo=0)
+    min_weight: float = option(1e-3, "no weight goes below this, so no loss component is switched off entirely", lo=0)
 
 
 @dataclass
@@ -170,7 +170,13 @@ class LRDropConfig(Section):
         hi=1,
         lo_open=True,
     )
-    min_scale: float = option(1e-3, "the LR scale never goes below this (our choice)", lo=0, hi=1, lo_open=True)
+    min_scale: float = option(
+        1e-3,
+        "the LR scale never goes below this (1e-3: below three orders of magnitude a run no longer learns)",
+        lo=0,
+        hi=1,
+        lo_open=True,
+    )
     min_lr: float = option(0.0, "a dropped LR never goes below this (nor above the user's own LR)", lo=0)
 
 
@@ -179,7 +185,7 @@ class RollbackConfig(Section):
     """In-memory snapshots and rollback."""
 
     snapshot_every: int = option(
-        DEFAULT_SNAPSHOT_EVERY, "optimizer steps between CPU snapshots (issue 4: at most 50)", lo=1
+        DEFAULT_SNAPSHOT_EVERY, "optimizer steps between CPU snapshots (50: a rollback loses at most 50 steps)", lo=1
     )
     keep: int = option(DEFAULT_SNAPSHOT_KEEP, "snapshots kept in memory", lo=1)
     skip_batches: int = option(

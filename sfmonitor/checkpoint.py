@@ -44,8 +44,8 @@ __all__ = [
     "save_checkpoint",
 ]
 
-DEFAULT_SNAPSHOT_EVERY = 50  # issue 4: "an in-memory CPU snapshot taken every N steps (default <= 50)"
-DEFAULT_SNAPSHOT_KEEP = 3  # our choice: three CPU copies of model + optimizer is affordable for small models
+DEFAULT_SNAPSHOT_EVERY = 50  # a rollback loses at most 50 steps
+DEFAULT_SNAPSHOT_KEEP = 3  # three CPU copies of model + optimizer: affordable for small models
 
 # Keys of a captured state.
 MODEL, OPTIMIZER, SCALER, RNG, EXTRA = "model", "optimizer", "scaler", "rng", "extra"

@@ -96,8 +96,7 @@ class LossSpikeConfig(Section):
     warmup: int = option(25, "finite values collected before the first check (ZClip: 25 warm-up steps)", lo=2)
     min_sigma: float = option(
         0.01,
-        "floor on sigma of log(loss): a jump under z*min_sigma (6%) is never "
-        "a spike, however flat the curve (our choice)",
+        "floor on sigma of log(loss): a jump under z*min_sigma (6%) is never a spike, however flat the curve",
         lo=0,
     )
 
@@ -125,7 +124,7 @@ class GradSpikeConfig(Section):
         lo_open=True,
     )
     warmup: int = option(25, "finite values averaged before the first check (ZClip: 25 warm-up steps)", lo=2)
-    min_sigma: float = option(0.01, "floor on the EMA sigma of log(grad norm) (our choice)", lo=0)
+    min_sigma: float = option(0.01, "floor on the EMA sigma of log(grad norm): a 6% move is never a spike", lo=0)
 
 
 @dataclass
@@ -134,9 +133,7 @@ class UpdateRatioSpikeConfig(Section):
 
     enabled: bool = option(True, "watch update_ratio/<group> (judged one step later: after_update)")
     window: int = option(128, "rolling window in steps (as the loss window, OLMo-core: 128)", lo=8)
-    factor: float = option(
-        10.0, "fire above factor * rolling median (our choice: an order of magnitude)", lo=1, lo_open=True
-    )
+    factor: float = option(10.0, "fire above factor * rolling median (an order of magnitude)", lo=1, lo_open=True)
     ceiling: float = option(
         1000.0,
         "fire above this ratio whatever the history (the report: a ratio above 1000 marks a gradient explosion)",
@@ -168,12 +165,12 @@ class RatioImbalanceConfig(Section):
     )
     threshold: float = option(
         2.0,
-        "fire when a/b exceeds this (the report: L_v/L_f > 2, and trap 2: |dL_v/dtheta| > 2 |dL_f/dtheta|)",
+        "fire when a/b exceeds this (the report: L_v/L_f > 2, and its second trap: |dL_v/dtheta| > 2 |dL_f/dtheta|)",
         lo=1,
         lo_open=True,
     )
     patience: int = option(1, "consecutive observations above the threshold before firing", lo=1)
-    refire_every: int = option(100, "steps between findings while the imbalance persists (our choice)", lo=1)
+    refire_every: int = option(100, "steps between findings while the imbalance persists", lo=1)
     rearm_below: float = option(0.9, "re-arm once a/b < rearm_below * threshold (hysteresis)", lo=0, hi=1, lo_open=True)
 
     def validate(self) -> None:
@@ -202,11 +199,11 @@ class AccuracyCollapseConfig(Section):
     chance: float | None = option(None, "chance level when observe_eval() gives none (None: skip the check)")
     above_margin: float = option(
         0.1,
-        "'clearly above chance': accuracy >= chance + this, in the metric's own units (our choice)",
+        "'clearly above chance': accuracy >= chance + this, in the metric's own units",
         lo=0,
         lo_open=True,
     )
-    collapse_margin: float = option(0.02, "'at chance': accuracy <= chance + this (our choice)", lo=0)
+    collapse_margin: float = option(0.02, "'at chance': accuracy <= chance + this", lo=0)
 
     def validate(self) -> None:
         if self.collapse_margin >= self.above_margin:
@@ -583,7 +580,7 @@ class LossRatioImbalance(_RatioImbalance):
 
 @register_detector("grad_ratio_imbalance", config=RatioImbalanceConfig, kinds={GRAD_RATIO_IMBALANCE: [(1, [REWEIGHT])]})
 class GradRatioImbalance(_RatioImbalance):
-    """grad_ratio/<a>/<b> above 2 on shared parameters (the report's trap 2: conflicting gradients,
+    """grad_ratio/<a>/<b> above 2 on shared parameters (the field report's second trap: conflicting gradients,
     NaN followed with 87% probability). The key exists only on the steps the stats stage measures it."""
 
     kind = GRAD_RATIO_IMBALANCE

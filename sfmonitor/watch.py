@@ -1,4 +1,4 @@
-"""fp16 overflow watch and precision fallback (issue 5, the report's first trap).
+"""fp16 overflow watch and precision fallback (the field report's first trap, docs/reference_model.md).
 
 ``ActivationWatch`` records, on sampled optimizer steps, the largest |value| each watched module
 produces -- its outputs *and* the results of the matmul/softmax/exp-like ops computed inline in its

@@ -43,7 +43,7 @@ class Sink:
         """Called once on attach with the run folder (may be None) and the config as a dict."""
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """The statistics of optimizer step ``step`` (0-based), keys as in DESIGN.md."""
+        """The statistics of optimizer step ``step`` (0-based), keys as listed in ``sfmonitor.stats``."""
 
     def log_event(self, event: Event) -> None:
         """One event (a finding and the actions it triggered)."""

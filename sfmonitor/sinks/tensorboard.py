@@ -4,7 +4,7 @@ Writes with ``torch.utils.tensorboard.SummaryWriter`` into ``run_dir/tensorboard
 The writer opens on first use; ``tensorboard`` is imported only then
 (``pip install 'sfmonitor[tensorboard]'``).
 
-What lands where (tags are the statistic keys of DESIGN.md, optionally under ``prefix``):
+What lands where (tags are the statistic keys listed in ``sfmonitor.stats``, optionally under ``prefix``):
 
 =====================================  ==========================================================
 tag                                    content
@@ -40,7 +40,7 @@ LAYOUT_CATEGORY = "sfmonitor"  # custom-scalars category name
 EVENT_TEXT_TAG = "events"  # events/<kind>: text entries
 EVENT_COUNT_TAG = "event_count"  # event_count/<kind>: cumulative count, scalar
 
-# Chart title -> statistic-key prefixes it collects (DESIGN.md "Statistic keys"). Shared with the
+# Chart title -> statistic-key prefixes it collects (the keys of ``sfmonitor.stats``). Shared with the
 # W&B sink and the HTML report so the three show the same sections.
 CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss components", ("loss/",)),
