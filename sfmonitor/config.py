@@ -51,16 +51,21 @@ class MonitorConfig(Section):
         if isinstance(config, dict):
             return cls.from_dict(config)
         if isinstance(config, (str, os.PathLike)):
-            import yaml
-
             path = os.fspath(config)
             if not os.path.exists(path):
                 raise ConfigError(f"config file {path!r} does not exist")
-            with open(path, encoding="utf-8") as fh:
-                try:
-                    data = yaml.safe_load(fh)
-                except yaml.YAMLError as e:
-                    raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from e
+            if os.path.isdir(path):
+                raise ConfigError(f"config file {path!r} is a folder, not a YAML file")
+            try:
+                with open(path, "rb") as fh:
+                    text = fh.read().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"config file {path!r} is not a UTF-8 text file (a binary file?): {e}") from e
+            except OSError as e:
+                raise ConfigError(f"config file {path!r} cannot be read: {e}") from e
+            from .schema import load_yaml
+
+            data = load_yaml(text, path)
             if data is None:
                 data = {}
             if not isinstance(data, dict):

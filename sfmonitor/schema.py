@@ -3,20 +3,27 @@ with its one-line doc and allowed range). Every component declares its own secti
 this module imports no component, so any module may import it.
 
 Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming the full key
-(``detectors.loss_spike.z``) and what is allowed.
+(``detectors.loss_spike.z``) and what is allowed. Float options take a number or a string that is
+a decimal float literal (``"1e-6"``: YAML 1.1, which PyYAML follows, reads a float without a dot as
+a string) and refuse NaN and infinities, unless the option says ``allow_inf=True`` (infinities
+then pass; NaN never does) -- floats inside lists and mappings too. ``choices`` bounds a value,
+or each item of a list-valued option; it may be a callable returning the allowed names when
+they come from a registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 from .errors import ConfigError
 
-__all__ = ["ConfigError", "Section", "describe", "option"]
+__all__ = ["ConfigError", "Section", "describe", "load_yaml", "option"]
 
 
 def option(
@@ -26,13 +33,17 @@ def option(
     lo: float | None = None,
     hi: float | None = None,
     lo_open: bool = False,
-    choices: tuple | None = None,
+    choices: tuple | Callable[[], Iterable] | None = None,
+    allow_inf: bool = False,
 ) -> Any:
     """A config field: default, one-line doc, optional numeric range [lo, hi] or choices.
 
-    Mutable defaults (lists, dicts, sections) are copied per instance.
+    ``choices``: the allowed values (of each item, for a list-valued option), or a callable
+    returning them (names from a registry, read when a config is checked). ``allow_inf``: a float
+    option takes +-inf (within [lo, hi]); without it every float option must be finite. NaN is
+    never allowed. Mutable defaults (lists, dicts, sections) are copied per instance.
     """
-    meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices}
+    meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "allow_inf": allow_inf}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         import copy
 
@@ -44,8 +55,14 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it (ints widened to floats)."""
+# A decimal float literal, as a string: what PyYAML leaves unparsed ("1e-6", "3E+2", ".5e1").
+# No "nan"/"inf" (YAML spells those .nan/.inf), no hex, no underscores.
+_FLOAT_LITERAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def _coerce(value: Any, tp: Any, key: str, *, allow_inf: bool = False) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widened to floats, float
+    literals in strings parsed). Floats must be finite unless ``allow_inf``; NaN never passes."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
@@ -58,9 +75,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             if a is type(None):
                 continue
             try:
-                return _coerce(value, a, key)
+                return _coerce(value, a, key, allow_inf=allow_inf)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # one real type (X | None): its own message says what is wrong
+            raise ConfigError(errors[0])
         raise ConfigError(f"{key}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
     if isinstance(tp, type) and issubclass(tp, Section):
         if isinstance(value, tp):
@@ -72,12 +91,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         inner = args[0] if args else Any
-        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, inner, f"{key}[{i}]", allow_inf=allow_inf) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         vt = args[1] if len(args) == 2 else Any
-        return {str(k): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+        return {str(k): _coerce(v, vt, f"{key}.{k}", allow_inf=allow_inf) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -87,9 +106,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer too large for a float
+            raise ConfigError(f"{key}: {value} is too large for a float") from None
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            raise ConfigError(f"{key}: {value!r} is not allowed; this option must be a finite number")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -109,7 +136,7 @@ class Section:
             if f.name.startswith("_"):
                 continue
             key = self._prefix + f.name
-            value = _coerce(getattr(self, f.name), hints[f.name], key)
+            value = _coerce(getattr(self, f.name), hints[f.name], key, allow_inf=bool(f.metadata.get("allow_inf")))
             object.__setattr__(self, f.name, value)
             _check_range(value, f.metadata, key)
         self.validate()
@@ -119,9 +146,12 @@ class Section:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> Section:
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
         data = dict(data or {})
-        names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
-        unknown = sorted(set(data) - names)
+        fields = {f.name: f for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        names = set(fields)
+        unknown = sorted(set(data) - names, key=str)
         if unknown:
             raise ConfigError(
                 f"unknown config key {prefix}{unknown[0]!s}; "
@@ -132,7 +162,7 @@ class Section:
         kwargs = {}
         for k, v in data.items():
             tp = hints[k]
-            kwargs[k] = _coerce(v, tp, prefix + k)
+            kwargs[k] = _coerce(v, tp, prefix + k, allow_inf=bool(fields[k].metadata.get("allow_inf")))
         obj = cls.__new__(cls)
         object.__setattr__(obj, "_prefix", prefix)
         # Re-run __init__ with the prefix kept for error messages.
@@ -172,8 +202,14 @@ def _plain(v: Any) -> Any:
 
 def _check_range(value: Any, meta: Any, key: str) -> None:
     choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
+    if callable(choices):
+        choices = tuple(choices())
+    if choices is not None:
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if item not in choices:
+                where = key if i is None else f"{key}[{i}]"
+                raise ConfigError(f"{where}: {item!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
     lo, hi, lo_open = meta.get("lo"), meta.get("hi"), meta.get("lo_open")
     if (lo is None and hi is None) or value is None or isinstance(value, bool):
         return
@@ -291,3 +327,41 @@ class SectionTable(Section):
         for name in self.table():
             getattr(self, name)
         return dict(self._sections)
+
+
+def load_yaml(text: str, path: str) -> Any:
+    """``yaml.safe_load`` of a config file's text (``path`` names it in errors) that refuses
+    duplicate keys (ConfigError naming the key and both lines) and turns every parser failure
+    (bad syntax, a 5000-digit integer, a 13th month, nesting past the recursion limit) into a
+    ConfigError naming the file."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # "<<: *anchor": what follows overrides it, by design
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.get(key)
+                    except TypeError:  # unhashable: SafeLoader reports it
+                        continue
+                    line = key_node.start_mark.line + 1
+                    if first is not None:
+                        raise ConfigError(
+                            f"config file {path!r}: duplicate key {key!r} at line "
+                            f"{line} (first at line {first}); keep one"
+                        )
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
+    except ConfigError:
+        raise
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from e
+    except (ValueError, OverflowError, TypeError, RecursionError) as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {type(e).__name__}: {str(e)[:300]}") from e
