@@ -3,6 +3,8 @@
 - ``save_checkpoint(path, state)``: written to a temporary file in the same folder, flushed and
   fsync'ed, then ``os.replace``'d over ``path`` (atomic on POSIX and Windows), then the folder is
   fsync'ed. A crash at any moment leaves either the previous file or the new one, never a torn one.
+  The file's mode follows the umask like ``open()``'s; the temporaries a killed write leaves
+  (``.<name>.sfmonitor-<pid>-<hex>.tmp``) are removed by the next save in that folder.
 - ``load_checkpoint(path)``: ``torch.load(weights_only=True)``; a file holding a pickled callable or
   any object that is not a tensor / number / string / container is refused with ``CheckpointError``.
 - ``capture_state`` / ``restore_state``: CPU copies of model, optimizer, GradScaler and RNG states
@@ -23,7 +25,9 @@ import collections
 import os
 import pickle
 import random
-import tempfile
+import re
+import secrets
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ __all__ = [
     "SnapshotRing",
     "capture_state",
     "load_checkpoint",
+    "remove_stale_temporaries",
     "restore_state",
     "save_checkpoint",
 ]
@@ -69,14 +74,81 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+TMP_TAG = "sfmonitor"  # temporary files: .<name>.sfmonitor-<pid>-<8 hex>.tmp, next to <name>
+_TMP_RE = re.compile(r"\.(?P<name>.+)\.sfmonitor-(?P<pid>\d+)-[0-9a-f]{8}\.tmp")
+_LEGACY_TMP_RE = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # tempfile.mkstemp's, before TMP_TAG
+STALE_TMP_AGE_S = 3600.0  # a temporary file untouched this long belongs to no running write
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (POSIX); True when it cannot be told (other systems)."""
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate it on Windows
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files a killed ``save_checkpoint`` left in ``folder``; return them.
+
+    Only plain files named as ``save_checkpoint`` names its temporaries are touched: those of a
+    process that no longer runs (POSIX), and any of them (the ``tempfile.mkstemp`` names of
+    earlier versions included) not modified for ``STALE_TMP_AGE_S`` seconds. Never anything else.
+    """
+    folder = Path(folder)
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        ours = _TMP_RE.fullmatch(entry.name)
+        if ours is None and not _LEGACY_TMP_RE.fullmatch(entry.name):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            old = now - entry.stat(follow_symlinks=False).st_mtime >= STALE_TMP_AGE_S
+            pid = int(ours["pid"]) if ours else None
+            dead = pid is not None and pid != os.getpid() and not _pid_alive(pid)
+            if old or dead:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:  # gone already, or not ours to remove: leave it
+            continue
+    return removed
+
+
+def _open_temporary(path: Path) -> tuple[int, str]:
+    """A new temporary file next to ``path``, created like ``open()`` creates files: its mode
+    is 0o666 less the umask (``tempfile.mkstemp`` would make it 0o600)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{TMP_TAG}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary file name next to {str(path)!r}")
+
+
 def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically (temp file in the same folder, fsync, os.replace).
 
-    Returns the final path. The temporary file is removed if writing fails.
+    Returns the final path. The file's mode follows the umask, as ``open()`` does. The temporary
+    file is removed if writing fails; those a killed write left behind in the folder are removed
+    by the next save (``remove_stale_temporaries``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path.parent)
+    fd, tmp = _open_temporary(path)
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(dict(state), fh)

@@ -312,3 +312,67 @@ def test_a_folder_or_a_non_dict_is_refused(tmp_path):
     torch.save([1, 2, 3], path)
     with pytest.raises(CheckpointError, match="list"):
         load_checkpoint(path)
+
+
+# --------------------------------------------------------------------------------------------
+# File mode follows the umask; stale temporaries of a killed write are cleaned on the next save
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_checkpoint_mode_follows_the_umask_like_open(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        path = save_checkpoint(tmp_path / "ck.pt", {"w": torch.ones(2)})
+        with open(tmp_path / "plain", "wb"):
+            pass
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == mode == (tmp_path / "plain").stat().st_mode & 0o777
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.skipif(os.name != "posix", reason="pid liveness is checked on POSIX only")
+def test_stale_temporaries_of_ours_are_removed_on_the_next_save_and_nothing_else(tmp_path):
+    dead = _dead_pid()
+    ours_dead = [f".ck.pt.sfmonitor-{dead}-0a1b2c3d.tmp", f".ck-100.pt.sfmonitor-{dead}-ffff0000.tmp"]
+    legacy_old = ".ck.pt.k3j4h5g6.tmp"  # tempfile.mkstemp's name, from before; not touched for 2 h
+    keep = [
+        f".ck.pt.sfmonitor-{os.getpid()}-12345678.tmp",  # a live writer (this process)
+        ".ck.pt.a1b2c3d4.tmp",  # legacy name, fresh: maybe a writer of an older version
+        "notes.tmp",
+        ".hidden",
+        "ck.pt.tmp",
+        f".ck.pt.sfmonitor-{dead}-0a1b2c3d.tmp.keep",
+        f"ck.pt.sfmonitor-{dead}-0a1b2c3d.tmp",  # no leading dot: not ours
+        "data.txt",
+    ]
+    for name in [*ours_dead, legacy_old, *keep]:
+        (tmp_path / name).write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    os.utime(tmp_path / legacy_old, (two_hours_ago, two_hours_ago))
+    os.mkdir(tmp_path / f".dir.pt.sfmonitor-{dead}-0a1b2c3d.tmp")  # a folder is never removed
+    keep.append(f".dir.pt.sfmonitor-{dead}-0a1b2c3d.tmp")
+    save_checkpoint(tmp_path / "ck.pt", {"w": torch.ones(2)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*keep, "ck.pt"])
+
+
+def test_the_temporary_file_is_named_for_cleanup(tmp_path, monkeypatch):
+    seen = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        seen.append(os.path.basename(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    save_checkpoint(tmp_path / "ck.pt", {"w": torch.ones(2)})
+    import re
+
+    assert len(seen) == 1 and re.fullmatch(rf"\.ck\.pt\.sfmonitor-{os.getpid()}-[0-9a-f]{{8}}\.tmp", seen[0])
