@@ -213,3 +213,51 @@ def test_load_manifest_on_a_file_or_a_bad_manifest(tmp_path):
     (tmp_path / "b" / "manifest.json").mkdir()  # a folder where the manifest should be
     with pytest.raises(BundleError, match="manifest.json"):
         load_manifest(tmp_path / "b")
+
+
+# --------------------------------------------------------------------------------------------
+# 8. packaging: the declared torch floor covers the newest torch API the code calls
+# --------------------------------------------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# torch API -> the first release that has it (as the code calls it)
+VERSION_GATED = {
+    "torch.get_autocast_dtype(": (2, 4),  # with a device type
+    "torch.amp.GradScaler(": (2, 3),  # the device-generic scaler ("cpu")
+    "torch.distributed.fsdp.fully_shard": (2, 6),  # FSDP2's public path
+    "from torch.distributed.fsdp import fully_shard": (2, 6),
+    "torch.nn.utils.get_total_norm(": (2, 6),
+}
+
+
+def _torch_floor() -> tuple[int, ...]:
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as fh:
+        deps = tomllib.load(fh)["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.replace(" ", "").startswith("torch>=")]
+    return tuple(int(x) for x in spec.split(">=")[1].split(".")[:2])
+
+
+def test_the_torch_floor_covers_every_version_gated_api_the_code_calls():
+    needed = {}
+    for folder in ("sfmonitor", "reference_model"):
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in files:
+                if name.endswith(".py"):
+                    text = open(os.path.join(root, name), encoding="utf-8").read()
+                    for api, version in VERSION_GATED.items():
+                        if api in text:
+                            needed[api] = version
+    floor = _torch_floor()
+    assert needed, "the scan found none of the version-gated APIs: update VERSION_GATED"
+    too_new = {api: v for api, v in needed.items() if v > floor}
+    assert not too_new, f"pyproject says torch>={floor} but the code calls {too_new}"
+    assert floor >= (2, 6), "the documented floor is torch 2.6 (README, 'Requirements')"
+
+
+def test_readme_names_the_tested_torch_version():
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    makefile = open(os.path.join(REPO, "Makefile"), encoding="utf-8").read()
+    tested = makefile.split("torch==")[1].split()[0]
+    assert f"tested with torch {tested}" in readme
