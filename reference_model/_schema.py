@@ -16,9 +16,11 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["Config", "ConfigError", "option"]
+
+_C = TypeVar("_C", bound="Config")
 
 
 class ConfigError(ValueError):
@@ -111,7 +113,7 @@ class Config:
         return sorted(f.name for f in dataclasses.fields(cls) if not f.name.startswith("_"))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> Config:
+    def from_dict(cls: type[_C], data: dict[str, Any] | None, prefix: str = "") -> _C:
         """Build from a dict; unknown keys raise ConfigError naming the key and the allowed ones.
         ``prefix`` (``"model."``) goes in front of every key in the error messages."""
         data = dict(data or {})
@@ -130,7 +132,9 @@ class Config:
             elif f.default is not dataclasses.MISSING:
                 value = f.default
             else:
-                value = f.default_factory()  # type: ignore[misc]
+                # option() gives every field a default or a default_factory
+                assert f.default_factory is not dataclasses.MISSING, f"{prefix}{f.name} has no default"
+                value = f.default_factory()
             object.__setattr__(obj, f.name, value)
         obj.__post_init__()
         return obj

@@ -322,7 +322,7 @@ def load_folder(cfg: DataConfig, max_len: int | None = None) -> tuple[PairSet, P
                 raise DataError(f"{where}: image file {row['image']!r} not found")
             try:
                 with Image.open(img_path) as im:
-                    im = im.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.BILINEAR)
+                    im = im.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR)
                     arr = np.asarray(im, dtype=np.float32) / 255.0 - 0.5
             except (UnidentifiedImageError, OSError) as e:
                 raise DataError(f"{where}: image {row['image']!r} is unreadable ({e})") from None

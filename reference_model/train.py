@@ -134,7 +134,7 @@ def load_config(cfg: RunConfig | dict | str | None, overrides: dict[str, Any] | 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if tc.optimizer == "adamw" else torch.optim.RAdam
-    kwargs = {"decoupled_weight_decay": True} if tc.optimizer == "radam" else {}
+    kwargs: dict[str, Any] = {"decoupled_weight_decay": True} if tc.optimizer == "radam" else {}
     return cls(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, **kwargs)
 
 
@@ -240,15 +240,16 @@ def train(
     opt = make_optimizer(model, tc)
     sched = make_scheduler(opt, tc)
     scaler = torch.amp.GradScaler(device.type, init_scale=tc.init_scale, enabled=tc.amp)
-    net = model
+    net: torch.nn.Module = model
+    ddp: torch.nn.parallel.DistributedDataParallel | None = None  # set when world > 1
     if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        net = ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     loader = BucketedLoader(train_set, tc.micro_batch, seed=seed, rank=rank, world=world)
     K = train_set.num_candidates
     chance = 1.0 / K
 
     start_epoch, hist = 0, []
-    counters = Counter()
+    counters: Counter[str] = Counter()
     monitor_state = None
     first_nan_epoch = None
     if resume:
@@ -296,7 +297,7 @@ def train(
             for i, batch in enumerate(batches):
                 batch = {k: v.to(device) for k, v in batch.items()}
                 boundary = (i + 1) % tc.accumulation == 0 or i + 1 == n_micro
-                sync = net.no_sync() if (world > 1 and not boundary) else contextlib.nullcontext()
+                sync = ddp.no_sync() if (ddp is not None and not boundary) else contextlib.nullcontext()
                 with sync:
                     with autocast(device, tc.amp):
                         losses = net(**batch)

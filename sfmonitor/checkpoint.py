@@ -224,6 +224,9 @@ def copy_tree(value: Any, device: Any = None) -> Any:
 def capture_rng_state() -> dict[str, Any]:
     """torch, CUDA, numpy and python RNG states as tensors and plain values (weights_only safe)."""
     np_state = np.random.get_state()
+    # The legacy form is a dict only for a bit generator other than MT19937, which numpy's global
+    # RandomState never has (set_state refuses to swap it).
+    assert isinstance(np_state, tuple), "numpy's global RandomState is not MT19937"
     py_version, py_internal, py_gauss = random.getstate()
     state = {
         "torch": torch.get_rng_state(),

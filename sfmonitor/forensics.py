@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .checkpoint import capture_rng_state, restore_rng_state  # re-exported for replay
 from .events import ConfigError, SFMonitorError, jsonable
@@ -269,7 +270,7 @@ class BatchRecorder:
         self.capture_rng = capture_rng
         self.batches: list[dict[str, Any]] = []
         self.rng_state: dict[str, Any] | None = None
-        self._handle = None
+        self._handle: RemovableHandle | None = None
 
     def attach(self, model: nn.Module) -> BatchRecorder:
         if self._handle is not None:
@@ -431,18 +432,18 @@ def write_bundle(
             total += os.path.getsize(path)
         pieces = {"model": model_state, "batch": batch, "optimizer": optimizer_state, "rng": rng_state}
         for name in ("model", "batch", "optimizer", "rng"):
-            value = pieces[name]
-            if value is None:
+            piece = pieces[name]
+            if piece is None:
                 continue
             if name in ("batch", "rng"):
                 try:
-                    _check_plain(value, name)
+                    _check_plain(piece, name)
                 except BundleError as e:
                     manifest["dropped"][name] = f"not loadable with weights_only=True: {e}"
                     continue
-                value = _compact(value)
+                piece = _compact(piece)
             path = os.path.join(tmp, name + ".pt")
-            torch.save(value, path)
+            torch.save(piece, path)
             size = os.path.getsize(path)
             if name != "model" and total + size > cap:
                 os.remove(path)

@@ -137,6 +137,7 @@ def _run(model: nn.Module, bundle: dict[str, Any], *, keep: set[str] | None) -> 
             if not chosen:
                 continue
             total = sum(float(weights.get(k, 1.0)) * comps[k].float() for k in chosen)
+            assert isinstance(total, torch.Tensor)  # chosen is not empty: 0 + a tensor is a tensor
             if total.requires_grad:
                 (total * scale).backward()
         act = {k: float(v) for k, v in watch.pending().items()}

@@ -50,11 +50,15 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from ..events import Event, jsonable
 from ..schema import Section, option
 from .base import Sink
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
 
 INSTALL_HINT = "pip install 'sfmonitor[wandb]'"
 KEY_PREFIX = "sfmonitor/"
@@ -128,7 +132,7 @@ class WandbSink(Sink):
         self.config = WandbConfig(**kwargs)
         self.run_dir: str | None = None
         self.run_config: dict[str, Any] = {}
-        self.run = None  # the wandb Run in use (set by the worker thread)
+        self.run: Run | None = None  # the wandb Run in use (set by the worker thread)
         self.owns_run = False  # True: the sink started it and finishes it on close
         self.failed: str | None = None  # the W&B error that turned the sink off
         self.clock = clock
@@ -141,7 +145,7 @@ class WandbSink(Sink):
         self._last_alert: float | None = None
         self._table_logged_rows = 0
         self._last_table: float | None = None
-        self._wandb = None
+        self._wandb: ModuleType | None = None  # the wandb module, imported on first use
         # Training thread -> worker thread: a queue of (kind, callable) guarded by a condition.
         self._ops: collections.deque[tuple[str, Callable[[], None]]] = collections.deque()
         self._metric_ops = 0  # metrics rows in the queue (max_buffer bounds them)
@@ -172,7 +176,7 @@ class WandbSink(Sink):
         if not found:
             raise ImportError(f"the wandb sink needs the wandb package: {INSTALL_HINT}")
 
-    def _import(self):
+    def _import(self) -> ModuleType:
         if self._wandb is None:
             try:
                 import wandb
@@ -263,7 +267,7 @@ class WandbSink(Sink):
                 self._cv.wait(left)
         return True
 
-    def _ensure_run(self):
+    def _ensure_run(self) -> Run | None:
         """Worker thread: the run to log to, the active one, else one started now. None once
         W&B failed."""
         if self.failed is not None:
@@ -304,9 +308,16 @@ class WandbSink(Sink):
             self._fail("wandb.init", e)
         return self.run
 
+    def _active_run(self) -> Run:
+        """Worker thread, in a queued call: the run ``_ensure_run`` set (the worker runs a call
+        other than "finish" only once it returned a run)."""
+        if self.run is None:
+            raise RuntimeError("the wandb sink has no run")
+        return self.run
+
     def _log(self, row: dict[str, Any], kind: str = "log") -> None:
         commit = self.config.commit
-        self._submit(kind, lambda: self.run.log(row, commit=commit))
+        self._submit(kind, lambda: self._active_run().log(row, commit=commit))
 
     # -- writes ----------------------------------------------------------------------------------
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -352,7 +363,7 @@ class WandbSink(Sink):
         level, wait = self.config.alert_level, max(1.0, self.config.alert_interval_s)
 
         def send() -> None:
-            self.run.alert(title=title, text=text, level=level, wait_duration=wait)
+            self._active_run().alert(title=title, text=text, level=level, wait_duration=wait)
             self.alerts_sent += 1
 
         self._last_alert = now
@@ -366,8 +377,8 @@ class WandbSink(Sink):
         commit = self.config.commit
 
         def send() -> None:
-            table = self._wandb.Table(columns=TABLE_COLUMNS, data=rows)
-            self.run.log({TABLE_KEY: table}, commit=commit)
+            table = self._import().Table(columns=TABLE_COLUMNS, data=rows)
+            self._active_run().log({TABLE_KEY: table}, commit=commit)
 
         self._table_logged_rows = len(self.rows)
         self._last_table = self.clock()
@@ -385,7 +396,7 @@ class WandbSink(Sink):
 
     def _write_summary(self) -> None:
         summary = self.summary()
-        self._submit("summary", lambda: self.run.summary.update(summary))
+        self._submit("summary", lambda: self._active_run().summary.update(summary))
 
     def flush(self) -> None:
         """Queue the events table and the summary; returns at once."""

@@ -332,8 +332,9 @@ class LRFindResult:
         ):
             if lr is not None:
                 ax.axvline(lr, color=color, ls="--", lw=1, label=f"{name} {lr:.2e}")
-        if self.cyclic_base_lr is not None:
-            ax.axvspan(self.cyclic_base_lr, self.cyclic_max_lr, color="#ff9f1c", alpha=0.2, label="cyclic range")
+        base_lr, max_lr = self.cyclic_base_lr, self.cyclic_max_lr
+        if base_lr is not None and max_lr is not None:  # set together by the analysis
+            ax.axvspan(base_lr, max_lr, color="#ff9f1c", alpha=0.2, label="cyclic range")
         if self.config.get("mode", "exp") == "exp":
             ax.set_xscale("log")
         if sm:  # keep the plot readable: clip the y range at a few times the initial loss
@@ -643,7 +644,7 @@ def _analyse(
 ) -> LRFindResult:
     finite = [i for i, s in enumerate(smoothed) if math.isfinite(s)]
     lr_diverged = lrs[-1] if stop in (STOP_DIVERGED, STOP_NONFINITE) and lrs else None
-    res = dict(
+    res = LRFindResult(
         lrs=lrs,
         losses=losses,
         smoothed=smoothed,
@@ -662,12 +663,12 @@ def _analyse(
         min_loss=None,
     )
     if not finite:
-        return LRFindResult(**res)
+        return res
     i_min = min(finite, key=lambda i: smoothed[i])
     initial = smoothed[finite[0]]
-    res.update(lr_min_loss=lrs[i_min], min_loss=smoothed[i_min], initial_loss=initial)
+    res = dataclasses.replace(res, lr_min_loss=lrs[i_min], min_loss=smoothed[i_min], initial_loss=initial)
     if not smoothed[i_min] < initial - cfg.min_drop * abs(initial):
-        return LRFindResult(**res)  # flat: the loss never fell, so no LR is shown to train
+        return res  # flat: the loss never fell, so no LR is shown to train
     # Steepest descent: most negative slope of the smoothed loss against log10(lr) (or lr when
     # linear), measured over +-w steps (w = slope_window x the steps run, so one noisy batch does
     # not make a slope), searched from skip_start x the steps run up to the minimum: past the
@@ -675,7 +676,8 @@ def _analyse(
     x = [math.log10(lr) if cfg.mode == "exp" else lr for lr in lrs]
     w = max(1, round(cfg.slope_window * len(lrs)))
     lo = max(w, round(cfg.skip_start * len(lrs)))
-    steepest, best_slope = None, 0.0
+    steepest: float | None = None
+    best_slope = 0.0
     for j in range(lo, i_min - w + 1):
         a, b = j - w, j + w
         if not (math.isfinite(smoothed[a]) and math.isfinite(smoothed[b])):
@@ -683,8 +685,11 @@ def _analyse(
         slope = (smoothed[b] - smoothed[a]) / (x[b] - x[a])
         if slope < best_slope:
             steepest, best_slope = lrs[j], slope
-    res["lr_steepest"] = steepest
-    res["suggested_lr"] = steepest if steepest is not None else lrs[i_min] / MIN_LOSS_DIVISOR
-    res["cyclic_max_lr"] = lrs[i_min] / MIN_LOSS_DIVISOR
-    res["cyclic_base_lr"] = res["cyclic_max_lr"] * CYCLIC_BASE_RATIO
-    return LRFindResult(**res)
+    cyclic_max_lr = lrs[i_min] / MIN_LOSS_DIVISOR
+    return dataclasses.replace(
+        res,
+        lr_steepest=steepest,
+        suggested_lr=steepest if steepest is not None else lrs[i_min] / MIN_LOSS_DIVISOR,
+        cyclic_max_lr=cyclic_max_lr,
+        cyclic_base_lr=cyclic_max_lr * CYCLIC_BASE_RATIO,
+    )
