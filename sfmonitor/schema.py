@@ -19,7 +19,7 @@ import re
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 from .errors import ConfigError
 
@@ -124,6 +124,10 @@ def _coerce(value: Any, tp: Any, key: str, *, allow_inf: bool = False) -> Any:
     return value
 
 
+_S = TypeVar("_S", bound="Section")
+_T = TypeVar("_T", bound="SectionTable")
+
+
 @dataclass
 class Section:
     """Base of every config section: validates types and ranges in ``__post_init__``."""
@@ -145,7 +149,7 @@ class Section:
         """Cross-field checks; raise ConfigError naming the keys. Override where needed."""
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> Section:
+    def from_dict(cls: type[_S], data: dict[str, Any] | None, prefix: str = "") -> _S:
         if data is not None and not isinstance(data, dict):
             raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
         data = dict(data or {})
@@ -172,8 +176,8 @@ class Section:
                 val = kwargs[name]
             elif f.default is not dataclasses.MISSING:
                 val = f.default
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                val = f.default_factory()  # type: ignore[misc]
+            elif f.default_factory is not dataclasses.MISSING:
+                val = f.default_factory()
             else:
                 raise ConfigError(f"missing config key {prefix}{name}")
             object.__setattr__(obj, name, val)
@@ -291,7 +295,7 @@ class SectionTable(Section):
         return sections[name]
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self.to_dict() == other.to_dict()  # type: ignore[attr-defined]
+        return type(other) is type(self) and self.to_dict() == other.to_dict()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._sections.items())})"
@@ -308,7 +312,7 @@ class SectionTable(Section):
         pass
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, prefix: str = "") -> SectionTable:
+    def from_dict(cls: type[_T], data: dict[str, Any] | None, prefix: str = "") -> _T:
         obj = cls.__new__(cls)
         object.__setattr__(obj, "_prefix", prefix)
         object.__setattr__(obj, "_sections", {})
