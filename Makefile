@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
-#   make test   install (torch 2.13.0 CPU first, then the project) and run the test suite
+#   make test   install (torch 2.13.0 CPU first, then the project), make lint, then the test suite
+#   make lint   install, then ruff check, ruff format --check and mypy (configured in pyproject.toml)
 #   make demo   install, then train the reference trap config without and with the monitor
 #   make docs   install, then build the docs site into site/ (mkdocs build --strict: warnings fail)
 PYTHON ?= python3
@@ -7,7 +8,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: install test demo bench docs clean
+.PHONY: install lint test demo bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +19,15 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Lint (ruff) and format check, then the type check: mypy reads its files from pyproject.toml.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# Lint first: a lint or type error fails `make test` before pytest runs.
 # pytest exits 5 when it collects no test: that is a failure here, never a silent pass.
-test: install
+test: install lint
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
