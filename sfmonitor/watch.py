@@ -1,14 +1,23 @@
-"""fp16 overflow watch and precision fallback (the field report's first trap, docs/reference_model.md).
+"""fp16 overflow watch, attention-logit growth and precision fallback (docs/forensics.md).
 
 ``ActivationWatch`` records, on sampled optimizer steps, the largest |value| each watched module
 produces -- its outputs *and* the results of the matmul/softmax/exp-like ops computed inline in its
 ``forward`` (attention logits ``q @ k.transpose(-1, -2)`` have no module of their own: the report's
-fusion layer overflowed exactly there). Values stay 0-d tensors until the monitor's single host read
-(``pending()``); ``findings(step, stats)`` then turns them into ``activation_overflow`` findings:
+fusion layer overflowed exactly there) -- and, for attention modules, the signed max attention logit
+per head (``attention.py``). Values stay 0-d tensors until the monitor's single host read
+(``pending()``); ``findings(step, stats)`` then turns them into findings:
 
-* a warning when a module's |value| reaches ``warn_fraction`` of the limit of the dtype it was
-  produced in (fp16: 65504), i.e. *before* it overflows, naming the module;
-* the first module, in forward order, whose output or inline intermediate is inf/NaN.
+* ``activation_overflow``: a warning when a module's |value| reaches ``warn_fraction`` of the limit
+  of the dtype it was produced in (fp16: 65504), or when its growth rate says the limit is at
+  most ``forecast_warn_steps`` steps away, i.e. *before* it overflows, naming the module; and the
+  first module, in forward order, whose output or inline intermediate is inf/NaN;
+* ``attention_logit_growth``: an attention module whose max logit passed ``attention.tau`` (the
+  ``qk_clip`` action answers it).
+
+Sampling is a forecast, not only a stride: every watched maximum keeps its growth rate (per step,
+from its last two samples), and the next sample comes sooner as the extrapolated value nears its
+limit (the dtype's max; for attention logits also tau): within ``steps_to_limit / forecast_safety``
+steps, at least every ``stride`` steps. Findings carry ``steps_to_limit`` and ``growth_per_step``.
 
 How inline ops are seen: on a sampled step, a ``torch.overrides.TorchFunctionMode`` is pushed by the
 forward pre-hook of the outermost watched module and popped by its forward hook (``always_call``, so
@@ -25,6 +34,8 @@ Statistic keys (``pending()``):
 =============================  =========================================================
 ``act_absmax/<module>``         max |value| of the module's outputs and inline ops this step,
                                 in its narrowest floating dtype (inf/NaN when non-finite)
+``attn_logit_max/<module>``     signed max attention logit (QK^T * scale, masked entries
+                                excluded) of an attention module; ``.../h<i>`` per head
 ``internal/act_first_nonfinite`` index into ``ActivationWatch.module_names`` of the first module
                                 (in forward order) that produced inf/NaN this step; -1: none
 =============================  =========================================================
@@ -33,6 +44,7 @@ Statistic keys (``pending()``):
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -42,23 +54,28 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import attention as AT
+from .attention import ATTN_LOGIT_MAX_PREFIX, QK_CLIP, AttentionConfig
 from .events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError, Finding
 from .registry import register_kind
 from .schema import Section, option
 from .stats import ACT_FIRST_NONFINITE, finite
 
-# A first warning (|x| >= half the dtype's max) is told; a second within 100 steps means the module
-# keeps living near the limit: run it in fp32 before it overflows. A real overflow, or a warning
-# that persisted, is urgent: it goes straight to that rung.
+# A first warning (|x| >= half the dtype's max, or the limit a few steps away at the current growth
+# rate) is told; a second within 100 steps means the module keeps living near the limit: treat the
+# cause first -- QK-Clip brings an attention module's logits back to tau -- and if it comes a third
+# time (nothing to clip, or clipping did not hold) run the module in fp32, the last resort. A real
+# overflow, or a warning that persisted, is urgent: it goes straight to the first acting rung.
 register_kind(
     ACTIVATION_OVERFLOW,
-    [(1, []), (2, [PRECISION_FALLBACK])],
+    [(1, []), (2, [QK_CLIP]), (3, [PRECISION_FALLBACK])],
     window=100,
     doc="a watched module's activations near or past its dtype's limit",
 )
 
 __all__ = [
     "ACT_ABSMAX_PREFIX",
+    "ATTN_LOGIT_MAX_PREFIX",
     "FIRST_NONFINITE_KEY",
     "ActivationWatch",
     "FallbackHandle",
@@ -119,6 +136,9 @@ def _watched_functions() -> frozenset:
 
 
 WATCHED_FUNCTIONS = _watched_functions()
+# Softmax calls whose input, inside an attention module, is the attention logits.
+SOFTMAX_FUNCTIONS = frozenset({torch.softmax, torch.Tensor.softmax, nn.functional.softmax})
+SDPA = nn.functional.scaled_dot_product_attention
 
 
 def dtype_limit(dtype: torch.dtype) -> float:
@@ -144,9 +164,26 @@ class WatchConfig(Section):
     )
     stride: int = option(
         10,
-        "sample every N optimizer steps (1: every step); at 10 the measured "
+        "sample at least every N optimizer steps (1: every step); at 10 the measured "
         "overhead is ~1-2% of a step (docs/forensics.md)",
         lo=1,
+    )
+    forecast: bool = option(
+        True,
+        "sample sooner as a maximum's extrapolated growth nears its limit (dtype max, attention.tau); "
+        "off: a fixed stride",
+    )
+    forecast_safety: float = option(
+        4.0,
+        "the next sample comes within steps_to_limit / this many steps (4: about four samples "
+        "before the limit at the current growth rate)",
+        lo=1.0,
+    )
+    forecast_warn_steps: float = option(
+        3.0,
+        "warn when a maximum's growth rate puts its dtype's limit at most this many steps away, even "
+        "below warn_fraction (0: off)",
+        lo=0.0,
     )
     warn_fraction: float = option(
         0.5,
@@ -162,6 +199,9 @@ class WatchConfig(Section):
     )
     grad_only: bool = option(
         True, "record only forwards run with autograd enabled (skip eval passes under no_grad / inference_mode)"
+    )
+    attention: AttentionConfig = option(
+        AttentionConfig(), "attention-logit growth: attn_logit_max/<module>, attention_logit_growth, qk_clip"
     )
 
     def validate(self) -> None:
@@ -207,54 +247,136 @@ class _Record:
         self.first_bad: torch.Tensor | None = None  # min sequence number of a non-finite value
 
 
+class _AttnRecord:
+    """Per-attention-module max logit per head for one step (an fp32 vector, no host sync)."""
+
+    __slots__ = ("dtype", "heads")
+
+    def __init__(self, heads: torch.Tensor, dtype: torch.dtype) -> None:
+        self.heads = heads
+        self.dtype = dtype
+
+
+@dataclass
+class _AttnInfo:
+    """What attach() learned about one attention module."""
+
+    heads: int | None
+    spec: AT.QKSpec | None
+    reason: str
+
+
+class _Trend:
+    """The last samples (step, value) of one watched maximum and its growth rate per step."""
+
+    __slots__ = ("samples",)
+
+    def __init__(self, samples: list[tuple[int, float]] | None = None) -> None:
+        self.samples: list[tuple[int, float]] = list(samples or [])
+
+    def add(self, step: int, value: float) -> None:
+        if not finite(value) or value <= 0:  # no log-growth through 0, a sign change or inf
+            self.samples = []
+            return
+        if self.samples and self.samples[-1][0] >= step:
+            self.samples = [s for s in self.samples if s[0] < step]
+        self.samples = [*self.samples[-3:], (step, value)]
+
+    def rate(self) -> float | None:
+        """log-growth per step from the last two samples (None with fewer than two)."""
+        if len(self.samples) < 2:
+            return None
+        (s0, v0), (s1, v1) = self.samples[-2], self.samples[-1]
+        return (math.log(v1) - math.log(v0)) / (s1 - s0)
+
+    def steps_to(self, limit: float) -> float:
+        """Steps until the extrapolated value reaches ``limit`` (0: already there; inf: not growing)."""
+        if not self.samples:
+            return math.inf
+        value = self.samples[-1][1]
+        if value >= limit:
+            return 0.0
+        r = self.rate()
+        if r is None or r <= 0:
+            return math.inf
+        return (math.log(limit) - math.log(value)) / r
+
+    def forecast(self, limit: float) -> dict[str, Any]:
+        r = self.rate()
+        steps = self.steps_to(limit)
+        return {
+            "steps_to_limit": round(steps, 1) if math.isfinite(steps) else None,
+            "growth_per_step": round(math.exp(r), 4) if r is not None else None,
+        }
+
+
 class _InlineMode(TorchFunctionMode):
-    """Records results of WATCHED_FUNCTIONS for the innermost watched module running."""
+    """Records results of WATCHED_FUNCTIONS for the innermost watched module running, and the
+    attention logits (softmax inputs, SDPA logits) of the innermost attention module running."""
 
     def __init__(self, watch: ActivationWatch) -> None:
         super().__init__()
         self.watch = watch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         w = self.watch
         if func in WATCHED_FUNCTIONS and w._stack and not w._busy:
             w._record(w._stack[-1], out)
+            if w._attn_cfg.enabled and (func in SOFTMAX_FUNCTIONS or func is SDPA):
+                w._record_inline_logits(func, args, kwargs)
         return out
 
 
 class ActivationWatch:
-    """Forward hooks that record max |activation| per watched module on sampled steps.
+    """Forward hooks that record max |activation| per watched module, and the max attention logit
+    per attention module, on sampled steps.
 
     Use: ``attach(model)``; ``reset(step)`` at the start of each optimizer step (before its
     forwards); after the backward, put ``pending()`` into the step's single host read and pass the
-    resulting floats to ``findings(step, stats)``; ``detach()`` removes every hook.
+    resulting floats to ``findings(step, stats)`` (which also plans the next samples);
+    ``detach()`` removes every hook.
     """
 
     def __init__(self, config: WatchConfig | None = None) -> None:
         self.config = config or WatchConfig()
+        self._attn_cfg: AttentionConfig = self.config.attention
         self.module_names: list[str] = []  # watched modules, in named_modules() order
+        self.attention: dict[str, _AttnInfo] = {}  # attention modules (a subset of module_names)
+        self._mha: set[str] = set()  # those that are nn.MultiheadAttention
         self._handles: list[Any] = []
         self._stack: list[str] = []
         self._mode: _InlineMode | None = None
         self._busy = False
         self._records: dict[str, _Record] = {}  # insertion order = first seen in forward order
+        self._attn: dict[str, _AttnRecord] = {}
         self._seq = 0
         self._step = 0
         self._sampled = True
         self._force = False
+        self._next_due: int | None = None  # a step the forecast asked to sample
+        self._trends: dict[str, _Trend] = {}  # stat key -> growth of that maximum
         self._streak: dict[str, int] = {}  # consecutive sampled steps over warn_fraction
         self._dtypes: dict[str, torch.dtype] = {}  # dtype behind act_absmax/<m> of the last pending()
+        self._attn_dtypes: dict[str, torch.dtype] = {}  # dtype of the logits behind attn_logit_max/<m>
+        self._attn_heads: dict[str, int] = {}  # heads behind attn_logit_max/<m> of the last pending()
         self._order: list[str] = []  # module names behind act_first_nonfinite
 
     # ---- lifecycle -------------------------------------------------------------------------
     def select(self, model: nn.Module) -> list[str]:
-        """Names of the modules the config selects (named_modules order)."""
+        """Names of the modules the config selects (named_modules order): the watch's patterns,
+        and the attention modules when attention is enabled."""
         cfg = self.config
         names = []
         for name, mod in model.named_modules():
             if not name:
                 continue
-            if _matches(cfg.modules, name) or _matches(cfg.classes, type(mod).__name__):
+            if (
+                _matches(cfg.modules, name)
+                or _matches(cfg.classes, type(mod).__name__)
+                or (cfg.attention.enabled and AT.is_attention(cfg.attention, name, mod))
+            ):
                 names.append(name)
         return names
 
@@ -264,10 +386,18 @@ class ActivationWatch:
         if not self.config.enabled:
             return self
         self.module_names = self.select(model)
+        self.attention, self._mha = {}, set()
         for name in self.module_names:
             mod = model.get_submodule(name)
             self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
             self._handles.append(mod.register_forward_hook(self._make_post(name), always_call=True))
+            if self._attn_cfg.enabled and AT.is_attention(self._attn_cfg, name, mod):
+                spec, reason = AT.find_projections(mod, name, self._attn_cfg)
+                heads = spec.heads if spec is not None and spec.heads else AT.module_heads(mod)
+                self.attention[name] = _AttnInfo(heads, spec, reason)
+                if isinstance(mod, nn.MultiheadAttention):
+                    self._mha.add(name)
+                    self._handles.append(mod.register_forward_pre_hook(self._make_mha_pre(name), with_kwargs=True))
         self.reset(0)
         return self
 
@@ -278,18 +408,22 @@ class ActivationWatch:
         self._handles.clear()
         self._exit_mode()
         self._records.clear()
+        self._attn.clear()
 
     @property
     def attached(self) -> bool:
         return bool(self._handles)
 
     def reset(self, step: int | None = None) -> None:
-        """Start an optimizer step: clear this step's records; decide whether it is sampled."""
+        """Start an optimizer step: clear this step's records; decide whether it is sampled (the
+        stride, a forced sample, or a sample the forecast asked for)."""
         self._exit_mode()
         self._step = self._step + 1 if step is None else int(step)
-        self._sampled = self._force or self._step % self.config.stride == 0
+        due = self._next_due is not None and self._step >= self._next_due
+        self._sampled = self._force or due or self._step % self.config.stride == 0
         self._force = False
         self._records = {}
+        self._attn = {}
         self._seq = 0
 
     def sample_next(self) -> None:
@@ -329,6 +463,23 @@ class ActivationWatch:
 
         return post
 
+    def _make_mha_pre(self, name: str) -> Callable:
+        def pre(module, args, kwargs):
+            if not self._active() or self._busy:
+                return None
+            self._busy = True
+            try:
+                with torch.no_grad():
+                    logits = AT.mha_logits(module, args, kwargs)
+                    if logits is not None:
+                        query = args[0] if args else kwargs.get("query")
+                        self._add_logits(name, AT.head_maxima(logits, module.num_heads), query.dtype)
+            finally:
+                self._busy = False
+            return None
+
+        return pre
+
     def _exit_mode(self) -> None:
         self._stack.clear()
         if self._mode is not None:
@@ -352,9 +503,64 @@ class ActivationWatch:
         finally:
             self._busy = False
 
+    def _attention_running(self) -> str | None:
+        """The innermost attention module on the stack (None: no attention module is running)."""
+        for name in reversed(self._stack):
+            if name in self.attention:
+                return name
+        return None
+
+    def _record_inline_logits(self, func: Any, args: tuple, kwargs: dict) -> None:
+        name = self._attention_running()
+        if name is None or name in self._mha:
+            return  # no attention module running, or an nn.MultiheadAttention: its pre-hook measures it
+        self._busy = True
+        try:
+            with torch.no_grad():
+                if func is SDPA:
+                    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+                    a = dict(zip(names, args))
+                    a.update(kwargs)
+                    q, k = a.get("query"), a.get("key")
+                    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+                        return
+                    logits = AT.sdpa_logits(
+                        q,
+                        k,
+                        a.get("attn_mask"),
+                        bool(a.get("is_causal", False)),
+                        a.get("scale"),
+                        bool(a.get("enable_gqa", False)),
+                    )
+                    heads = q.shape[-3] if q.ndim >= 3 else None
+                    self._add_logits(name, AT.head_maxima(logits, heads), q.dtype)
+                    return
+                x = args[0] if args else kwargs.get("input")
+                dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2 or dim is None:
+                    return
+                if dim % x.ndim != x.ndim - 1:
+                    return  # attention softmaxes over the keys, the last dim
+                self._add_logits(name, AT.head_maxima(x, self.attention[name].heads), x.dtype)
+        finally:
+            self._busy = False
+
+    def _add_logits(self, name: str, heads: torch.Tensor, dtype: torch.dtype) -> None:
+        rec = self._attn.get(name)
+        if rec is None:
+            self._attn[name] = _AttnRecord(heads, dtype)
+            return
+        if rec.heads.shape == heads.shape:
+            rec.heads = torch.maximum(rec.heads, heads)
+        else:  # calls with different head layouts: keep one value for the module
+            rec.heads = torch.maximum(rec.heads.max(), heads.max()).reshape(1)
+        if dtype_limit(dtype) < dtype_limit(rec.dtype):
+            rec.dtype = dtype
+
     # ---- read-out --------------------------------------------------------------------------
     def pending(self) -> dict[str, torch.Tensor]:
-        """This step's 0-d tensors: ``act_absmax/<module>`` and ``act_first_nonfinite``.
+        """This step's 0-d tensors: ``act_absmax/<module>``, ``act_first_nonfinite`` and
+        ``attn_logit_max/<module>`` (``/h<i>`` per head).
 
         Empty on unsampled steps. For each module the value is taken in the narrowest dtype it
         produced (the one that overflows first); wider dtypes still count for non-finiteness.
@@ -375,11 +581,48 @@ class ActivationWatch:
             seqs = torch.stack(bads)
             first = torch.argmin(seqs)
             out[FIRST_NONFINITE_KEY] = torch.where(seqs[first] < _NO_NONFINITE, first, -1).float()
+        self._attn_dtypes, self._attn_heads = {}, {}
+        for name, arec in self._attn.items():
+            key = ATTN_LOGIT_MAX_PREFIX + name
+            out[key] = arec.heads.max()
+            n = arec.heads.numel()
+            self._attn_dtypes[name], self._attn_heads[name] = arec.dtype, n
+            if n > 1 and self._attn_cfg.per_head:
+                for h in range(n):
+                    out[f"{key}/h{h}"] = arec.heads[h]
         return out
 
+    def _head_values(self, name: str, stats: dict[str, float]) -> list[float] | None:
+        key = ATTN_LOGIT_MAX_PREFIX + name
+        if key not in stats:
+            return None
+        n = self._attn_heads.get(name, 1)
+        if n > 1 and all(f"{key}/h{h}" in stats for h in range(n)):
+            return [float(stats[f"{key}/h{h}"]) for h in range(n)]
+        return [float(stats[key])]
+
+    def _attention_data(self, name: str, stats: dict[str, float]) -> dict[str, Any] | None:
+        """What qk_clip needs to clip ``name``, from this step's values (None: no logits)."""
+        heads = self._head_values(name, stats)
+        info = self.attention.get(name)
+        if heads is None or info is None:
+            return None
+        data: dict[str, Any] = {
+            "module": name,
+            "max_logit": max(heads),
+            "head_max": heads,
+            "tau": self._attn_cfg.tau,
+            "projection": info.spec.to_dict() if info.spec is not None else None,
+        }
+        if info.spec is None:
+            data["projection_reason"] = info.reason
+        return data
+
     def findings(self, step: int, stats: dict[str, float]) -> list[Finding]:
-        """activation_overflow findings from this step's host-read values (see module doc)."""
+        """activation_overflow and attention_logit_growth findings from this step's host-read
+        values (see module doc); also updates each maximum's growth rate and plans the next sample."""
         cfg = self.config
+        self._observe(step, stats)
         out: list[Finding] = []
         seen = set()
         first_idx = int(stats.get(FIRST_NONFINITE_KEY, -1))
@@ -396,6 +639,24 @@ class ActivationWatch:
                 n for n in self._order if ACT_ABSMAX_PREFIX + n in stats and not finite(stats[ACT_ABSMAX_PREFIX + n])
             )
             value = stats.get(ACT_ABSMAX_PREFIX + name, float("nan"))
+            data = {
+                "module": name,
+                "absmax": value,
+                "limit": dtype_limit(dtype),
+                "dtype": _dtype_name(dtype),
+                "nonfinite": True,
+                "nonfinite_modules": bad,
+                "steps_to_limit": 0.0,
+                "recommend": PRECISION_FALLBACK,
+            }
+            att = self._attention_data(name, stats)
+            if att is not None:
+                data["attention"] = att
+            # QK-Clip needs an exact, finite logit above tau and the module's projections; without
+            # them the overflow goes straight to the last resort of the default ladder.
+            clippable = (
+                att is not None and att["projection"] and any(finite(m) and m > att["tau"] for m in att["head_max"])
+            )
             out.append(
                 Finding(
                     kind=ACTIVATION_OVERFLOW,
@@ -403,17 +664,10 @@ class ActivationWatch:
                         f"step {step}: module {name!r} is the first (in forward order) to produce "
                         f"inf/NaN ({_dtype_name(dtype)}, limit {dtype_limit(dtype):g})"
                     ),
-                    data={
-                        "module": name,
-                        "absmax": value,
-                        "limit": dtype_limit(dtype),
-                        "dtype": _dtype_name(dtype),
-                        "nonfinite": True,
-                        "nonfinite_modules": bad,
-                        "recommend": PRECISION_FALLBACK,
-                    },
+                    data=data,
                     where=name,
                     urgent=True,
+                    occurrence=None if clippable else _last_rung(ACTIVATION_OVERFLOW),
                 )
             )
             seen.add(name)
@@ -424,44 +678,128 @@ class ActivationWatch:
             value = float(stats[key])
             dtype = self._dtypes.get(name, torch.float32)
             limit = dtype_limit(dtype)
-            if not finite(value) or value < cfg.warn_fraction * limit:
+            trend = self._trends.get(key, _Trend())
+            fc = trend.forecast(limit)
+            soon = (
+                cfg.forecast
+                and cfg.forecast_warn_steps > 0
+                and fc["steps_to_limit"] is not None
+                and fc["steps_to_limit"] <= cfg.forecast_warn_steps
+            )
+            if not finite(value) or (value < cfg.warn_fraction * limit and not soon):
                 self._streak[name] = 0
                 continue
             streak = self._streak[name] = self._streak.get(name, 0) + 1
             recommend = streak >= cfg.persist
+            why = (
+                f"{value / limit:.0%} of the {_dtype_name(dtype)} limit {limit:g} (warn at {cfg.warn_fraction:g})"
+                if value >= cfg.warn_fraction * limit
+                else f"{value / limit:.1%} of the {_dtype_name(dtype)} limit {limit:g}"
+            )
+            if fc["steps_to_limit"] is not None:
+                why += f"; growing x{fc['growth_per_step']:g} a step, the limit is ~{fc['steps_to_limit']:g} steps away"
+            data = {
+                "module": name,
+                "absmax": value,
+                "limit": limit,
+                "dtype": _dtype_name(dtype),
+                "fraction": value / limit,
+                "warn_fraction": cfg.warn_fraction,
+                "nonfinite": False,
+                "consecutive": streak,
+                **fc,
+                "recommend": PRECISION_FALLBACK if recommend else None,
+            }
+            att = self._attention_data(name, stats)
+            if att is not None:
+                data["attention"] = att
             out.append(
                 Finding(
                     kind=ACTIVATION_OVERFLOW,
                     message=(
-                        f"step {step}: module {name!r} reached |x|={value:.6g}, "
-                        f"{value / limit:.0%} of the {_dtype_name(dtype)} limit {limit:g} "
-                        f"(warn at {cfg.warn_fraction:g})"
+                        f"step {step}: module {name!r} reached |x|={value:.6g}, {why}"
                         + (f"; {streak} sampled steps in a row" if streak > 1 else "")
                         + ("; precision_fallback recommended" if recommend else "")
                     ),
-                    data={
-                        "module": name,
-                        "absmax": value,
-                        "limit": limit,
-                        "dtype": _dtype_name(dtype),
-                        "fraction": value / limit,
-                        "warn_fraction": cfg.warn_fraction,
-                        "nonfinite": False,
-                        "consecutive": streak,
-                        "recommend": PRECISION_FALLBACK if recommend else None,
-                    },
+                    data=data,
                     where=name,
                     urgent=recommend,
                 )
             )
+        if self._attn_cfg.enabled:
+            tau = self._attn_cfg.tau
+            for name, info in self.attention.items():
+                heads = self._head_values(name, stats)
+                if heads is None or not any(finite(m) and m > tau for m in heads):
+                    continue
+                limit = dtype_limit(self._attn_dtypes.get(name, torch.float32))
+                fc = self._trends.get(ATTN_LOGIT_MAX_PREFIX + name, _Trend()).forecast(limit)
+                out.append(AT.finding(step, name, heads, tau, info.spec, info.reason, {"limit": limit, **fc}))
         return out
 
+    # ---- forecast --------------------------------------------------------------------------
+    def _limits(self, stats: dict[str, float]) -> dict[str, list[float]]:
+        """Each watched maximum of this step (stat key) and the limits it must not reach."""
+        out: dict[str, list[float]] = {}
+        for name in self._order:
+            out[ACT_ABSMAX_PREFIX + name] = [dtype_limit(self._dtypes.get(name, torch.float32))]
+        for name in self._attn:
+            limits = [dtype_limit(self._attn_dtypes.get(name, torch.float32))]
+            if self._attn_cfg.enabled:
+                limits.append(self._attn_cfg.tau)
+            out[ATTN_LOGIT_MAX_PREFIX + name] = limits
+        return out
+
+    def _observe(self, step: int, stats: dict[str, float]) -> None:
+        """Update each maximum's growth rate with this step's value; plan the next sample: within
+        steps_to_limit / forecast_safety steps of the nearest limit (a maximum seen once is sampled
+        again at the next step, to learn its rate)."""
+        cfg = self.config
+        wait = math.inf
+        for key, limits in self._limits(stats).items():
+            if key not in stats:
+                continue
+            trend = self._trends.setdefault(key, _Trend())
+            trend.add(step, float(stats[key]))
+            if not cfg.forecast:
+                continue
+            if len(trend.samples) == 1:
+                wait = 1
+                continue
+            for limit in limits:
+                steps = trend.steps_to(limit)
+                if steps < math.inf:  # at or past a limit (a clipped module at tau): the next step
+                    wait = min(wait, max(1, math.floor(steps / cfg.forecast_safety)))
+        if cfg.forecast and wait < cfg.stride:
+            self._next_due = step + int(wait)
+        elif self._next_due is not None and self._next_due <= step:
+            self._next_due = None
+
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._step, "streak": dict(self._streak)}
+        return {
+            "step": self._step,
+            "streak": dict(self._streak),
+            "next_due": self._next_due,
+            "trends": {k: [list(s) for s in t.samples] for k, t in self._trends.items()},
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._step = int(sd.get("step", 0))
         self._streak = {str(k): int(v) for k, v in dict(sd.get("streak", {})).items()}
+        due = sd.get("next_due")
+        self._next_due = int(due) if due is not None else None
+        self._trends = {
+            str(k): _Trend([(int(s), float(v)) for s, v in samples])
+            for k, samples in dict(sd.get("trends", {})).items()
+        }
+
+
+def _last_rung(kind: str) -> int | None:
+    """The ``after`` of the last rung of ``kind``'s registered (default) ladder."""
+    from .registry import KINDS
+
+    spec = KINDS.get(kind)
+    return max((a for a, _ in spec.rungs), default=None) if spec is not None else None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

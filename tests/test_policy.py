@@ -71,7 +71,8 @@ def test_activation_overflow_persistent_falls_back_to_fp32():
     p = Policy()
     assert acts(p.decide(0, [F("activation_overflow")])) == []
     assert acts(p.decide(150, [F("activation_overflow")])) == []  # > 100 steps apart: a new streak
-    assert acts(p.decide(240, [F("activation_overflow")])) == ["precision_fallback"]
+    assert acts(p.decide(240, [F("activation_overflow")])) == ["qk_clip"]  # second: treat the cause first
+    assert acts(p.decide(250, [F("activation_overflow")])) == ["precision_fallback"]  # third: the last resort
 
 
 def test_plateau_uses_detector_occurrence():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from sfmonitor.attention import ATTENTION_LOGIT_GROWTH
 from sfmonitor.events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError
 from sfmonitor.watch import ACT_ABSMAX_PREFIX, FIRST_NONFINITE_KEY, ActivationWatch, WatchConfig, precision_fallback
 
@@ -54,7 +55,9 @@ def _run(model, watch, x):
     for step, s in enumerate(SCALES):
         out, stats, found = _step(model, watch, step, x * s)
         for f in found:
-            assert f.kind == ACTIVATION_OVERFLOW
+            if f.kind != ACTIVATION_OVERFLOW:
+                assert f.kind == ATTENTION_LOGIT_GROWTH  # the same logits pass the cap tau first
+                continue
             if f.data["nonfinite"] and first_inf is None:
                 first_inf, names["inf"] = step, f.data["module"]
             if not f.data["nonfinite"] and first_warn is None:
@@ -81,7 +84,10 @@ def test_warns_before_first_inf_and_names_the_module():
     warn = names["warn"]
     assert warn.data["module"] == "fusion" and warn.where == "fusion"
     assert warn.data["dtype"] == "float16" and warn.data["limit"] == 65504.0
-    assert 0.5 * 65504 <= warn.data["absmax"] < 65504
+    # logits x2 a step: the growth rate warns while the value is still under half the limit
+    assert warn.data["absmax"] < 65504
+    assert warn.data["absmax"] >= 0.5 * 65504 or warn.data["steps_to_limit"] <= 3
+    assert warn.data["growth_per_step"] == pytest.approx(2.0, rel=0.1)
     assert names["inf"] == "fusion"  # first in forward order; head is NaN too, after it
     watch.detach()
 
@@ -116,7 +122,11 @@ def test_nested_attribution_and_keys():
     _, stats, _ = _step(model, watch, 0, x * 64)
     # q/k projections are recorded under their own names; the inline logits go to `fusion`.
     assert stats[ACT_ABSMAX_PREFIX + "fusion"] > 10 * stats[ACT_ABSMAX_PREFIX + "fusion.q"]
-    assert set(stats) == {ACT_ABSMAX_PREFIX + n for n in watch.module_names} | {FIRST_NONFINITE_KEY}
+    # the attention module's logits (the softmax input) under their own key
+    assert set(stats) == {ACT_ABSMAX_PREFIX + n for n in watch.module_names} | {
+        FIRST_NONFINITE_KEY,
+        "attn_logit_max/fusion",
+    }
     assert stats[FIRST_NONFINITE_KEY] == -1
     watch.detach()
 
@@ -152,12 +162,13 @@ def test_no_grad_forwards_are_not_recorded():
 def test_persist_recommends_fallback_and_resets():
     model, x = _model_and_input()
     watch = ActivationWatch(WatchConfig(stride=1, persist=2)).attach(model)
-    scale = next(s for s in (200, 256, 300) if _step(model, watch, 0, x * s)[2])
+    overflow = lambda found: [f for f in found if f.kind == ACTIVATION_OVERFLOW]
+    scale = next(s for s in (200, 256, 300) if overflow(_step(model, watch, 0, x * s)[2]))
     watch._streak.clear()
     recs = []
     for step, s in enumerate([scale, scale, 1, scale]):
         _, _, found = _step(model, watch, step, x * s)
-        f = [f for f in found if f.data["module"] == "fusion"]
+        f = [f for f in found if f.data["module"] == "fusion" and f.kind == ACTIVATION_OVERFLOW]
         recs.append((f[0].data["consecutive"], f[0].data["recommend"]) if f else None)
     assert recs == [(1, None), (2, PRECISION_FALLBACK), None, (1, None)]
     sd = watch.state_dict()
@@ -228,7 +239,7 @@ def test_precision_fallback_gives_finite_outputs_and_remove_undoes_it():
         assert fused.dtype == torch.float16  # cast back to the caller's autocast dtype
         stats = {k: float(v) for k, v in watch.pending().items()}
         assert watch._dtypes["fusion"] == torch.float32  # the logits now live in fp32
-        assert not [f for f in watch.findings(step, stats) if f.data["nonfinite"]]
+        assert not [f for f in watch.findings(step, stats) if f.data.get("nonfinite")]
     handle.remove()
     handle.remove()  # safe twice
     assert not handle.active

@@ -1,0 +1,558 @@
+"""Attention-logit growth (docs/forensics.md): the max logit per module and head, exact, for hand-written
+attention, F.scaled_dot_product_attention and nn.MultiheadAttention; the query/key projections
+found; QK-Clip; the forecast that warns before the first inf; the monitor end to end."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sfmonitor
+from sfmonitor import attention as AT
+from sfmonitor.actions import ActionContext
+from sfmonitor.attention import ATTENTION_LOGIT_GROWTH, QK_CLIP, AttentionConfig, find_projections
+from sfmonitor.errors import ConfigError
+from sfmonitor.events import ACTIVATION_OVERFLOW, Decision
+from sfmonitor.registry import KINDS, action_order
+from sfmonitor.watch import ActivationWatch, WatchConfig
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+class HandAttention(nn.Module):
+    """Separate q/k/v Linears, (B, H, T, T) logits computed inline, scaled, causal-masked."""
+
+    def __init__(self, d=16, heads=4, fill=-math.inf, fused=False):
+        super().__init__()
+        self.num_heads, self.d_head, self.fill = heads, d // heads, fill
+        if fused:
+            self.c_attn = nn.Linear(d, 3 * d)
+        else:
+            self.wq, self.wk, self.wv = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.fused = fused
+
+    def qkv(self, x):
+        if self.fused:
+            return self.c_attn(x).split(x.shape[-1], dim=-1)
+        return self.wq(x), self.wk(x), self.wv(x)
+
+    def heads(self, t):
+        B, T, _ = t.shape
+        return t.reshape(B, T, self.num_heads, self.d_head).transpose(1, 2)
+
+    def logits(self, x):
+        q, k, _ = (self.heads(t) for t in self.qkv(x))
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(self.d_head)
+        T = x.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        fill = self.fill if self.fill != "min" else torch.finfo(s.dtype).min
+        return s.masked_fill(~causal, fill)
+
+    def forward(self, x):
+        _, _, v = (self.heads(t) for t in self.qkv(x))
+        out = self.logits(x).softmax(-1) @ v
+        B, H, T, dh = out.shape
+        return out.transpose(1, 2).reshape(B, T, H * dh)
+
+
+class SdpaAttention(nn.Module):
+    def __init__(self, d=16, heads=4, kv_heads=4, **sdpa):
+        super().__init__()
+        self.h, self.kvh, self.dh, self.sdpa = heads, kv_heads, d // heads, sdpa
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, kv_heads * self.dh)
+        self.v_proj = nn.Linear(d, kv_heads * self.dh)
+
+    def qk(self, x):
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.h, self.dh).transpose(1, 2)
+        k = self.k_proj(x).reshape(B, T, self.kvh, self.dh).transpose(1, 2)
+        v = self.v_proj(x).reshape(B, T, self.kvh, self.dh).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x):
+        q, k, v = self.qk(x)
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kvh != self.h, **self.sdpa)
+        return out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
+
+
+class Block(nn.Module):
+    def __init__(self, attn, d=16):
+        super().__init__()
+        self.attn = attn
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.mlp(x + self.attn(x))
+
+
+def _measure(model, x, cfg=None, **kwargs):
+    """Attach a stride-1 watch, run one forward, return the host-read stats and the watch."""
+    watch = ActivationWatch(WatchConfig(stride=1, attention=cfg or AttentionConfig())).attach(model)
+    watch.reset(0)
+    model(x, **kwargs)
+    stats = {k: float(v) for k, v in watch.pending().items()}
+    return stats, watch
+
+
+def _per_head(logits):
+    """Direct signed max per head of (B, H, L, S) logits, masked entries (-inf/min) excluded."""
+    floor = torch.finfo(logits.dtype).min
+    x = logits.masked_fill(logits <= floor, -math.inf)
+    return [float(x[:, h].max()) for h in range(x.shape[1])]
+
+
+# --------------------------------------------------------------------------------------------
+# The statistic equals a direct computation
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fill", [-math.inf, "min"])
+def test_hand_written_logits_exact_per_head_masks_excluded(fill):
+    torch.manual_seed(0)
+    model = Block(HandAttention(fill=fill))
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():  # make the masked (upper) entries the largest ones: they must not count
+        model.attn.wk.weight.mul_(3)
+    stats, watch = _measure(model, x)
+    logits = model.attn.logits(x).detach()
+    want = _per_head(logits)
+    assert [stats[f"attn_logit_max/attn/h{h}"] for h in range(4)] == pytest.approx(want, rel=1e-6)
+    assert stats["attn_logit_max/attn"] == pytest.approx(max(want), rel=1e-6)
+    # an |x| max would read the fill value (-inf, or the dtype's min: 3.4e38 in fp32)
+    assert all(math.isfinite(v) and abs(v) < 100 for v in want)
+    assert watch.attention["attn"].spec is not None
+    assert "attn_logit_max/mlp" not in stats  # only attention modules
+    watch.detach()
+
+
+def test_a_fully_masked_head_reads_minus_inf_not_the_fill_value():
+    logits = torch.randn(1, 2, 3, 3)
+    logits[:, 1] = torch.finfo(torch.float32).min
+    heads = AT.head_maxima(logits)
+    assert heads[1] == -math.inf and heads[0] == logits[:, 0].max()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {},
+        {"is_causal": True},
+        {"scale": 0.7},
+        {"mask": "bool"},
+        {"mask": "float"},
+        {"kv_heads": 2, "is_causal": True},
+    ],
+)
+def test_sdpa_logits_exact(case):
+    torch.manual_seed(1)
+    case = dict(case)
+    kv_heads = case.pop("kv_heads", 4)
+    mask = case.pop("mask", None)
+    T = 5
+    if mask == "bool":
+        case["attn_mask"] = torch.rand(T, T) > 0.3
+        case["attn_mask"][:, 0] = True
+    elif mask == "float":
+        case["attn_mask"] = torch.randn(T, T)
+    model = Block(SdpaAttention(kv_heads=kv_heads, **case))
+    x = torch.randn(2, T, 16)
+    stats, watch = _measure(model, x)
+    q, k, _ = model.attn.qk(x)
+    q, k = q.detach(), k.detach()
+    if kv_heads != 4:
+        k = k.repeat_interleave(4 // kv_heads, dim=1)
+    s = q @ k.transpose(-1, -2) * case.get("scale", 1 / math.sqrt(4))
+    if case.get("is_causal"):
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    if mask == "bool":
+        s = s.masked_fill(~case["attn_mask"], -math.inf)
+    elif mask == "float":
+        s = s + case["attn_mask"]
+    want = _per_head(s)
+    assert [stats[f"attn_logit_max/attn/h{h}"] for h in range(4)] == pytest.approx(want, rel=1e-5)
+    # the output is untouched by the measurement
+    watch.reset(1)  # unsampled at stride... sampled: stride 1, the same numbers
+    assert torch.equal(model(x), model(x))
+    watch.detach()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kdim", [None, 12])
+def test_multihead_attention_logits_exact(batch_first, kdim):
+    torch.manual_seed(2)
+    E, H, L, Sk, N = 16, 4, 5, 7, 3
+    mha = nn.MultiheadAttention(E, H, batch_first=batch_first, kdim=kdim, vdim=kdim)
+    root = nn.Module()
+    root.self_attn = mha
+    q = torch.randn(N, L, E)
+    kv = torch.randn(N, Sk, kdim or E)
+    kpm = torch.zeros(N, Sk, dtype=torch.bool)
+    kpm[0, -2:] = True
+    am = torch.zeros(L, Sk, dtype=torch.bool)
+    am[:, 0] = True
+    if not batch_first:
+        q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(root)
+    watch.reset(0)
+    _, weights = mha(q, kv, kv, key_padding_mask=kpm, attn_mask=am, average_attn_weights=False)
+    stats = {k: float(v) for k, v in watch.pending().items()}
+    logits = AT.mha_logits(mha, (q, kv, kv), {"key_padding_mask": kpm, "attn_mask": am})
+    # our logits are what MHA softmaxed: their softmax is its attention weights
+    assert torch.allclose(logits.softmax(-1), weights.detach(), atol=1e-6)
+    # and by hand: project, split heads, scale, mask
+    qb, kb = (q, kv) if batch_first else (q.transpose(0, 1), kv.transpose(0, 1))
+    if mha._qkv_same_embed_dim:
+        wq, wk = mha.in_proj_weight[:E], mha.in_proj_weight[E : 2 * E]
+    else:
+        wq, wk = mha.q_proj_weight, mha.k_proj_weight
+    qh = F.linear(qb, wq, mha.in_proj_bias[:E]).reshape(N, L, H, E // H).transpose(1, 2)
+    kh = F.linear(kb, wk, mha.in_proj_bias[E : 2 * E]).reshape(N, Sk, H, E // H).transpose(1, 2)
+    s = (qh @ kh.transpose(-1, -2)).detach() / math.sqrt(E // H)
+    s = s.masked_fill(am, -math.inf).masked_fill(kpm[:, None, None, :], -math.inf)
+    want = _per_head(s)
+    assert [stats[f"attn_logit_max/self_attn/h{h}"] for h in range(H)] == pytest.approx(want, rel=1e-5)
+    watch.detach()
+
+
+def test_mha_inside_transformer_encoder_layer_is_measured():
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    stats, watch = _measure(layer, torch.randn(2, 5, 16))
+    assert {"attn_logit_max/self_attn", "attn_logit_max/self_attn/h0", "attn_logit_max/self_attn/h1"} <= set(stats)
+    assert watch.attention["self_attn"].spec.layout == "multihead_attention"
+    watch.detach()
+
+
+# --------------------------------------------------------------------------------------------
+# Projections found
+# --------------------------------------------------------------------------------------------
+
+
+def test_projections_found_for_separate_fused_mha_and_configured_layouts():
+    spec, _ = find_projections(HandAttention(), "blocks.0.attn")
+    assert (spec.layout, spec.q_weight, spec.k_weight, spec.heads) == (
+        "separate",
+        "blocks.0.attn.wq.weight",
+        "blocks.0.attn.wk.weight",
+        4,
+    )
+    assert spec.q_bias == "blocks.0.attn.wq.bias" and spec.q_rows == (0, 16) and spec.k_rows == (0, 16)
+    spec, _ = find_projections(HandAttention(fused=True), "h.1.attn")
+    assert (spec.layout, spec.q_weight, spec.q_rows, spec.k_rows) == (
+        "fused",
+        "h.1.attn.c_attn.weight",
+        (0, 16),
+        (16, 32),
+    )
+    spec, _ = find_projections(SdpaAttention(kv_heads=2), "a")
+    assert (spec.q_weight, spec.k_weight, spec.heads, spec.kv_heads) == (
+        "a.q_proj.weight",
+        "a.k_proj.weight",
+        None,
+        None,
+    )
+    spec, how = find_projections(nn.MultiheadAttention(16, 4), "enc.self_attn")
+    assert spec.q_weight == spec.k_weight == "enc.self_attn.in_proj_weight" and spec.k_rows == (16, 32)
+    assert spec.heads == 4 and how == "nn.MultiheadAttention"
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.make_q, self.make_k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    spec, why = find_projections(Odd(), "odd")
+    assert spec is None and "watch.attention.projections" in why
+    cfg = AttentionConfig(projections={"od*": {"q": "make_q", "k": "make_k", "heads": 2}})
+    spec, how = find_projections(Odd(), "odd", cfg)
+    assert how == "configured" and spec.q_weight == "odd.make_q.weight" and spec.heads == 2
+
+
+def test_projection_config_is_validated():
+    with pytest.raises(ConfigError, match="either both q and k, or qkv"):
+        WatchConfig.from_dict({"attention": {"projections": {"x": {"q": "a"}}}}, prefix="watch.")
+    with pytest.raises(ConfigError, match=r"watch.attention.projections.x: unknown key 'v'"):
+        WatchConfig.from_dict({"attention": {"projections": {"x": {"qkv": "a", "v": "b"}}}}, prefix="watch.")
+    with pytest.raises(ConfigError, match="heads"):
+        WatchConfig.from_dict({"attention": {"projections": {"x": {"qkv": "a", "heads": 0}}}}, prefix="watch.")
+    with pytest.raises(ConfigError, match="tau"):
+        WatchConfig.from_dict({"attention": {"tau": 0}}, prefix="watch.")
+
+
+# --------------------------------------------------------------------------------------------
+# QK-Clip
+# --------------------------------------------------------------------------------------------
+
+
+def _clip_once(model, x, tau, optimizer_runs=True, **kw):
+    """Measure, decide qk_clip on the attention finding, run the (lr 0) optimizer step."""
+    watch = ActivationWatch(WatchConfig(stride=1, attention=AttentionConfig(tau=tau))).attach(model)
+    watch.reset(0)
+    model(x, **kw).sum().backward()
+    stats = {k: float(v) for k, v in watch.pending().items()}
+    (f,) = [f for f in watch.findings(0, stats) if f.kind == ATTENTION_LOGIT_GROWTH]
+    watch.detach()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctx = ActionContext(model=model, optimizer=opt)
+    ctx.skip = not optimizer_runs
+    facts = AT.qk_clip(ctx, Decision(QK_CLIP, f))
+    if optimizer_runs:
+        opt.step()  # the clip lands after the update
+    return f, facts
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_qk_clip_brings_heads_over_tau_to_tau_and_leaves_the_rest_bit_identical(fused):
+    torch.manual_seed(4)
+    model = Block(HandAttention(fused=fused))
+    with torch.no_grad():
+        (model.attn.c_attn.weight if fused else model.attn.wq.weight).mul_(4)
+    x = torch.randn(2, 6, 16)
+    before = _per_head(model.attn.logits(x).detach())
+    tau = sorted(before)[1] * 1.01  # two or three heads over tau, at least one under
+    ref = copy.deepcopy(model.state_dict())
+    f, facts = _clip_once(model, x, tau)
+    assert facts["applied"] and facts["when"] == "after this step's update"
+    assert f.data["heads_over"] == facts["heads_clipped"] == [h for h, m in enumerate(before) if m > tau]
+    after = _per_head(model.attn.logits(x).detach())
+    for h, (b, a) in enumerate(zip(before, after)):
+        assert a == pytest.approx(min(b, tau), rel=1e-5), h
+        if b <= tau:
+            assert a == b  # an unclipped head is bit-identical
+    assert max(after) == pytest.approx(tau, rel=1e-5)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, ref[k])}
+    assert changed == (
+        {"attn.c_attn.weight", "attn.c_attn.bias"}
+        if fused
+        else {"attn.wq.weight", "attn.wq.bias", "attn.wk.weight", "attn.wk.bias"}
+    )
+    if fused:  # the value rows of the fused weight are untouched
+        assert torch.equal(model.attn.c_attn.weight[32:], ref["attn.c_attn.weight"][32:])
+    assert facts["gamma"][facts["heads_clipped"][0]] < 1 and all(
+        facts["gamma"][h] == 1.0 for h in range(4) if h not in facts["heads_clipped"]
+    )
+
+
+def test_qk_clip_with_grouped_keys_gives_every_head_its_own_factor():
+    torch.manual_seed(5)
+    model = Block(SdpaAttention(kv_heads=2))
+    with torch.no_grad():
+        model.attn.q_proj.weight.mul_(3)
+    x = torch.randn(2, 5, 16)
+
+    def logits():
+        q, k, _ = model.attn.qk(x)
+        return (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)).detach() / 2
+
+    before = _per_head(logits())
+    tau = sorted(before)[0] * 1.01
+    model.attn.num_heads = 4  # heads named by the module: the spec knows them
+    _clip_once(model, x, tau)
+    after = _per_head(logits())
+    assert after == pytest.approx([min(b, tau) for b in before], rel=1e-5)
+
+
+def test_qk_clip_on_multihead_attention_and_now_when_the_update_is_skipped():
+    torch.manual_seed(6)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_weight[:16].mul_(5)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = mha
+
+        def forward(self, x):
+            return self.self_attn(x, x, x, need_weights=False)[0]
+
+    model = Wrap()
+    x = torch.randn(2, 5, 16)
+    before = _per_head(AT.mha_logits(mha, (x, x, x), {}))
+    tau = max(before) / 2
+    ref_v = mha.in_proj_weight[32:].detach().clone()
+    _, facts = _clip_once(model, x, tau, optimizer_runs=False)
+    assert facts["when"].startswith("now")  # the update does not land: clip at once
+    after = _per_head(AT.mha_logits(mha, (x, x, x), {}))
+    assert after == pytest.approx([min(b, tau) for b in before], rel=1e-5)
+    assert torch.equal(mha.in_proj_weight[32:], ref_v)
+
+
+def test_qk_clip_without_projections_or_with_inf_logits_says_why():
+    ctx = ActionContext(model=nn.Linear(2, 2), optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    f = AT.finding(3, "odd", [150.0], 100.0, None, "no query/key projections found in 'odd'", {})
+    facts = AT.qk_clip(ctx, Decision(QK_CLIP, f))
+    assert facts == {"applied": False, "module": "odd", "reason": "no query/key projections found in 'odd'"}
+    spec = find_projections(HandAttention(), "attn")[0]
+    f = AT.finding(3, "attn", [math.inf, 50.0, 20.0, 10.0], 100.0, spec, "", {})
+    facts = AT.qk_clip(ctx, Decision(QK_CLIP, f))
+    assert not facts["applied"] and facts["unsized_heads"] == [0]
+
+
+def test_registration_kind_ladder_and_action_order():
+    assert KINDS[ATTENTION_LOGIT_GROWTH].rungs == ((1, (QK_CLIP,)),)
+    rungs = dict(KINDS[ACTIVATION_OVERFLOW].rungs)
+    assert rungs[2] == (QK_CLIP,) and rungs[3] == ("precision_fallback",)  # QK-Clip before the last resort
+    order = action_order()
+    assert order.index("lr_drop") < order.index(QK_CLIP) < order.index("precision_fallback")
+
+
+# --------------------------------------------------------------------------------------------
+# The forecast: warned before the first inf when a maximum grows fast
+# --------------------------------------------------------------------------------------------
+
+
+class Fusion(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+
+    def forward(self, x):
+        return (self.q(x) @ self.k(x).transpose(-1, -2)).softmax(dim=-1) @ x
+
+
+class Toy(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fusion = Fusion(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.fusion(x)).float().mean()
+
+
+def _first_warning_and_inf(forecast: bool, start: int):
+    """Input x1.35 a step, so QK^T x1.8 a step; the watch at its default stride of 10."""
+    torch.manual_seed(0)
+    model = Toy()
+    x = torch.randn(2, 4, 8)
+    watch = ActivationWatch(WatchConfig(forecast=forecast, attention=AttentionConfig(enabled=False))).attach(model)
+    first_warn = first_inf = None
+    warn = None
+    for step in range(60):
+        watch.reset(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x * 1.35 ** (step - start))
+        stats = {k: float(v) for k, v in watch.pending().items()}
+        for f in watch.findings(step, stats):
+            if first_warn is None and not f.data["nonfinite"]:
+                first_warn, warn = step, f
+        if first_inf is None and not torch.isfinite(out):
+            first_inf = step
+            break
+    watch.detach()
+    return first_warn, first_inf, warn
+
+
+@pytest.mark.parametrize("start", [0, 3, 7])
+def test_a_maximum_growing_x1_8_a_step_is_warned_before_the_first_inf(start):
+    first_warn, first_inf, warn = _first_warning_and_inf(True, start)
+    assert first_inf is not None and first_inf > 10
+    assert first_warn is not None and first_warn < first_inf
+    assert warn.data["module"] == "fusion" and warn.data["growth_per_step"] == pytest.approx(1.8, rel=0.05)
+    assert warn.data["steps_to_limit"] is not None and warn.data["steps_to_limit"] <= first_inf - first_warn
+
+
+def test_the_fixed_stride_alone_misses_it():
+    """Why the forecast: sampled every 10 steps, the same growth is +inf before the next sample."""
+    misses = 0
+    for start in (0, 3, 7):
+        first_warn, first_inf, _ = _first_warning_and_inf(False, start)
+        misses += first_warn is None or first_warn >= first_inf
+    assert misses >= 2
+
+
+def test_forecast_samples_sooner_near_the_limit_and_state_round_trips():
+    watch = ActivationWatch(WatchConfig(stride=10))
+    watch._order, watch._dtypes = ["m"], {"m": torch.float16}
+    sampled = []
+    value = 8.0
+    for step in range(30):
+        watch.reset(step)
+        if watch.sampled:
+            sampled.append(step)
+            watch.findings(step, {"act_absmax/m": value})
+        value *= 1.5
+    # stride samples at 0, 10, 20 plus the rate probe at 1; then ever closer as 65504 nears
+    gaps = [b - a for a, b in itertools.pairwise(sampled)]
+    assert sampled[:2] == [0, 1] and gaps[-1] == 1 and len(sampled) > 5
+    sd = watch.state_dict()
+    other = ActivationWatch(WatchConfig(stride=10))
+    other.load_state_dict(sd)
+    assert other.state_dict() == sd and sd["trends"]["act_absmax/m"]
+
+
+# --------------------------------------------------------------------------------------------
+# The monitor, end to end
+# --------------------------------------------------------------------------------------------
+
+
+class TinyLM(nn.Module):
+    def __init__(self, d=16, vocab=11, layers=1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(HandAttention(d)) for _ in range(layers))
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _train(lr, steps, monitor_cfg=None, tmp_path=None):
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    mon = None
+    if monitor_cfg is not None:
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False, **monitor_cfg})
+    g = torch.Generator().manual_seed(1)
+    maxima = []
+    for _ in range(steps):
+        idx = torch.randint(0, 11, (4, 8), generator=g)
+        logits = model(idx)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, 11), idx[:, 1:].reshape(-1))
+        (mon.combine({"lm": loss}) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            maxima.append(max(_per_head(model.blocks[0].attn.logits(model.emb(idx)))))
+    if mon is not None:
+        mon.detach()
+    return model, mon, maxima
+
+
+def test_healthy_run_no_clip_and_bit_identical(tmp_path):
+    bare, _, maxima = _train(1e-3, 30)
+    watched, mon, _ = _train(1e-3, 30, {"watch": {"stride": 1}}, tmp_path)
+    assert max(maxima) < 100  # healthy: far under tau
+    assert not [e for e in mon.events if e.kind == ATTENTION_LOGIT_GROWTH or QK_CLIP in e.actions]
+    assert "attn_logit_max/blocks.0.attn/h3" in mon.stats
+    for (n, a), (_, b) in zip(bare.state_dict().items(), watched.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_monitor_clips_a_growing_module_and_holds_it_near_tau(tmp_path):
+    tau = 8.0
+    _, _, bare = _train(0.05, 60)
+    assert max(bare) > 2 * tau  # at this LR the logits grow past tau
+    _, mon, clipped = _train(0.05, 60, {"watch": {"attention": {"tau": tau}}}, tmp_path)
+    clips = [e for e in mon.events if QK_CLIP in e.actions]
+    assert clips and clips[0].kind == ATTENTION_LOGIT_GROWTH
+    res = clips[0].data["action_results"][QK_CLIP]
+    assert res["applied"] and res["module"] == "blocks.0.attn" and min(res["gamma"]) < 1
+    first = clips[0].step
+    # after the first clip the module is sampled every step and stays near tau (one step of growth)
+    assert max(clipped[first:]) < 1.5 * tau
+    assert max(clipped[first:]) < max(bare[first:])
