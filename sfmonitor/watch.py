@@ -355,7 +355,8 @@ class ActivationWatch:
         self._step = 0
         self._sampled = True
         self._force = False
-        self._next_due: int | None = None  # a step the forecast asked to sample
+        self._plan: dict[str, int] = {}  # module -> the step the forecast asked to sample it
+        self._due: set[str] | None = None  # modules recorded this step (None: all of them)
         self._trends: dict[str, _Trend] = {}  # stat key -> growth of that maximum
         self._streak: dict[str, int] = {}  # consecutive sampled steps over warn_fraction
         self._dtypes: dict[str, torch.dtype] = {}  # dtype behind act_absmax/<m> of the last pending()
@@ -419,8 +420,12 @@ class ActivationWatch:
         stride, a forced sample, or a sample the forecast asked for)."""
         self._exit_mode()
         self._step = self._step + 1 if step is None else int(step)
-        due = self._next_due is not None and self._step >= self._next_due
-        self._sampled = self._force or due or self._step % self.config.stride == 0
+        full = self._force or self._step % self.config.stride == 0
+        due = {m for m, at in self._plan.items() if at <= self._step}
+        self._sampled = full or bool(due)
+        # A step sampled for the forecast alone records only the modules it was asked for (the
+        # exact logits of an nn.MultiheadAttention over long sequences are not free).
+        self._due = None if full else due
         self._force = False
         self._records = {}
         self._attn = {}
@@ -442,6 +447,8 @@ class ActivationWatch:
         def pre(module, args):
             if not self._active():
                 return None
+            if self._due is not None and name not in self._due and not self._stack:
+                return None  # a forecast-only step: nothing asked for runs here
             self._stack.append(name)
             if self.config.inline and self._mode is None:
                 self._mode = _InlineMode(self)
@@ -465,7 +472,7 @@ class ActivationWatch:
 
     def _make_mha_pre(self, name: str) -> Callable:
         def pre(module, args, kwargs):
-            if not self._active() or self._busy:
+            if not self._active() or self._busy or not self._wanted(name):
                 return None
             self._busy = True
             try:
@@ -486,7 +493,12 @@ class ActivationWatch:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
 
+    def _wanted(self, name: str) -> bool:
+        return self._due is None or name in self._due
+
     def _record(self, name: str, output: Any) -> None:
+        if not self._wanted(name):
+            return
         self._busy = True
         try:
             with torch.no_grad():
@@ -512,7 +524,7 @@ class ActivationWatch:
 
     def _record_inline_logits(self, func: Any, args: tuple, kwargs: dict) -> None:
         name = self._attention_running()
-        if name is None or name in self._mha:
+        if name is None or name in self._mha or not self._wanted(name):
             return  # no attention module running, or an nn.MultiheadAttention: its pre-hook measures it
         self._busy = True
         try:
@@ -751,11 +763,11 @@ class ActivationWatch:
         return out
 
     def _observe(self, step: int, stats: dict[str, float]) -> None:
-        """Update each maximum's growth rate with this step's value; plan the next sample: within
-        steps_to_limit / forecast_safety steps of the nearest limit (a maximum seen once is sampled
-        again at the next step, to learn its rate)."""
+        """Update each maximum's growth rate with this step's value; plan each module's next
+        sample: within steps_to_limit / forecast_safety steps of its nearest limit (a maximum seen
+        once is sampled again at the next step, to learn its rate); the stride covers the rest."""
         cfg = self.config
-        wait = math.inf
+        self._plan = {m: at for m, at in self._plan.items() if at > step}
         for key, limits in self._limits(stats).items():
             if key not in stats:
                 continue
@@ -763,31 +775,30 @@ class ActivationWatch:
             trend.add(step, float(stats[key]))
             if not cfg.forecast:
                 continue
+            wait = math.inf
             if len(trend.samples) == 1:
                 wait = 1
-                continue
-            for limit in limits:
-                steps = trend.steps_to(limit)
-                if steps < math.inf:  # at or past a limit (a clipped module at tau): the next step
-                    wait = min(wait, max(1, math.floor(steps / cfg.forecast_safety)))
-        if cfg.forecast and wait < cfg.stride:
-            self._next_due = step + int(wait)
-        elif self._next_due is not None and self._next_due <= step:
-            self._next_due = None
+            else:
+                for limit in limits:
+                    steps = trend.steps_to(limit)
+                    if steps < math.inf:  # at or past a limit (a clipped module at tau): the next step
+                        wait = min(wait, max(1, math.floor(steps / cfg.forecast_safety)))
+            if wait < cfg.stride:
+                module = key.split("/", 1)[1]
+                self._plan[module] = min(self._plan.get(module, step + int(wait)), step + int(wait))
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self._step,
             "streak": dict(self._streak),
-            "next_due": self._next_due,
+            "plan": dict(self._plan),
             "trends": {k: [list(s) for s in t.samples] for k, t in self._trends.items()},
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._step = int(sd.get("step", 0))
         self._streak = {str(k): int(v) for k, v in dict(sd.get("streak", {})).items()}
-        due = sd.get("next_due")
-        self._next_due = int(due) if due is not None else None
+        self._plan = {str(m): int(at) for m, at in dict(sd.get("plan", {})).items()}
         self._trends = {
             str(k): _Trend([(int(s), float(v)) for s, v in samples])
             for k, samples in dict(sd.get("trends", {})).items()

@@ -556,3 +556,24 @@ def test_monitor_clips_a_growing_module_and_holds_it_near_tau(tmp_path):
     # after the first clip the module is sampled every step and stays near tau (one step of growth)
     assert max(clipped[first:]) < 1.5 * tau
     assert max(clipped[first:]) < max(bare[first:])
+
+
+def test_a_forecast_step_records_only_the_modules_it_was_asked_for():
+    torch.manual_seed(0)
+    model = Toy()
+    x = torch.randn(2, 4, 8)
+    watch = ActivationWatch(WatchConfig(attention=AttentionConfig(enabled=False))).attach(model)
+    every = {f"act_absmax/{n}" for n in watch.module_names} | {"internal/act_first_nonfinite"}
+    partial = []
+    for step in range(1, 40):
+        watch.reset(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x * 1.35 ** (step - 25))
+        stats = {k: float(v) for k, v in watch.pending().items()}
+        if watch.sampled and step % 10 and step > 11:  # past the rate probe after the first sample
+            partial.append(set(stats))
+        watch.findings(step, stats)
+    # the logits (x1.8 a step) are sampled ever more often; the rest only when their own growth asks
+    assert len(partial) >= 4 and all(keys < every for keys in partial)
+    assert {"act_absmax/fusion", "internal/act_first_nonfinite"} in partial
+    watch.detach()
