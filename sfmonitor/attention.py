@@ -37,7 +37,8 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -548,16 +549,34 @@ def qk_clip(ctx: Any, decision: Decision) -> dict[str, Any]:
         apply_qk_clip(ctx.model, spec, q_scale, k_scale)
         facts.update(applied=True, when="now: this step's update does not land")
         return facts
-    model = ctx.model
-    handle: list[Any] = []
-
-    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-        handle[0].remove()
-        apply_qk_clip(model, spec, q_scale, k_scale)
-
-    handle.append(ctx.optimizer.register_step_post_hook(after_step))
+    _after_update(ctx, lambda: apply_qk_clip(ctx.model, spec, q_scale, k_scale))
     facts.update(applied=True, when="after this step's update")
     return facts
+
+
+# Clips waiting for their optimizer's step to land, and the one post-hook per optimizer that
+# applies them (a hook cannot remove itself while the optimizer iterates over its hooks).
+_PENDING: weakref.WeakKeyDictionary[Any, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
+_HOOKS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _after_update(ctx: Any, fn: Callable[[], None]) -> None:
+    """Run ``fn`` right after ``ctx.optimizer``'s next step (after the monitor's own post-hook).
+    The hook is removed with the monitor's other hooks on detach (``ctx.hooks``)."""
+    opt = ctx.optimizer
+    _PENDING.setdefault(opt, []).append(fn)
+    handle = _HOOKS.get(opt)
+    if handle is None or handle.id not in opt._optimizer_step_post_hooks:
+
+        def run_pending(optimizer: Any, args: Any, kwargs: Any) -> None:
+            todo = _PENDING.pop(optimizer, [])
+            for f in todo:
+                f()
+
+        handle = _HOOKS[opt] = opt.register_step_post_hook(run_pending)
+        hooks = getattr(ctx, "hooks", None)
+        if isinstance(hooks, list):
+            hooks.append(handle)
 
 
 # Its own kind (not activation_overflow, whose limit is the dtype's max): every sampled step on

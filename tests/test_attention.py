@@ -510,10 +510,11 @@ class TinyLM(nn.Module):
         return self.out(h)
 
 
-def _train(lr, steps, monitor_cfg=None, tmp_path=None):
+def _train(lr, steps, monitor_cfg=None, tmp_path=None, layers=1):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # a scheduler wraps opt.step
     mon = None
     if monitor_cfg is not None:
         mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False, **monitor_cfg})
@@ -526,6 +527,7 @@ def _train(lr, steps, monitor_cfg=None, tmp_path=None):
         (mon.combine({"lm": loss}) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
+        sched.step()
         with torch.no_grad():
             maxima.append(max(_per_head(model.blocks[0].attn.logits(model.emb(idx)))))
     if mon is not None:
@@ -577,3 +579,14 @@ def test_a_forecast_step_records_only_the_modules_it_was_asked_for():
     assert len(partial) >= 4 and all(keys < every for keys in partial)
     assert {"act_absmax/fusion", "internal/act_first_nonfinite"} in partial
     watch.detach()
+
+
+def test_two_modules_clipped_in_one_step(tmp_path):
+    """One post-hook per optimizer applies every clip of the step (a hook removing itself while
+    the optimizer iterates over its hooks would raise)."""
+    _, mon, _ = _train(0.05, 40, {"watch": {"attention": {"tau": 4.0}}}, tmp_path, layers=2)
+    steps = {}
+    for e in mon.events:
+        if QK_CLIP in e.actions and e.data["action_results"][QK_CLIP]["applied"]:
+            steps.setdefault(e.step, set()).add(e.data["module"])
+    assert any(len(mods) == 2 for mods in steps.values())
