@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,20 +34,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import dcp as sharded_checkpoint
+from . import sharding
 from . import stats as S
 from .checkpoint import (
     DEFAULT_SNAPSHOT_EVERY,
     DEFAULT_SNAPSHOT_KEEP,
+    EXTRA,
     SnapshotRing,
     capture_state,
     restore_state,
     save_checkpoint,
 )
 from .events import (
+    ACCURACY_COLLAPSE,
     CHECKPOINT,
     CLIP,
     GRAD_NOISE,
+    LOSS_SPIKE,
     LR_DROP,
+    NONFINITE_PARAM,
     PLATEAU,
     PRECISION_FALLBACK,
     REWEIGHT,
@@ -95,6 +102,7 @@ CLIP_MODES = ("zclip", "global", "per_modality", "agc")
 _RULE = re.compile(r"^(sqrt|norm):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
 ANY_GROUP = "*"
 EMERGENCY_PREFIX = "emergency-step"
+OUTSIDE_PARAMS = "outside_params"  # key in a state's extra: parameters held by the optimizer only
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
 
 
@@ -288,14 +296,33 @@ class ActionContext:
     skip: bool = False  # set by skip_step / rollback: this step's update must not land
     batches_to_skip: int = 0  # set by rollback; consumed by monitor.batches()
     should_stop: bool = False
+    stopped: bool = False  # set by stop (not early stopping): every later step is skipped
+    graceful_stop: bool = False  # set by the monitor: a loop draws from batches(), so stop ends it
     config: ActionsConfig = field(default_factory=ActionsConfig)
     monitor_state: Callable[[], dict[str, Any]] | None = None  # saved inside emergency checkpoints
     reweighted: dict[str, dict[str, Any]] = field(default_factory=dict)  # "a/b" -> {a, b, key, threshold}
     fp32_modules: list[str] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
+    outside_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # optimizer-only
     last_checkpoint: str | None = None
     last_checkpoint_step: int | None = None
     _noise_gen: torch.Generator | None = None
+
+    def with_outside_params(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """``extra`` plus the values of the parameters the optimizer holds outside the model (a
+        learnable temperature in a loss module): a model state_dict does not carry them."""
+        out = dict(extra)
+        if self.outside_params:
+            out[OUTSIDE_PARAMS] = {name: p.detach() for name, p in self.outside_params}
+        return out
+
+    def restore_outside_params(self, state: Mapping[str, Any]) -> None:
+        """Put back what ``with_outside_params`` saved (in a snapshot's or checkpoint's extra)."""
+        saved = (state.get(EXTRA) or {}).get(OUTSIDE_PARAMS, {})
+        with torch.no_grad():
+            for name, p in self.outside_params:
+                if name in saved:
+                    p.copy_(saved[name])
 
     def params_with_grad(self) -> dict[str, list[nn.Parameter]]:
         groups = self.groups or {"all": list(self.model.named_parameters())}
@@ -320,8 +347,9 @@ def skip_step(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 
 
 def _group_norms(grads: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """0-d float32 norm per group, fused (no host sync; ``stats.norms``, fp32 even for fp16)."""
-    return {g: torch.linalg.vector_norm(S.norms(ts)) for g, ts in grads.items() if ts}
+    """0-d float32 norm per group, fused (no host sync; ``stats.norms``, fp32 even for fp16); over
+    every shard of a sharded (FSDP2) gradient, in one collective for all groups."""
+    return sharding.global_group_norms(grads)
 
 
 def _total(norms: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -369,7 +397,7 @@ def clip_gradients(
         total = _total(before)
         coef = torch.clamp(target / (total + CLIP_EPS), max=1.0)
         for ts in grads.values():
-            torch._foreach_mul_(ts, coef.to(ts[0].dtype) if ts[0].dtype != coef.dtype else coef)
+            torch._foreach_mul_(sharding.locals_(ts), coef.to(ts[0].dtype) if ts[0].dtype != coef.dtype else coef)
     elif mode == "per_modality":
         rules = {}
         for g, ts in grads.items():
@@ -379,7 +407,7 @@ def clip_gradients(
             kind, c = parse_clip_rule(rule)
             n = before[g]
             coef = torch.clamp(c / (torch.sqrt(n) if kind == "sqrt" else n).clamp_min(CLIP_EPS), max=1.0)
-            torch._foreach_mul_(ts, coef)
+            torch._foreach_mul_(sharding.locals_(ts), coef)
             rules[g] = rule
         used["rules"] = rules
     elif mode == "agc":
@@ -564,6 +592,19 @@ def _prune(folder: Path, keep: int) -> list[str]:
     return removed
 
 
+# Kinds whose finding says the state the step started from is already damaged.
+DAMAGED_STATE_KINDS = (NONFINITE_PARAM, LOSS_SPIKE, ACCURACY_COLLAPSE)
+
+
+def _live_state_healthy(ctx: ActionContext, cause: Any) -> bool:
+    """Whether the live weights are a state worth saving: the finding is about this step's
+    update (not one that landed), and every parameter is finite (one host read: emergencies only)."""
+    if not cause.before_update or cause.kind in DAMAGED_STATE_KINDS:
+        return False
+    params = [p.detach() for p in ctx.model.parameters()] + [p.detach() for _, p in ctx.outside_params]
+    return sharding.all_finite(params)  # FSDP2: over every rank's shards, one answer everywhere
+
+
 # Cooldown 100: emergency checkpoints are big; one per incident.
 @register_action(CHECKPOINT, order=10, cooldown=100, config=CheckpointConfig)
 def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
@@ -585,17 +626,33 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         extra["monitor"] = ctx.monitor_state()
     source = "live"
     snap = None
-    if not cause.before_update and ctx.snapshots is not None:
-        snap = ctx.snapshots.latest_before(cause.step if cause.step is not None else ctx.step)
+    if ctx.snapshots is not None and not _live_state_healthy(ctx, cause):
+        # The live state holds the damage (a landed update, non-finite weights): the newest
+        # snapshot from before it is the last healthy state.
+        if cause.before_update:
+            target = ctx.step - 1
+        else:
+            target = cause.step if cause.step is not None else ctx.step
+        snap = ctx.snapshots.latest_before(target)
+    if sharded_checkpoint.holds_shards(ctx.model):  # FSDP2: every rank writes its own shards
+        return sharded_checkpoint.save_emergency(ctx, folder, EMERGENCY_PREFIX, snap, extra)
     if snap is not None:
         label, state = snap
         state = dict(state)
         state["extra"] = {**extra, "snapshot_step": label}
         source = f"snapshot@{label}"
     else:
-        state = capture_state(ctx.model, ctx.optimizer, ctx.scaler, extra)
+        state = capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params(extra))
     path = folder / f"{EMERGENCY_PREFIX}{ctx.step:08d}.pt"
-    save_checkpoint(path, state)
+    try:
+        save_checkpoint(path, state)
+    except OSError as e:  # a full disk or an unwritable run_dir must not stop the step
+        warnings.warn(
+            f"sfmonitor: the emergency checkpoint {path} could not be written ({type(e).__name__}: {e})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return {"saved": False, "path": str(path), "error": f"{type(e).__name__}: {e}"}
     ctx.last_checkpoint, ctx.last_checkpoint_step = str(path), ctx.step
     removed = _prune(folder, ctx.config.checkpoint.keep)
     return {"saved": True, "path": str(path), "bytes": path.stat().st_size, "source": source, "removed": removed}
@@ -634,6 +691,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         }
     label, state = snap
     restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=cfg.restore_rng)
+    ctx.restore_outside_params(state)
     assert ctx.snapshots is not None  # snap came from it
     ctx.snapshots.discard_after(label)
     ctx.batches_to_skip += cfg.skip_batches
@@ -700,7 +758,7 @@ def grad_noise(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if ctx._noise_gen is None:
         ctx._noise_gen = torch.Generator().manual_seed(cfg.seed)
     grads = [p.grad for ps in ctx.params_with_grad().values() for p in ps if p.grad is not None]
-    noise = [torch.randn(g.shape, generator=ctx._noise_gen).to(device=g.device, dtype=g.dtype) for g in grads]
+    grads, noise = sharding.gaussian_noise(grads, ctx._noise_gen)  # FSDP2: each rank's own shards
     if grads:
         torch._foreach_add_(grads, noise, alpha=std)
     return {"std": std, "epoch": epoch, "tensors": len(grads)}
@@ -727,7 +785,13 @@ def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if cause.kind in cfg.graceful_kinds:
         facts["graceful"] = True
         return facts
-    where = facts.get("checkpoint", {}).get("path")
+    ctx.stopped = True  # later steps are skipped without new checkpoints or events
+    ctx.skip = True
+    if ctx.graceful_stop:  # the loop draws from monitor.batches(): it ends there, cleanly
+        facts["graceful"] = True
+        return facts
+    saved = facts.get("checkpoint", {})
+    where = saved.get("path") if saved.get("saved") else None
     raise StopTraining(
         f"sfmonitor stopped training at step {ctx.step}: {facts['reason']} "
         f"(cause: {cause.kind}: {cause.message})" + (f"; last good state saved to {where}" if where else ""),

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
+from .sharding import LocalShard, is_sharded, rebuild
 
 __all__ = [
     "DEFAULT_SNAPSHOT_EVERY",
@@ -209,7 +210,15 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
 
 def copy_tree(value: Any, device: Any = None) -> Any:
     """A deep copy of a state tree (dicts, lists, tuples) whose tensors are detached clones, on
-    ``device`` when given (snapshots: "cpu"), else where they are (restores never alias a snapshot)."""
+    ``device`` when given (snapshots: "cpu"), else where they are (restores never alias a snapshot).
+
+    Sharded tensors (FSDP2 DTensors) are copied as this rank's local part (``sharding.LocalShard``:
+    host memory per rank is its shards only); copying a ``LocalShard`` without ``device`` gives the
+    DTensor back, on its own device (what a restore loads)."""
+    if is_sharded(value):
+        return LocalShard.of(value, device)
+    if isinstance(value, LocalShard):
+        return value.copy(device) if device is not None else value.dtensor(clone=True)
     if isinstance(value, torch.Tensor):
         return value.detach().to(device, copy=True) if device is not None else value.detach().clone()
     if isinstance(value, Mapping):
@@ -307,7 +316,7 @@ def restore_state(
     current param-group hyperparameters (lr, weight decay, ...) are kept: the run's step counter and
     the user's LR scheduler do not go back in time, only weights and optimizer state do.
     """
-    model.load_state_dict(state[MODEL])
+    model.load_state_dict(rebuild(state[MODEL]))  # local shards back into their DTensors
     if optimizer is not None and OPTIMIZER in state:
         saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(copy_tree(state[OPTIMIZER]))

@@ -35,6 +35,9 @@ class MonitorConfig(Section):
         "raise NonFiniteError on a non-finite loss or gradient instead of skipping the step (the report's assertions)",
     )
     console: bool = option(True, "print one line per event to stderr")
+    max_events: int = option(
+        10_000, "events kept in monitor.events (the oldest go first); events.jsonl keeps every one", lo=1
+    )
     stats: StatsConfig = option(StatsConfig(), "statistics stage")
     detectors: DetectorsConfig = option(DetectorsConfig(), "detectors stage (docs/policy.md)")
     policy: PolicyConfig = option(PolicyConfig(), "findings -> actions: ladders, cooldowns, budget")

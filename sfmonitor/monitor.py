@@ -28,12 +28,15 @@ docs/design.md walks through one step from hook to sink.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import itertools
 import operator
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +44,7 @@ import torch
 from torch import nn
 
 from . import actions as A
+from . import sharding
 from . import stats as S
 from .checkpoint import SnapshotRing
 from .config import MonitorConfig
@@ -62,7 +66,16 @@ from .events import (
     StopTraining,
 )
 from .forensics import BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
-from .integrations.distributed import rank, unwrap
+from .integrations.distributed import (
+    agree_metrics,
+    rank,
+    rank_slots,
+    same_path,
+    share_scaler_skip,
+    tell_ranks,
+    unwrap,
+    world_size,
+)
 from .policy import Policy
 from .record import Outcome, Phase, StepRecord
 from .registry import register_kind
@@ -70,7 +83,10 @@ from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
 from .watch import ActivationWatch
 
+_RUN_COUNTER = itertools.count()
+LOCK_FILE = ".sfmonitor.lock"  # in run_dir while a monitor writes there
 OTHER = "other"  # the group of parameters held by the root module or named by no group
+TOTAL = "total"  # grad_norm/total: no group may take this name
 NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM)
 ON_DEMAND = "on_demand"  # the kind of a bundle written because the user asked for one
 
@@ -81,19 +97,18 @@ def resolve_groups(
     """Split the model's parameters into named groups.
 
     None: one group per top-level child module; parameters held by the root go to "other"; a tied
-    weight belongs to the module ``named_parameters()`` lists first. A dict maps a group name to an
-    ``nn.Module``, an iterable of Parameters, or a parameter-name prefix; parameters named by no
-    group go to "other"; a parameter in two groups is an error.
+    weight belongs to the module ``named_parameters()`` lists first. A single-trunk model (one
+    top-level child holds every parameter: a GPT's ``transformer``, a tied head holding none) is
+    grouped by the structure below that trunk instead: one group per child there, and one per
+    block of a ``ModuleList``/``Sequential`` of blocks (``wte``, ``wpe``, ``h.0``, ``h.1``, ...,
+    ``ln_f``). A dict maps a group name to an ``nn.Module``, an iterable of Parameters, or a
+    parameter-name prefix; parameters named by no group go to "other"; a parameter in two groups is
+    an error. "total" is reserved (``grad_norm/total`` is the norm over all groups).
     """
-    model = unwrap(model)  # DDP / DataParallel: group by the wrapped model's own names
+    model = unwrap(model)  # DDP / DataParallel / torch.compile: group by the model's own names
     named = list(model.named_parameters())  # de-duplicates tied weights: first name wins
-    out: dict[str, list[tuple[str, nn.Parameter]]] = {}
     if groups is None:
-        children = {name for name, _ in model.named_children()}
-        for name, p in named:
-            head = name.split(".", 1)[0]
-            out.setdefault(head if head in children and "." in name else OTHER, []).append((name, p))
-        return out
+        return _default_groups(model, named)
     if not isinstance(groups, Mapping):
         raise ConfigError(
             f"groups: expected None or a dict {{name: module | parameters | prefix}}, got {type(groups).__name__}"
@@ -121,11 +136,132 @@ def resolve_groups(
             if pid in owner and owner[pid] != gname:
                 raise ConfigError(f"parameter {by_id[pid]!r} is in two groups: {owner[pid]!r} and {gname!r}")
             owner[pid] = gname
+    if TOTAL in groups:
+        raise ConfigError(f"groups: the name {TOTAL!r} is reserved (grad_norm/total is the norm over all groups)")
+    out: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for gname in groups:
         out[gname] = []
     for name, p in named:
         out.setdefault(owner.get(id(p), OTHER), []).append((name, p))
     return {g: ps for g, ps in out.items() if ps}
+
+
+def _default_groups(
+    model: nn.Module, named: list[tuple[str, nn.Parameter]]
+) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """One group per top-level child; below a single trunk, one per child or block (see resolve_groups)."""
+    trunk, prefix = model, ""
+    while True:  # descend into the only child that holds parameters
+        rel = [n[len(prefix) :] for n, _ in named]
+        if not rel or any("." not in r for r in rel):
+            break  # the trunk holds parameters itself
+        holders = sorted({r.split(".", 1)[0] for r in rel})
+        child = getattr(trunk, holders[0], None) if len(holders) == 1 else None
+        if not isinstance(child, nn.Module) or not any(True for _ in child.named_children()):
+            break  # several children, or a leaf (an nn.Linear): one group each
+        trunk, prefix = child, prefix + holders[0] + "."
+    blocks = {name for name, c in trunk.named_children() if prefix and isinstance(c, (nn.ModuleList, nn.Sequential))}
+    out: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in named:
+        parts = name[len(prefix) :].split(".")
+        if len(parts) == 1:
+            group = OTHER
+        elif parts[0] in blocks and len(parts) > 2:
+            group = f"{parts[0]}.{parts[1]}"
+        else:
+            group = parts[0]
+        if group == TOTAL:
+            group = TOTAL + "_"  # grad_norm/total is the norm over all groups
+        out.setdefault(group, []).append((name, p))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def by_finding(outcomes: Sequence[Outcome], finding: Finding) -> Outcome:
+    return next(o for o in outcomes if o.finding is finding)
+
+
+def _check_scalar(value: Any, what: str) -> None:
+    """combine()'s inputs: scalar tensors, with an error that names the bad one."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"combine: {what} is a {type(value).__name__} ({value!r}); expected a scalar tensor "
+            f"(a loss that autograd can differentiate)"
+        )
+    if value.numel() != 1:
+        raise ValueError(
+            f"combine: {what} has shape {tuple(value.shape)}; expected a scalar (reduce it with .mean() or .sum())"
+        )
+
+
+def _trains(loss: torch.Tensor) -> bool:
+    """Whether a loss belongs to a training step: gradients are being computed and it has one."""
+    return torch.is_grad_enabled() and loss.requires_grad
+
+
+class _ScalerPatch:
+    """The one patch: GradScaler.step may skip optimizer.step, so no optimizer hook would fire.
+
+    One patch per scaler, shared by every monitor attached with it (two optimizers, one scaler):
+    ``step(optimizer)`` finds the monitor of that optimizer, unscales first (as ``scaler.step``
+    would), calls its ``before_update()`` on the unscaled gradients, then the original, then its
+    ``after_update()`` (a no-op when the optimizer post-hook already closed the step). ``update``
+    keeps the scale >= ``actions.loss_scale.min_loss_scale`` for monitors that enforce the floor
+    (a standing setting, no event). The last monitor to leave puts both originals back.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.monitors: dict[int, Monitor] = {}
+        self.original_step, self.original_update = scaler.step, scaler.update
+        scaler.step, scaler.update = self.step, self.update
+
+    def join(self, monitor: Monitor) -> None:
+        self.monitors[id(monitor.optimizer)] = monitor
+
+    def leave(self, monitor: Monitor) -> None:
+        self.monitors = {k: m for k, m in self.monitors.items() if m is not monitor}
+        if not self.monitors:
+            for name in ("step", "update"):
+                self.scaler.__dict__.pop(name, None)
+            _SCALER_PATCHES.pop(self.scaler, None)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        from torch.amp.grad_scaler import OptState
+
+        monitor = self.monitors.get(id(optimizer))
+        if monitor is None:
+            return self.original_step(optimizer, *args, **kwargs)
+        if self.scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            self.scaler.unscale_(optimizer)
+        monitor.before_update()
+        try:
+            out = self.original_step(optimizer, *args, **kwargs)
+        except BaseException:
+            monitor.after_update(aborted=True)
+            raise
+        monitor.after_update()  # the scaler found inf/NaN and skipped optimizer.step
+        return out
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.original_update(*args, **kwargs)
+        floors = [m.config.actions.loss_scale for m in self.monitors.values()]
+        floors = [f.min_loss_scale for f in floors if f.enforce_floor]
+        if floors:
+            A.keep_loss_scale_floor(self.scaler, max(floors))
+        return out
+
+
+_SCALER_PATCHES: weakref.WeakKeyDictionary[Any, _ScalerPatch] = weakref.WeakKeyDictionary()
 
 
 class Monitor:
@@ -161,6 +297,9 @@ class Monitor:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler = None
         self.groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        self._model_groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        self._outside: list[tuple[str, nn.Parameter]] = []
+        self._lock: str | None = None
         self._router: SinkRouter | None = None
         self._hooks: list[Any] = []
         self._undo: list[Any] = []  # callables that restore whatever attach() replaced
@@ -168,6 +307,7 @@ class Monitor:
         self._weights: dict[str, float] = {}  # current (possibly rescued) loss weights
         self._amp_skipped = 0  # steps the GradScaler skipped so far
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
+        self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
         self._driven_externally = False  # an integration calls before_update()/after_update()
         self._model_factory: tuple[str, dict[str, Any]] | None = None
         # The step in flight, and the last closed one: its update ratios are read with the next
@@ -183,6 +323,7 @@ class Monitor:
         self._bundles = BundleTracker(self.config.bundle)
         self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
+        self._batch_loops = 0  # batches() generators running: a stop then ends them, no raise
         self._bundle_next = False  # request_bundle(): write one for the next step
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
         names = [d.name for d in self._detectors]
@@ -236,6 +377,41 @@ class Monitor:
     # ------------------------------------------------------------------------------------------
     # attach / detach
     # ------------------------------------------------------------------------------------------
+    def _index_params(self) -> None:
+        """The parameter tables the statistics use: the model's parameters in named_parameters()
+        order (so "the first offending parameter" is the first one a user, or `sfmonitor replay`,
+        finds walking the model), then those the optimizer updates but the model does not hold (a
+        learnable temperature in a loss module, say), in group "other". Rebuilt when the optimizer
+        gains parameters (``add_param_group`` after attach)."""
+        assert self.model is not None and self.optimizer is not None
+        model, optimizer = unwrap(self.model), self.optimizer
+        in_model = {id(p) for _, p in model.named_parameters()}
+        outside = [
+            (f"optimizer.param_groups[{gi}].params[{pi}]", p)
+            for gi, pg in enumerate(optimizer.param_groups)
+            for pi, p in enumerate(pg["params"])
+            if id(p) not in in_model
+        ]
+        self.groups.clear()  # the action context shares this dict
+        self.groups.update({g: list(ps) for g, ps in self._model_groups.items()})
+        if outside:
+            self.groups.setdefault(OTHER, []).extend(outside)
+        self._outside[:] = outside  # shared with the action context (snapshots carry them)
+        self._group_names = list(self.groups)
+        self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
+        group_index = {g: i for i, g in enumerate(self._group_names)}
+        ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group] + outside
+        self._params = [p for _, p in ordered]
+        self._param_names = [n for n, _ in ordered]
+        self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
+        device = self._params[0].device if self._params else torch.device("cpu")
+        # FSDP2: statistics measure each rank's local shards, weighted by their share of the norms.
+        self._layout = sharding.Layout(self._params)
+        self._param_group_t = self._layout.index(range(len(self._params)), self._param_group, device)
+        self._index_cache: dict[tuple[int, ...], S.TensorIndex] = {}
+        self._update_buf = None
+        self._n_opt_params = sum(len(pg["params"]) for pg in optimizer.param_groups)
+
     @property
     def attached(self) -> bool:
         return self.model is not None
@@ -265,32 +441,11 @@ class Monitor:
                 "could not be kept bit-identical; use a first-order optimizer"
             )
         # Everything that can fail on bad input fails here, before any hook is registered.
-        self.groups = resolve_groups(model, groups)
+        self._model_groups = resolve_groups(model, groups)
         sinks = [make_sink(s) for s in self._sink_specs]
+        self._lock = self._lock_run_dir()
         self.model, self.optimizer = model, optimizer
-        # Parameters the optimizer updates but the model does not hold (a learnable temperature
-        # in a loss module, say) are checked and skipped like the others, in group "other".
-        in_model = {id(p) for _, p in unwrap(model).named_parameters()}
-        extra = [
-            (f"optimizer.param_groups[{gi}].params[{pi}]", p)
-            for gi, pg in enumerate(optimizer.param_groups)
-            for pi, p in enumerate(pg["params"])
-            if id(p) not in in_model
-        ]
-        if extra:
-            self.groups.setdefault(OTHER, []).extend(extra)
-        self._group_names = list(self.groups)
-        self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
-        group_index = {g: i for i, g in enumerate(self._group_names)}
-        # Parameters in named_parameters() order, so "the first offending parameter" is the
-        # first one a user (or `sfmonitor replay`) would find walking the model.
-        ordered = [(n, p) for n, p in unwrap(model).named_parameters() if n in self._name_to_group] + extra
-        self._params = [p for _, p in ordered]
-        self._param_names = [n for n, _ in ordered]
-        self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
-        device = self._params[0].device if self._params else torch.device("cpu")
-        self._param_group_t = torch.tensor(self._param_group, dtype=torch.long).to(device)
-        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._index_params()
         self._hooks.append(optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
         self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_post_step))
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
@@ -300,6 +455,11 @@ class Monitor:
         # Under torch.distributed every rank decides and acts alike, but only rank 0 writes
         # (logs, bundles, emergency checkpoints) into the shared run_dir.
         self._writer = rank() == 0
+        # Under FSDP2 (sharded parameters) every rank writes its own shards of an emergency
+        # checkpoint (torch.distributed.checkpoint) into one folder: rank 0's run_dir.
+        self._sharded = self._layout.sharded and world_size() > 1
+        if self._sharded:
+            self.run_dir = same_path(self._ensure_run_dir())
         self._ctx = A.ActionContext(
             model=unwrap(model),
             optimizer=optimizer,
@@ -308,9 +468,10 @@ class Monitor:
             loss_weights=self._weights,
             base_weights=self._base_weights,
             snapshots=SnapshotRing(every=rb.snapshot_every, keep=rb.keep),
-            run_dir=self._ensure_run_dir() if self._writer else None,
+            run_dir=self._ensure_run_dir() if self._writer or self._sharded else None,
             config=self.config.actions,
             monitor_state=self.state_dict,
+            outside_params=self._outside,
         )
         self._watch.attach(unwrap(model))
         self._watch.reset(self.step)
@@ -336,7 +497,7 @@ class Monitor:
         try:
             if self._record.phase is Phase.DECIDED:  # a step was interrupted: put everything back
                 self._close(aborted=True)
-            self._finish_pending()
+            self._finish_pending(final=True)
         except Exception as e:
             warnings.warn(
                 f"sfmonitor: detach could not finish the last step ({type(e).__name__}: {e})",
@@ -367,6 +528,7 @@ class Monitor:
         self._record = StepRecord(step=self.step)
         self._last = None
         self._params, self._index_cache, self.groups = [], {}, {}
+        self._unlock_run_dir()
         self.model = self.optimizer = self.scaler = None
 
     close = detach
@@ -379,82 +541,111 @@ class Monitor:
 
     def _ensure_run_dir(self) -> str:
         if self.run_dir is None:
-            self.run_dir = os.path.join("sfmonitor_runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+            # time, process and a counter: two monitors made in the same second get two folders
+            name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUN_COUNTER)}"
+            self.run_dir = os.path.join("sfmonitor_runs", name)
         return self.run_dir
 
     def _wrap_scaler(self, scaler: Any) -> None:
-        """The one patch: GradScaler.step may skip optimizer.step, so no optimizer hook would fire.
+        """Join the scaler's one patch (``_ScalerPatch``); ``detach()`` leaves it, and the last
+        monitor to leave puts the originals back."""
+        patch = _SCALER_PATCHES.get(scaler)
+        if patch is None:
+            patch = _SCALER_PATCHES[scaler] = _ScalerPatch(scaler)
+        patch.join(self)
+        self._undo.append(lambda: patch.leave(self))
 
-        The step wrapper unscales first (as scaler.step would), calls ``before_update()`` on the
-        unscaled gradients, then the original, then ``after_update()`` (a no-op when the optimizer
-        post-hook already closed the step). With ``actions.loss_scale.enforce_floor`` the update
-        wrapper keeps the new scale >= ``min_loss_scale`` (a standing setting, no event).
-        ``detach()`` puts both originals back.
-        """
-        from torch.amp.grad_scaler import OptState
-
-        original = scaler.step
-        original_update = scaler.update
-        monitor = self
-        floor = self.config.actions.loss_scale
-
-        def step(optimizer, *args, **kwargs):
-            if optimizer is not monitor.optimizer:
-                return original(optimizer, *args, **kwargs)
-            if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-                scaler.unscale_(optimizer)
-            monitor.before_update()
+    def _lock_run_dir(self) -> str | None:
+        """Refuse a run_dir another live monitor writes to (two monitors would interleave one
+        metrics.jsonl). The lock holds the owner's pid; a lock whose process is gone is stale and
+        taken over. Under torch.distributed only rank 0 writes, so only rank 0 locks."""
+        if rank() != 0:
+            return None
+        folder = self._ensure_run_dir()
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, LOCK_FILE)
+        for _ in range(2):
             try:
-                out = original(optimizer, *args, **kwargs)
-            except BaseException:
-                monitor.after_update(aborted=True)
-                raise
-            monitor.after_update()  # the scaler found inf/NaN and skipped optimizer.step
-            return out
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    owner = int(open(path, encoding="utf-8").read().split()[0])
+                except (OSError, ValueError, IndexError):
+                    owner = -1
+                if owner == os.getpid() or (owner > 0 and _alive(owner)):
+                    raise ConfigError(
+                        f"run_dir {folder!r} is already used by another monitor (process {owner}); "
+                        f"give each monitor its own run_dir, or detach the other one first"
+                    ) from None
+                with contextlib.suppress(OSError):
+                    os.remove(path)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f"{os.getpid()}\n")
+            return path
+        raise ConfigError(f"run_dir {folder!r}: could not take the lock file {path!r}")
 
-        def update(*args, **kwargs):
-            out = original_update(*args, **kwargs)
-            if floor.enforce_floor:
-                A.keep_loss_scale_floor(scaler, floor.min_loss_scale)
-            return out
-
-        scaler.step, scaler.update = step, update
-        self._undo.append(lambda: [scaler.__dict__.pop(name, None) for name in ("step", "update")])
+    def _unlock_run_dir(self) -> None:
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self._lock)
+            self._lock = None
 
     # ------------------------------------------------------------------------------------------
     # user API
     # ------------------------------------------------------------------------------------------
     def combine(
-        self, losses: Mapping[str, torch.Tensor] | torch.Tensor, weights: Mapping[str, float] | None = None
+        self,
+        losses: Mapping[str, torch.Tensor] | torch.Tensor,
+        weights: Mapping[str, float | torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The weighted total of the loss components with the *current* weights; records them.
 
-        ``weights`` are the base weights (default 1 each); a reweight rescue changes the current
-        ones, and ``loss_weight/<c>`` shows them. Call once per micro-batch.
+        ``weights`` are the base weights (default 1 each), numbers or tensors; a tensor weight
+        (learnable, e.g. uncertainty weighting) keeps its gradient. A reweight rescue changes the
+        current weights, and ``loss_weight/<c>`` shows them. Call once per micro-batch. A call
+        that computes no gradient (under ``torch.no_grad()`` / ``inference_mode``, or a loss that
+        does not require grad: an evaluation loop) returns the total and records nothing.
         """
-        rec = self._open_record()
         if isinstance(losses, torch.Tensor):
-            rec.losses.add({}, losses, {})
+            _check_scalar(losses, "the loss")
+            if _trains(losses):
+                self._open_record().losses.add({}, losses, {})
             return losses
         if not isinstance(losses, Mapping) or not losses:
             raise TypeError("combine: expected a non-empty dict {name: loss tensor} or a tensor")
+        for name, value in losses.items():
+            _check_scalar(value, f"loss component {name!r}")
         weights = dict(weights) if weights is not None else {k: 1.0 for k in losses}
         missing = set(losses) - set(weights)
         if missing:
             raise ConfigError(
                 f"combine: no weight for loss component(s) {sorted(missing)}; weights has {sorted(weights)}"
             )
-        if {k: float(weights[k]) for k in losses} != self._base_weights:
+        learnable = {k for k in losses if isinstance(weights[k], torch.Tensor)}
+        for k in learnable:
+            _check_scalar(weights[k], f"weight {k!r}")
+        # A tensor weight is the user's own (it changes every step): its base is a multiplier of 1.
+        base = {k: 1.0 if k in learnable else float(weights[k]) for k in losses}
+        if base != self._base_weights:
             # New or changed base weights: rescues start over. Mutated in place: the action
             # context shares these dicts.
             self._base_weights.clear()
-            self._base_weights.update({k: float(weights[k]) for k in losses})
+            self._base_weights.update(base)
             self._weights.clear()
-            self._weights.update(self._base_weights)
-        total = functools.reduce(operator.add, [self._weights[k] * v for k, v in losses.items()])
+            self._weights.update(base)
+        effective: dict[str, float | torch.Tensor] = {
+            k: weights[k] * self._weights[k] if k in learnable else self._weights[k] for k in losses
+        }
+        total = functools.reduce(operator.add, [effective[k] * v for k, v in losses.items()])
+        if not _trains(total):
+            return total
+        rec = self._open_record()
         if rec.losses.count == 0 and self._grad_ratio_due():
             rec.grad_ratio = self._component_grad_stats(losses)
-        rec.losses.add(losses, total, self._weights)
+        rec.losses.add(
+            losses, total, {k: w.detach() if isinstance(w, torch.Tensor) else w for k, w in effective.items()}
+        )
         return total
 
     def _open_record(self) -> StepRecord:
@@ -467,7 +658,15 @@ class Monitor:
 
     def _grad_ratio_due(self) -> bool:
         every = self.config.stats.grad_ratio_every
-        return bool(every) and self.model is not None and self.step % every == 0 and torch.is_grad_enabled()
+        # FSDP2: autograd.grad cannot reach the sharded parameters (the forward used gathered
+        # copies), so grad_ratio/grad_cos are not measured there (docs/distributed.md).
+        return (
+            bool(every)
+            and self.model is not None
+            and not self._sharded
+            and self.step % every == 0
+            and torch.is_grad_enabled()
+        )
 
     def _component_grad_stats(self, losses: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """grad_ratio/<a>/<b> and grad_cos/<a>/<b> on the parameters both components reach.
@@ -499,12 +698,25 @@ class Monitor:
         return dict(self._stats)
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """Yield the loader's batches, leaving out those a rollback asked to skip."""
-        for batch in loader:
-            if self._ctx is not None and self._ctx.batches_to_skip > 0:
-                self._ctx.batches_to_skip -= 1
-                continue
-            yield batch
+        """Yield the loader's batches, leaving out those a rollback asked to skip, and end once
+        the monitor says stop (``should_stop``). While a loop draws its batches here, a spent
+        rescue budget ends the loop cleanly instead of raising ``StopTraining``::
+
+            for batch in monitor.batches(loader):
+                ...  # forward, combine, backward, optimizer.step()
+            # ends at the stop; the emergency checkpoint holds the last healthy state
+        """
+        self._batch_loops += 1
+        try:
+            for batch in loader:
+                if self.should_stop:
+                    return
+                if self._ctx is not None and self._ctx.batches_to_skip > 0:
+                    self._ctx.batches_to_skip -= 1
+                    continue
+                yield batch
+        finally:
+            self._batch_loops -= 1
 
     @property
     def should_stop(self) -> bool:
@@ -532,7 +744,7 @@ class Monitor:
                 "observe_eval: the monitor is not attached (call attach() first); "
                 "its actions would have no model to act on"
             )
-        values = {k: float(v) for k, v in metrics.items()}
+        values = agree_metrics(metrics)  # torch.distributed: the mean over ranks, so every rank decides alike
         self._live().epoch += 1  # validations mark epochs (the gradient-noise decay counts them)
         findings = [f for d in self._detectors for f in d.observe_eval(self.step, values, chance)]
         return self._decide_and_act(self.step, findings, None)
@@ -575,6 +787,12 @@ class Monitor:
         rec = self._record
         if self.model is None or rec.phase is not Phase.OPEN:
             return
+        ctx = self._live()
+        if ctx.stopped:  # the run was stopped: further steps are skipped, without new events
+            rec.phase = Phase.DECIDED
+            rec.hide_grads(ctx.optimizer)
+            return
+        ctx.graceful_stop = self._batch_loops > 0
         try:
             self._run_pipeline(rec)
         except BaseException:
@@ -594,6 +812,9 @@ class Monitor:
     def _run_pipeline(self, rec: StepRecord) -> None:
         """Everything the monitor does before an update lands, in this fixed order."""
         step = rec.step
+        optimizer = self._live().optimizer
+        if sum(len(pg["params"]) for pg in optimizer.param_groups) != self._n_opt_params:
+            self._index_params()  # add_param_group() since the last step
 
         # 1. stats: every number of this step as a tensor, then ONE host read. The previous
         #    step's update ratios (measured after its update landed) ride along in the same read.
@@ -609,6 +830,8 @@ class Monitor:
         # The scaler will skip this very step (itself, or inside a fused optimizer): count it in
         # this step's record and in the running total.
         rec.scaler_skips = rec.internal.get(S.AMP_FOUND_INF, 0.0) > 0
+        if rec.scaler_skips and self.scaler is not None and world_size() > 1:
+            share_scaler_skip(self.scaler, optimizer)  # FSDP2: another rank's shard overflowed
         if rec.scaler_skips:
             rec.stats[S.AMP_SKIPPED] += 1
         self._stats = rec.stats
@@ -628,7 +851,9 @@ class Monitor:
         if all(f.handled_by_scaler for f in findings):
             ctx = self._live()
             if ctx.snapshots is not None:
-                ctx.snapshots.maybe_take(step, ctx.model, ctx.optimizer, ctx.scaler, {"step": step})
+                ctx.snapshots.maybe_take(
+                    step, ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({"step": step})
+                )
 
         if self._bundle_next and self._writer:  # request_bundle(): this step, as it is now
             self._bundle_next = False
@@ -654,9 +879,21 @@ class Monitor:
         # loss scaling: recorded as events, never acted on.
         actionable = [f for f in findings if not f.handled_by_scaler]
         nonfinite = [f for f in actionable if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD)]
-        if nonfinite and self.config.strict:
+        landed_bad = [f for f in actionable if f.kind == NONFINITE_PARAM]
+        if (nonfinite or landed_bad) and self.config.strict:
             events = [self._emit(self._event(step, o, rec)) for o in outcomes]
-            raise NonFiniteError(f"step {step}: {nonfinite[0].message}", events[0])
+            first = (landed_bad or nonfinite)[0]  # a non-finite weight is the cause of the rest
+            grad = next((f for f in nonfinite if f.kind == NONFINITE_GRAD), None)
+            if first.kind == NONFINITE_LOSS:  # name where it shows first in the weights' gradients
+                where = (
+                    f"first non-finite gradient: {grad.where} (group {grad.data.get('group')})"
+                    if grad is not None
+                    else "no gradient is non-finite"
+                )
+                message = f"{first.message}; {where}"
+            else:
+                message = first.message
+            raise NonFiniteError(f"step {step}: {message}", events[outcomes.index(by_finding(outcomes, first))])
         # 3. policy: findings -> decisions (ladders, cooldowns, budget).
         decisions = self._policy.decide(step, actionable)
         if rec is not None and nonfinite and not any(d.action == SKIP_STEP for d in decisions):
@@ -752,7 +989,7 @@ class Monitor:
         for f in findings:
             f.data.setdefault("inputs", inputs)
         new = [f for f in findings if f.before_update and self._bundles.should_write(f.kind)]
-        if not new or not self._writer:
+        if not new or not self._writer or self._sharded:  # FSDP2: no rank holds the whole model
             return
         first = new[0]
         try:
@@ -803,6 +1040,11 @@ class Monitor:
         Its path lands in ``monitor.bundles``. Needs ``bundle.on_demand`` (default true)."""
         if not self._bundles.should_write(ON_DEMAND, on_demand=True):
             raise ConfigError("request_bundle: bundle.on_demand is false (or bundle.enabled is false)")
+        if self._sharded:
+            raise ConfigError(
+                "request_bundle: the model is sharded (FSDP2) and a bundle holds the whole model; "
+                "an emergency checkpoint (torch.distributed.checkpoint) keeps the shards instead"
+            )
         self._bundle_next = True
 
     def _collect_tensors(
@@ -813,15 +1055,15 @@ class Monitor:
         out: dict[str, Any] = {}
         out.update(rec.losses.tensors(self.config.stats.loss_ratio_pairs))
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
-        grad_norms = S.norms([g for _, g in present])
+        grad_norms = S.norms(self._layout.local(g for _, g in present))  # FSDP2: local shards
         key = tuple(i for i, _ in present)  # which parameters have gradients: stable across steps
         if key not in self._index_cache:  # group index tensors are built once, not copied per step
-            self._index_cache[key] = torch.tensor([self._param_group[i] for i in key]).to(grad_norms.device)
+            self._index_cache[key] = self._layout.index(key, self._param_group, grad_norms.device)
         per_group = S.group_norms(grad_norms, self._index_cache[key], len(self._group_names))
         out[S.GRAD_NORM_TOTAL] = per_group.square().sum().sqrt()
         for gi, g in enumerate(self._group_names):
             out[S.GRAD_NORM.format(g)] = per_group[gi]
-        params = [p.detach() for p in self._params]
+        params = self._layout.local(p.detach() for p in self._params)
         param_norms = S.norms(params)
         per_group_p = S.group_norms(param_norms, self._param_group_t, len(self._group_names))
         for gi, g in enumerate(self._group_names):
@@ -840,16 +1082,18 @@ class Monitor:
                 out[S.AMP_FOUND_INF] = sum(v.to(next(iter(found.values())).device) for v in found.values())
         # Which gradients / parameters are non-finite: first index, count (resolved at the read).
         bad_grad = ~torch.isfinite(grad_norms)
-        out[S.GRAD_FIRST_NONFINITE] = S.first_true(bad_grad)
+        out[S.GRAD_FIRST_NONFINITE] = self._index_cache[key].param_of(S.first_true(bad_grad))  # a parameter index
         out[S.GRAD_NONFINITE_COUNT] = bad_grad.sum()
         bad_param = ~torch.isfinite(param_norms)
         out[S.PARAM_FIRST_NONFINITE] = S.first_true(bad_param)
         out[S.PARAM_NONFINITE_COUNT] = bad_param.sum()
+        if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
+            out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         if self.config.stats.update_ratio_every and rec.step % self.config.stats.update_ratio_every == 0:
             # One buffer per parameter, allocated once and reused: copying into warm memory is
             # several times cheaper than a fresh clone each step.
             if self._update_buf is None:
-                self._update_buf = [torch.empty_like(p, memory_format=torch.preserve_format) for p in self._params]
+                self._update_buf = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
             torch._foreach_copy_(self._update_buf, params)
             rec.before_params = self._update_buf
             rec.before_norms = per_group_p
@@ -872,8 +1116,8 @@ class Monitor:
         # Finite loss, overflowing scaled gradients: ordinary dynamic loss scaling.
         by_scaler = rec.scaler_skips and not findings
         if i[S.GRAD_NONFINITE_COUNT] > 0:
-            first = int(i[S.GRAD_FIRST_NONFINITE])  # -1: the bad values were on another rank
-            name = self._param_names[grad_index[first]] if first >= 0 else "(another rank)"
+            first = int(i[S.GRAD_FIRST_NONFINITE])  # a parameter index, the same on every rank
+            name = self._param_names[first] if first >= 0 else "(another rank)"
             n_bad = int(i[S.GRAD_NONFINITE_COUNT])
             data = {
                 "param": name,
@@ -908,6 +1152,7 @@ class Monitor:
                     where=name,
                 )
             )
+        tell_ranks(findings, i.get(S.NONFINITE_BY_RANK))  # torch.distributed: where it started
         return findings
 
     def _close(self, aborted: bool) -> None:
@@ -921,10 +1166,11 @@ class Monitor:
                 self._amp_skipped += 1
             if rec.before_params is not None and rec.before_norms is not None:
                 if rec.update_landed:
-                    upd = S.update_norms_(rec.before_params, [p.detach() for p in self._params])
+                    upd = S.update_norms_(rec.before_params, self._layout.local(p.detach() for p in self._params))
                     per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))
                     for gi, g in enumerate(self._group_names):
-                        rec.after[S.UPDATE_RATIO.format(g)] = per_group[gi] / rec.before_norms[gi].clamp_min(1e-12)
+                        # ||delta theta|| / ||theta||: both norms are completed across ranks at the read
+                        rec.after[S.UPDATE_RATIO.format(g)] = S.NormRatio(per_group[gi], rec.before_norms[gi])
                 else:
                     for g in self._group_names:
                         rec.after[S.UPDATE_RATIO.format(g)] = torch.zeros(())
@@ -943,9 +1189,16 @@ class Monitor:
             self._watch.reset(self.step)
             self._recorder.clear()
 
-    def _finish_pending(self) -> None:
-        """Read the last step's update ratios now (used by ``stats`` and ``detach``)."""
+    def _finish_pending(self, final: bool = False) -> None:
+        """Read the last step's update ratios now (used by ``stats`` and, ``final``, ``detach``)."""
         last = self._last
+        if last is not None and last.after and self._sharded:
+            # FSDP2: each rank holds only its shards' part of the update ratios, and only the next
+            # step's agreed read completes them (a local read would feed ranks different numbers).
+            # Leaving (detach), the step goes to the sinks without them.
+            if final:
+                self._publish(last, {})
+            return
         if last is not None and last.after:
             # Local: one rank may read monitor.stats alone (e.g. to log on rank 0), so no
             # collective here; the update ratios are the same on every rank anyway.
@@ -960,6 +1213,8 @@ class Monitor:
 
     def _emit(self, event: Event) -> Event:
         self.events.append(event)
+        if len(self.events) > self.config.max_events:  # bounded in memory; the files keep all
+            del self.events[: len(self.events) - self.config.max_events]
         if self._router is not None:
             self._router.log_event(event)
         return event

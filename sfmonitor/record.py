@@ -53,9 +53,11 @@ class LossAccumulator:
         self.sums: dict[str, torch.Tensor] = {}
         self.total: torch.Tensor | None = None
         self.count = 0
-        self.weights: dict[str, float] = {}
+        self.weights: dict[str, float | torch.Tensor] = {}
 
-    def add(self, components: Mapping[str, torch.Tensor], total: torch.Tensor, weights: Mapping[str, float]) -> None:
+    def add(
+        self, components: Mapping[str, torch.Tensor], total: torch.Tensor, weights: Mapping[str, float | torch.Tensor]
+    ) -> None:
         for k, v in components.items():
             v = v.detach().float()
             self.sums[k] = v if k not in self.sums else self.sums[k] + v
@@ -74,7 +76,7 @@ class LossAccumulator:
                 out[S.LOSS.format(k)] = v / self.count
         if len(self.sums) > 1:
             for k, w in self.weights.items():
-                out[S.LOSS_WEIGHT.format(k)] = float(w)
+                out[S.LOSS_WEIGHT.format(k)] = w if isinstance(w, torch.Tensor) else float(w)
             for a, b in S.pair_keys(self.sums, pairs):
                 out[S.LOSS_RATIO.format(a, b)] = S.ratio(self.sums[a] / self.count, self.sums[b] / self.count)
         return out
@@ -89,7 +91,7 @@ class StepRecord:
     losses: LossAccumulator = field(default_factory=LossAccumulator)
     grad_ratio: dict[str, torch.Tensor] = field(default_factory=dict)  # from combine(), per step
     stats: dict[str, float] = field(default_factory=dict)  # the values read (public)
-    internal: dict[str, float] = field(default_factory=dict)  # the values read (stats.INTERNAL)
+    internal: dict[str, Any] = field(default_factory=dict)  # the values read (stats.INTERNAL)
     outcomes: list[Outcome] = field(default_factory=list)  # one per finding, in order
     stepped: bool = False  # the optimizer's step ran (its pre-hook fired)
     skip: bool = False  # a decision keeps this step's update from landing
@@ -98,7 +100,7 @@ class StepRecord:
     saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
     before_params: list[torch.Tensor] | None = None  # parameters before the update
     before_norms: torch.Tensor | None = None  # their norms per group
-    after: dict[str, torch.Tensor] = field(default_factory=dict)  # update ratios, read next step
+    after: dict[str, torch.Tensor | S.NormRatio] = field(default_factory=dict)  # update ratios, read next step
 
     @property
     def findings(self) -> list[Finding]:

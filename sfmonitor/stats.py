@@ -23,6 +23,13 @@ key                            meaning
 ``lr/<i>``                     learning rate of param group ``i`` used for the step
 ``act_absmax/<module>``        max |activation| seen in the module (overflow watch)
 =============================  ==============================================================
+
+Sharded parameters (FSDP2 ``fully_shard``: DTensor parameters and gradients) are measured on each
+rank's local shard. A norm key then carries this rank's *share* of the global sum of squares
+(``group_norms`` weighs each tensor by ``sharding.square_share``) and is reduced as
+``Reduce.NORM``: the root of the sum over ranks of the squares. For replicated tensors (DDP) the
+share is 1/world, so the result is the norm every rank holds, as before; for shards it is the norm
+of the full parameters. docs/distributed.md has the whole story.
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ PARAM_NONFINITE_COUNT = "internal/param_nonfinite_count"
 PARAM_FIRST_NONFINITE = "internal/param_first_nonfinite"
 AMP_FOUND_INF = "internal/amp_found_inf"  # the GradScaler's found-inf, summed
 ACT_FIRST_NONFINITE = "internal/act_first_nonfinite"  # watch: first module with inf/NaN
+# Under torch.distributed only: a vector of 3 x world slots, one-hot per rank (rank r fills slot r
+# of each third): [its loss is non-finite, its local non-finite gradient count, its local
+# non-finite parameter count]. Summed across ranks, it says where a non-finite value started.
+NONFINITE_BY_RANK = "internal/nonfinite_by_rank"
 INTERNAL = frozenset(
     {
         GRAD_NONFINITE_COUNT,
@@ -71,28 +82,42 @@ INTERNAL = frozenset(
         PARAM_FIRST_NONFINITE,
         AMP_FOUND_INF,
         ACT_FIRST_NONFINITE,
+        NONFINITE_BY_RANK,
     }
 )
+
+
+def is_internal(key: str) -> bool:
+    """A value the monitor reads for its own checks (``INTERNAL``), never shown or logged."""
+    return key in INTERNAL
 
 
 class Reduce(enum.Enum):
     """How a value combines across ranks in the step's read (``read_all`` under torch.distributed)."""
 
-    MEAN = "mean"  # identical or comparable on every rank (DDP gradients, losses)
-    SUM = "sum"  # counts: a NaN on one rank is a NaN on all
-    MAX = "max"  # maxima: one rank near a limit must not be diluted by the others
+    MEAN = "mean"  # identical or comparable on every rank (losses, LRs)
+    SUM = "sum"  # counts of events on each rank, one-hot per-rank slots
+    MAX = "max"  # maxima: one rank near a limit must not be diluted by the others (NaN counts as inf)
     LOCAL = "local"  # indices into this rank's own lists: kept as they are
+    FIRST = "first"  # indices into lists every rank holds alike: the smallest index >= 0, else -1
+    NORM = "norm"  # this rank's share of a norm: the root of the sum over ranks of the squares
 
 
 # The table: exact keys, then key families (a format string's prefix). Anything else: MEAN.
 REDUCTIONS: dict[str, Reduce] = {
-    GRAD_NONFINITE_COUNT: Reduce.SUM,
-    PARAM_NONFINITE_COUNT: Reduce.SUM,
+    # Parameters with a non-finite gradient: every rank holds the same parameter list, and the
+    # gradient all-reduce / reduce-scatter spreads a NaN to every rank, so the count is the largest
+    # over ranks (a sum would count one bad parameter once per rank).
+    GRAD_NONFINITE_COUNT: Reduce.MAX,
+    PARAM_NONFINITE_COUNT: Reduce.MAX,
     AMP_FOUND_INF: Reduce.SUM,
-    GRAD_FIRST_NONFINITE: Reduce.LOCAL,
-    PARAM_FIRST_NONFINITE: Reduce.LOCAL,
-    ACT_FIRST_NONFINITE: Reduce.LOCAL,
+    GRAD_FIRST_NONFINITE: Reduce.FIRST,
+    PARAM_FIRST_NONFINITE: Reduce.FIRST,
+    ACT_FIRST_NONFINITE: Reduce.FIRST,
+    NONFINITE_BY_RANK: Reduce.SUM,
     ACT_ABSMAX.format(""): Reduce.MAX,
+    GRAD_NORM.format(""): Reduce.NORM,
+    PARAM_NORM.format(""): Reduce.NORM,
 }
 
 
@@ -108,16 +133,44 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms as one fp32 vector (fused; empty input gives an empty vector)."""
     if not tensors:
         return torch.zeros(0)
+    # Sparse gradients (nn.Embedding(sparse=True)): the norm of their coalesced values.
+    dense = [t.coalesce().values() if t.is_sparse else t for t in tensors]
     # dtype=float32: the norm of finite fp16 values can exceed 65504 and must not read as inf.
-    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+    return torch.stack(torch._foreach_norm(dense, 2, dtype=torch.float32))
 
 
-def group_norms(per_tensor: torch.Tensor, group_index: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """Combine per-tensor norms into per-group norms: sqrt(sum of squares) for each group.
-    ``group_index`` is a tensor on the norms' device (built once: no host-to-device copy per step)."""
-    sq = torch.zeros(n_groups, dtype=per_tensor.dtype, device=per_tensor.device)
+@dataclass(frozen=True)
+class TensorIndex:
+    """Where each measured tensor of a step goes, built once per set of tensors, on their device
+    (no host-to-device copy per step): its ``group``, its ``share`` of the global sum of squares
+    (``sharding.square_share``; None: 1 for every tensor) and its ``position`` in the monitor's
+    parameter list (so a first-offender index means the same parameter on every rank)."""
+
+    group: torch.Tensor
+    share: torch.Tensor | None
+    position: torch.Tensor
+
+    def param_of(self, first: torch.Tensor) -> torch.Tensor:
+        """The parameter index of ``first`` (a 0-d index into these tensors, -1: none), no sync."""
+        if not self.position.numel():
+            return first
+        at = self.position[first.clamp(0, self.position.numel() - 1)]
+        return torch.where(first >= 0, at, torch.full_like(at, -1))
+
+
+def group_norms(per_tensor: torch.Tensor, index: TensorIndex | torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Combine per-tensor norms into per-group norms: sqrt(sum of share * norm^2) for each group.
+
+    ``index``: a ``TensorIndex`` (or a plain tensor of group indices: share 1). Squares add up in
+    float64 (float32 on MPS, which has no float64): the square of a finite fp32 norm above 1.8e19
+    must not read as inf. With shares, the result is this rank's share of the norm (``Reduce.NORM``
+    completes it across ranks)."""
+    group, share = (index.group, index.share) if isinstance(index, TensorIndex) else (index, None)
+    dtype = torch.float32 if per_tensor.device.type == "mps" else torch.float64
+    sq = torch.zeros(n_groups, dtype=dtype, device=per_tensor.device)
     if per_tensor.numel():
-        sq.index_add_(0, group_index, per_tensor.square())
+        squares = per_tensor.to(dtype).square()
+        sq.index_add_(0, group, squares * share.to(dtype) if share is not None else squares)
     return sq.sqrt()
 
 
@@ -169,12 +222,83 @@ def shared_grad_stats(
     return ratio(na, nb), dot / (na * nb).clamp_min(1e-30)
 
 
-def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True) -> dict[str, float]:
-    """The one host read of a step: every value to a Python float in a single transfer per
-    device (tensors are stacked where they live, then read with one ``tolist()``).
+@dataclass(frozen=True)
+class NormRatio:
+    """``num / den`` of two norms, each completed across ranks as ``Reduce.NORM`` before the
+    division (``update_ratio/<group>``: ||delta theta|| / ||theta|| over every shard, not the mean
+    of each rank's own ratio). ``read_all`` returns the float; both parts stay tensors until then."""
 
-    With ``agree`` and a process group up, the stacked vector is first all-reduced
-    (``integrations.distributed.agree``), each value as the REDUCTIONS table says, so every rank
+    num: torch.Tensor
+    den: torch.Tensor
+    eps: float = 1e-12
+
+
+@dataclass(frozen=True)
+class Vector:
+    """A 1-d tensor read as a list of floats (per-rank slots), each slot reduced as its key says."""
+
+    values: torch.Tensor
+
+
+Value = torch.Tensor | NormRatio | Vector | float | int
+
+# read_all's layout of one step's values (slots per key, reduction masks), cached by keys and sizes:
+# the same keys come every step, so the masks are built and copied to the device once.
+_LAYOUTS: dict[
+    tuple[torch.device, tuple[tuple[str, int, bool], ...]], tuple[list[int], dict[Reduce, torch.Tensor]]
+] = {}
+
+
+def _slots(v: Value) -> int:
+    if isinstance(v, NormRatio):
+        return 2
+    if isinstance(v, Vector):
+        return v.values.numel()
+    return 1
+
+
+def _layout(ks: Sequence[str], named: Mapping[str, Value], device: torch.device):
+    shape = tuple((k, _slots(named[k]), isinstance(named[k], NormRatio)) for k in ks)
+    hit = _LAYOUTS.get((device, shape))
+    if hit is None:
+        how: list[Reduce] = []
+        for k, n, is_ratio in shape:
+            how += [Reduce.NORM] * 2 if is_ratio else [reduction_of(k)] * n
+        masks = {r: torch.tensor([h is r for h in how]).to(device, non_blocking=True) for r in Reduce if r in set(how)}
+        if len(_LAYOUTS) > 64:  # keys that change every step (they should not): stay bounded
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[(device, shape)] = ([n for _, n, _ in shape], masks)
+    return hit
+
+
+def _parts(v: Value, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    if isinstance(v, NormRatio):
+        return [v.num.detach().reshape(1).to(dtype), v.den.detach().reshape(1).to(dtype)]
+    if isinstance(v, Vector):
+        return [v.values.detach().reshape(-1).to(dtype)]
+    if isinstance(v, torch.Tensor):
+        return [v.detach().reshape(1).to(dtype)]
+    return [torch.tensor([float(v)], dtype=dtype).to(device, non_blocking=True)]
+
+
+def _device_of(v: Value) -> torch.device:
+    if isinstance(v, NormRatio):
+        return v.num.device
+    if isinstance(v, Vector):
+        return v.values.device
+    return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
+
+
+def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
+    """The one host read of a step: every value to a Python float in a single transfer per
+    device (tensors are concatenated where they live, then read with one ``tolist()``).
+
+    Values are single-element tensors or numbers (a float comes back), ``Vector`` (a list of floats
+    comes back: per-rank slots) or ``NormRatio`` (its float ratio comes back).
+
+    With ``agree`` and a process group up, the concatenated vector is first reduced across ranks
+    (``integrations.distributed.agree``: one sum collective, plus one max collective when a key
+    needs a maximum or a first index), each value as the REDUCTIONS table says, so every rank
     reads the same numbers and takes the same decision. Reads that only one rank may make
     (``monitor.stats``) pass ``agree=False``.
     """
@@ -184,25 +308,25 @@ def read_all(named: Mapping[str, torch.Tensor | float | int], agree: bool = True
     distributed = agree and world_size() > 1
     by_device: dict[torch.device, list[str]] = {}
     for k, v in named.items():
-        by_device.setdefault(v.device if isinstance(v, torch.Tensor) else torch.device("cpu"), []).append(k)
-    out: dict[str, float] = {}
+        by_device.setdefault(_device_of(v), []).append(k)
+    out: dict[str, Any] = {}
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        vec = torch.stack(
-            [
-                v.detach().reshape(()).to(dtype)
-                if isinstance(v := named[k], torch.Tensor)
-                else torch.tensor(float(v), dtype=dtype).to(device, non_blocking=True)
-                for k in ks
-            ]
-        )
+        vec = torch.cat([part for k in ks for part in _parts(named[k], dtype, device)])
+        sizes, masks = _layout(ks, named, device)
         if distributed:
-            how = [reduction_of(k) for k in ks]
-            masks = torch.tensor(
-                [[r is Reduce.MEAN for r in how], [r is Reduce.LOCAL for r in how], [r is Reduce.MAX for r in how]]
-            ).to(device, non_blocking=True)
-            vec = all_ranks_agree(vec, masks[0], masks[1], masks[2] if Reduce.MAX in how else None)
-        out.update(zip(ks, vec.tolist()))  # the host synchronisation
+            vec = all_ranks_agree(vec, masks)
+        flat = vec.tolist()  # the host synchronisation
+        at = 0
+        for k, n in zip(ks, sizes):
+            v = named[k]
+            if isinstance(v, NormRatio):
+                out[k] = flat[at] / max(flat[at + 1], v.eps)
+            elif isinstance(v, Vector):
+                out[k] = flat[at : at + n]
+            else:
+                out[k] = flat[at]
+            at += n
     return {k: out[k] for k in named}
 
 

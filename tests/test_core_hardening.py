@@ -1,0 +1,264 @@
+"""Faults inside the monitor's own core: each test failed before its fix (issue-style numbers are
+in docs/guide.md, "Faults and bad input")."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import sfmonitor
+
+
+def quiet(**cfg):
+    return {"console": False, "watch": {"enabled": False}, **cfg}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def step(mon, model, opt, nan=False, params=None):
+    x = torch.randn(8, 4)
+    if nan:
+        x[0, 0] = float("nan")
+    loss = model(x).pow(2).mean()
+    if params is not None:
+        loss = loss + sum(p.pow(2).sum() for p in params)
+    mon.combine(loss).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# -- 1. a checkpoint that cannot be written never escapes optimizer.step() as an OSError ----------
+def test_unwritable_checkpoint_folder_is_a_warning_and_the_stop_still_happens(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("a file where the folder should be")
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=str(run), config=quiet(policy={"budget": 0}))
+    # 3 NaN steps in a row: rollback + lr_drop -> budget 0 spent -> checkpoint, stop
+    with pytest.warns(RuntimeWarning, match="checkpoint"), pytest.raises(sfmonitor.StopTraining) as stop:
+        for _ in range(5):
+            step(mon, model, opt, nan=True)
+    assert "saved to" not in str(stop.value)
+    ev = [e for e in mon.events if "stop" in e.actions][-1]
+    facts = ev.data["action_results"]["checkpoint"]
+    assert facts["saved"] is False and "error" in facts
+    # Not left mid-step: later steps are skipped, and no second stop is raised.
+    before = copy.deepcopy(model.state_dict())
+    step(mon, model, opt, nan=True)
+    step(mon, model, opt)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    mon.detach()
+
+
+# -- 3. parameters added with add_param_group after attach are checked ---------------------------
+def test_a_param_group_added_after_attach_is_checked_and_skipped(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    step(mon, model, opt)
+    scale = nn.Parameter(torch.tensor(2.0))  # held by the optimizer only, added after attach
+    opt.add_param_group({"params": [scale]})
+    x = torch.randn(8, 4)
+    mon.combine(model(x).pow(2).mean() * scale).backward()
+    scale.grad.fill_(float("nan"))  # a NaN only in the new group
+    before, before_scale = copy.deepcopy(model.state_dict()), scale.detach().clone()
+    opt.step()
+    assert torch.equal(scale.detach(), before_scale), "the NaN step landed"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    ev = mon.events[-1]
+    assert ev.kind == "nonfinite_grad" and ev.data["param"] == "optimizer.param_groups[1].params[0]"
+    opt.zero_grad()
+    mon.combine(model(x).pow(2).mean() * scale).backward()
+    opt.step()  # healthy again: lands, and the new parameter is in the statistics
+    assert not torch.equal(scale.detach(), before_scale)
+    assert "param_norm/other" in mon.stats
+    mon.detach()
+
+
+# -- 4. rollback and checkpoints carry parameters the optimizer holds outside the model ---------
+def test_rollback_restores_a_parameter_held_only_by_the_optimizer(tmp_path):
+    model = Net()
+    temp = nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.SGD([*model.parameters(), temp], lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(actions={"rollback": {"snapshot_every": 1}}))
+    saved_temp = temp.detach().clone()  # snapshot 0: the state step 0 started from
+    step(mon, model, opt, params=[temp])
+    assert not torch.equal(temp.detach(), saved_temp)
+    ladder = mon.config.policy.ladders["nonfinite_param"]
+    assert "rollback" in ladder.rungs[0].actions
+    with torch.no_grad():
+        temp.fill_(float("nan"))  # damage that landed outside the model
+    step(mon, model, opt, params=[temp])
+    ev = [e for e in mon.events if e.kind == "nonfinite_param"][0]
+    assert ev.data["action_results"]["rollback"]["restored"] is True
+    assert torch.isfinite(temp).all() and torch.equal(temp.detach(), saved_temp)
+    mon.detach()
+
+
+# -- 5. sparse gradients ---------------------------------------------------------------------------
+def test_sparse_gradients_are_measured_and_skipped():
+    emb = nn.Embedding(20, 4, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    mon = sfmonitor.attach(emb, opt, config=quiet())
+    idx = torch.tensor([1, 2, 2, 5])
+    mon.combine(emb(idx).pow(2).sum()).backward()
+    expected = emb.weight.grad.coalesce().values().norm().item()
+    opt.step()
+    opt.zero_grad()
+    assert mon.stats["grad_norm/total"] == pytest.approx(expected, rel=1e-5)
+    before = emb.weight.detach().clone()
+    out = emb(idx).pow(2).sum() * float("nan")
+    mon.combine(out).backward()
+    opt.step()
+    assert torch.equal(before, emb.weight) and mon.events[-1].kind in ("nonfinite_grad", "nonfinite_loss")
+    mon.detach()
+
+
+# -- 6. combine() input -------------------------------------------------------------------------
+def test_combine_rejects_bad_components_with_clear_errors():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, config=quiet())
+    out = model(torch.randn(8, 4))
+    with pytest.raises(TypeError, match="'x' is a float"):
+        mon.combine({"x": 1.0, "y": out.mean()})
+    with pytest.raises(ValueError, match=r"'y' has shape \(8, 1\)"):
+        mon.combine({"y": out, "z": out.mean()})
+    with pytest.raises(ValueError, match=r"combine: the loss has shape \(8, 1\)"):
+        mon.combine(out)
+    mon.detach()
+
+
+def test_learnable_loss_weights_keep_their_gradient():
+    model = Net()
+    log_w = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([*model.parameters(), log_w], lr=0.1)
+    mon = sfmonitor.attach(model, opt, config=quiet())
+    out = model(torch.randn(8, 4))
+    w = log_w.exp()
+    total = mon.combine({"a": out.pow(2).mean(), "b": out.abs().mean()}, weights={"a": w[0], "b": w[1]})
+    total.backward()
+    assert log_w.grad is not None and torch.all(log_w.grad != 0)
+    opt.step()
+    assert mon.stats["loss_weight/a"] == pytest.approx(1.0)
+    mon.detach()
+
+
+# -- 7. two optimizers sharing one GradScaler; two monitors on one run_dir ------------------------
+def test_two_monitors_on_one_scaler_each_keep_their_wrapper():
+    m1, m2 = Net(), Net()
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    mon1 = sfmonitor.attach(m1, o1, scaler=scaler, config=quiet())
+    mon2 = sfmonitor.attach(m2, o2, scaler=scaler, config=quiet())
+    mon1.detach()
+    x = torch.randn(8, 4)
+    x[0, 0] = float("nan")
+    loss = mon2.combine(m2(x).pow(2).mean())
+    scaler.scale(loss).backward()
+    scaler.step(o2)
+    scaler.update()
+    assert mon2.step == 1 and mon2.events, "the second monitor still sees its steps"
+    mon2.detach()
+    assert "step" not in scaler.__dict__ and "update" not in scaler.__dict__
+
+
+def test_two_live_monitors_on_one_run_dir_are_refused(tmp_path):
+    m1, m2 = Net(), Net()
+    o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
+    mon1 = sfmonitor.attach(m1, o1, run_dir=str(tmp_path), config=quiet())
+    with pytest.raises(sfmonitor.ConfigError, match="already used by another monitor"):
+        sfmonitor.attach(m2, o2, run_dir=str(tmp_path), config=quiet())
+    mon1.detach()
+    sfmonitor.attach(m2, o2, run_dir=str(tmp_path), config=quiet()).detach()  # a resume after it ended
+
+
+def test_a_lock_left_by_a_killed_process_is_stale(tmp_path):
+    (tmp_path / ".sfmonitor.lock").write_text("999999999\n")  # no such process
+    model = Net()
+    mon = sfmonitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=str(tmp_path),
+                           config=quiet())
+    mon.detach()
+
+
+# -- 8. group names -----------------------------------------------------------------------------
+def test_a_group_named_total_is_refused():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(sfmonitor.ConfigError, match="'total' is reserved"):
+        sfmonitor.attach(model, opt, groups={"total": model.a}, config=quiet())
+
+
+def test_a_compiled_model_is_grouped_like_the_model_itself():
+    model = Net()
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(compiled, opt, config=quiet())
+    assert sorted(mon.groups) == ["a", "b"]
+    mon.detach()
+
+
+# -- 10. strict mode -------------------------------------------------------------------------------
+def test_strict_mode_names_the_parameter_and_raises_on_a_nonfinite_parameter():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, config=quiet(strict=True))
+    x = torch.randn(8, 4)
+    x[0, 0] = float("nan")
+    mon.combine(model(x).pow(2).mean()).backward()
+    with pytest.raises(sfmonitor.NonFiniteError, match="first non-finite gradient: a.weight"):
+        opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.b.bias.fill_(float("inf"))
+    mon.combine(model(torch.randn(8, 4)).pow(2).mean()).backward()
+    with pytest.raises(sfmonitor.NonFiniteError, match="non-finite parameter b.bias"):
+        opt.step()
+    mon.detach()
+
+
+# -- 16. after a stop; a bounded event list --------------------------------------------------------
+def test_after_a_stop_steps_are_skipped_without_new_checkpoints_or_events(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(policy={"budget": 0}))
+    with pytest.raises(sfmonitor.StopTraining):
+        for _ in range(10):
+            step(mon, model, opt, nan=True)
+    assert mon.should_stop
+    n_events = len(mon.events)
+    ckpts = sorted(os.listdir(tmp_path / "checkpoints"))
+    before = copy.deepcopy(model.state_dict())
+    for _ in range(3):  # a loop that carries on anyway
+        step(mon, model, opt)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ckpts and len(mon.events) == n_events
+    assert list(mon.batches(range(5))) == []
+    mon.detach()
+
+
+def test_events_in_memory_are_bounded_the_file_keeps_all(tmp_path):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(max_events=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(12):
+            step(mon, model, opt, nan=(i % 3 == 0))
+    mon.detach()
+    lines = open(tmp_path / "events.jsonl").read().splitlines()
+    assert len(lines) > 5 and len(mon.events) == 5
