@@ -2,8 +2,10 @@
 
 A flat loop (nanoGPT style): fp16 autocast + GradScaler, gradient accumulation, AdamW or RAdam,
 constant or triangular cyclical LR, validation every epoch (Top-1 retrieval, val loss),
-checkpoint/resume, DDP under torchrun (gloo on CPU, NCCL on GPU). Attaching the monitor is one
-line; everything else the monitor does happens through PyTorch hooks.
+checkpoint/resume, DDP under torchrun (gloo on CPU, NCCL on GPU), or FSDP2 with ``--fsdp``
+(``fully_shard`` on the vision, text and fusion branches and the root: each rank holds a shard of
+every weight). Attaching the monitor is one line; everything else the monitor does happens through
+PyTorch hooks.
 
 The last line printed is a JSON result: diverged, first_nan_epoch, final_top1, val_loss,
 events {kind: count}, actions {name: count}, seed, config, seconds (and a few extras).
@@ -170,6 +172,52 @@ def evaluate(model, data, tc: TrainConfig, device: torch.device) -> dict[str, fl
     return {"top1": correct / max(total, 1), "loss": float(loss_sum) / max(total, 1), "max_logit": float(max_logit)}
 
 
+def shard(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """FSDP2: ``fully_shard`` each branch (``vision``, ``text``, ``fusion``), then the root; the
+    evaluation entry point ``scores_and_losses`` gathers the parameters like ``forward`` does.
+
+    ``fully_shard`` refuses 0-d parameters (the learnable temperature ``fusion.log_tau``): they are
+    left out of the sharding, replicated on every rank, and returned; ``sync_replicated`` averages
+    their gradients across ranks before each update, as DDP would."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    scalars = [p for p in model.parameters() if p.dim() == 0]
+    for name in ("vision", "text", "fusion", ""):
+        module = model.get_submodule(name)
+        mine = {p for p in module.parameters() if p.dim() == 0}
+        fully_shard(module, ignored_params=mine) if mine else fully_shard(module)
+    register_fsdp_forward_method(model, "scores_and_losses")
+    return scalars
+
+
+def sync_replicated(params: list[torch.nn.Parameter]) -> None:
+    """Average the gradients of the parameters FSDP2 left replicated (see ``shard``)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        flat = torch.stack([g.reshape(()) for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= torch.distributed.get_world_size()
+        for g, v in zip(grads, flat):
+            g.copy_(v)
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """FSDP2: the full (unsharded) model and optimizer state dicts on the host, keyed by parameter
+    name. A collective: every rank calls it; rank 0 writes them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
+    """FSDP2: load what ``full_state`` saved into this rank's shards (every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd, options=StateDictOptions(full_state_dict=True)
+    )
+
+
 def save_checkpoint(path: str, state: dict) -> None:
     """Atomic: write a temporary file, then rename over the old one."""
     tmp = path + ".tmp"
@@ -196,9 +244,34 @@ def _progress(total: int, enabled: bool | None):
         enabled = sys.stderr.isatty()
     if not enabled:
         return None
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the `reference` extra; without it, plain lines
+        return _PlainProgress(total)
     return tqdm(total=total, unit="mb", dynamic_ncols=True, leave=False)
+
+
+class _PlainProgress:
+    """The progress bar's interface without tqdm: one line to stderr every ~5 s and at the end."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.n, self.desc, self.postfix = total, 0, "", ""
+        self._last = time.monotonic()
+
+    def set_description(self, desc: str) -> None:
+        self.desc = desc
+
+    def set_postfix(self, refresh: bool = False, **kwargs: Any) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if time.monotonic() - self._last >= 5.0 or self.n >= self.total:
+            self._last = time.monotonic()
+            print(f"{self.desc} {self.n}/{self.total} {self.postfix}".strip(), file=sys.stderr)
+
+    def close(self) -> None:
+        pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,6 +291,7 @@ def train(
     sinks: list[str] | None = None,
     overrides: dict[str, Any] | None = None,
     verbose: bool = False,
+    fsdp: bool = False,
 ) -> dict[str, Any]:
     """Train one run and return its result dict (the JSON line main() prints)."""
     t0 = time.perf_counter()
@@ -230,19 +304,27 @@ def train(
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     )
-    if world > 1 and not torch.distributed.is_initialized():
+    if (world > 1 or fsdp) and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
     train_set, val_set, vocab, n_classes = build_data(cfg.data, cfg.model.max_len)
     mcfg = dataclasses.replace(cfg.model, vocab_size=vocab, num_classes=n_classes)
     torch.manual_seed(seed)
     model = build_model(mcfg).to(device)
+    replicated: list[torch.nn.Parameter] = []  # FSDP2: parameters left out of the sharding
+    if fsdp:
+        replicated = shard(model)  # before the optimizer: it must hold the sharded parameters
     opt = make_optimizer(model, tc)
     sched = make_scheduler(opt, tc)
-    scaler = torch.amp.GradScaler(device.type, init_scale=tc.init_scale, enabled=tc.amp)
+    if fsdp:  # a shard's overflow must skip the step on every rank: found-inf is all-reduced
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler: torch.amp.GradScaler = ShardedGradScaler(device.type, init_scale=tc.init_scale, enabled=tc.amp)
+    else:
+        scaler = torch.amp.GradScaler(device.type, init_scale=tc.init_scale, enabled=tc.amp)
     net: torch.nn.Module = model
-    ddp: torch.nn.parallel.DistributedDataParallel | None = None  # set when world > 1
-    if world > 1:
+    ddp: torch.nn.parallel.DistributedDataParallel | None = None  # set when world > 1 without FSDP
+    if world > 1 and not fsdp:
         net = ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     loader = BucketedLoader(train_set, tc.micro_batch, seed=seed, rank=rank, world=world)
     K = train_set.num_candidates
@@ -253,9 +335,12 @@ def train(
     monitor_state = None
     first_nan_epoch = None
     if resume:
-        ck = torch.load(resume, map_location=device, weights_only=True)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
+        ck = torch.load(resume, map_location="cpu" if fsdp else device, weights_only=True)
+        if fsdp:
+            load_full_state(model, opt, ck["model"], ck["optimizer"])
+        else:
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
         scaler.load_state_dict(ck["scaler"])
         if sched is not None and ck.get("scheduler"):
             sched.load_state_dict(ck["scheduler"])
@@ -298,6 +383,8 @@ def train(
                 batch = {k: v.to(device) for k, v in batch.items()}
                 boundary = (i + 1) % tc.accumulation == 0 or i + 1 == n_micro
                 sync = ddp.no_sync() if (ddp is not None and not boundary) else contextlib.nullcontext()
+                if fsdp:  # accumulate unsharded gradients; reduce-scatter on the last micro-batch
+                    model.set_requires_gradient_sync(boundary)  # type: ignore[operator]
                 with sync:
                     with autocast(device, tc.amp):
                         losses = net(**batch)
@@ -312,6 +399,8 @@ def train(
                     if first_nan_epoch is None:
                         first_nan_epoch = epoch + 1
                 if boundary:
+                    if replicated:
+                        sync_replicated(replicated)
                     if tc.max_grad_norm > 0:
                         scaler.unscale_(opt)
                         torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
@@ -343,12 +432,13 @@ def train(
             )
             if verbose and rank == 0:
                 print(json.dumps(_json_safe(hist[-1])), file=sys.stderr, flush=True)
+            model_sd, opt_sd = full_state(model, opt) if fsdp and run_dir else (None, None)
             if run_dir and rank == 0:
                 save_checkpoint(
                     os.path.join(run_dir, "checkpoint.pt"),
                     {
-                        "model": model.state_dict(),
-                        "optimizer": opt.state_dict(),
+                        "model": model_sd if fsdp else model.state_dict(),
+                        "optimizer": opt_sd if fsdp else opt.state_dict(),
                         "scaler": scaler.state_dict(),
                         "scheduler": sched.state_dict() if sched is not None else {},
                         "rng": torch.get_rng_state(),
@@ -398,6 +488,7 @@ def train(
         "stopped": stopped,
         "history": hist,
         "world_size": world,
+        "fsdp": fsdp,
         "run_dir": mon.run_dir if mon is not None else run_dir,  # the monitor picks one if not given
     }
     return _json_safe(result)
@@ -452,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
         help="no progress bar (it is off anyway when stderr is not a terminal)",
     )
     p.add_argument("--verbose", action="store_true", help="print one JSON line per epoch to stderr")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (fully_shard) instead of DDP; run it under torchrun, e.g. "
+        "torchrun --nproc_per_node=2 -m reference_model.train --fsdp (a checkpoint resumes with --fsdp)",
+    )
     args = p.parse_args(argv)
     try:
         overrides = parse_sets(args.set)
@@ -475,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             resume=args.resume,
             overrides=overrides,
             verbose=args.verbose,
+            fsdp=args.fsdp,
             sinks=args.sinks,
         )
     except config_errors as e:

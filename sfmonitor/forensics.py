@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import registry
 from .checkpoint import capture_rng_state, restore_rng_state  # re-exported for replay
 from .events import ConfigError, SFMonitorError, jsonable
 from .schema import Section, option
@@ -79,7 +80,9 @@ class BundleConfig(Section):
     on_demand: bool = option(
         True, "allow monitor.request_bundle() to write a bundle at any step, whatever first_only says"
     )
-    kinds: list[str] = option([], "event kinds that write a bundle; empty: every anomaly kind")
+    kinds: list[str] = option(
+        [], "event kinds that write a bundle; empty: every anomaly kind", choices=registry.event_kinds
+    )
 
     def validate(self) -> None:
         if not self.dir or os.path.isabs(self.dir) or ".." in self.dir.replace("\\", "/").split("/"):

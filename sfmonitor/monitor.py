@@ -857,11 +857,19 @@ class Monitor:
 
         if self._bundle_next and self._writer:  # request_bundle(): this step, as it is now
             self._bundle_next = False
-            self.bundles.append(
-                self._write_bundle(
-                    step, ON_DEMAND, {"step": step, "kind": ON_DEMAND, "message": "requested by the user"}
+            try:
+                self.bundles.append(
+                    self._write_bundle(
+                        step, ON_DEMAND, {"step": step, "kind": ON_DEMAND, "message": "requested by the user"}
+                    )
                 )
-            )
+            except Exception as e:
+                warnings.warn(
+                    f"sfmonitor: the bundle requested for step {step} could not be written "
+                    f"({type(e).__name__}: {e}); training goes on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
         # 3. policy, 4. actions, 5. sinks (events): shared with observe_eval(). The step counts
         # as in flight from here: whatever ends it (hook, scaler, integration, exception) closes it.
@@ -998,6 +1006,7 @@ class Monitor:
                 first.kind,
                 {"step": step, "kind": first.kind, "message": first.message, "data": first.data, "where": first.where},
             )
+            dropped = load_manifest(path).get("batch_dropped_reason")
         except Exception as e:
             first.data["bundle_error"] = f"{type(e).__name__}: {e}"
             warnings.warn(
@@ -1006,7 +1015,6 @@ class Monitor:
                 stacklevel=2,
             )
             return
-        dropped = load_manifest(path).get("batch_dropped_reason")
         for f in new:  # one bundle serves every finding of the step
             self._bundles.mark(f.kind, step)
             f.data["bundle"] = path

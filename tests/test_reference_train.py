@@ -199,3 +199,18 @@ def test_main_reports_a_bad_monitor_config(tmp_path, capsys):
     bad.write_text("no_such_monitor_key: 1\n")
     assert main(["--config", "tiny", "--epochs", "1", "--monitor", "--no-progress", "--monitor-config", str(bad)]) == 2
     assert "no_such_monitor_key" in capsys.readouterr().err
+
+
+def test_the_progress_bar_falls_back_to_plain_lines_without_tqdm(monkeypatch, capsys):
+    import sys
+
+    from reference_model import train
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # tqdm not installed
+    bar = train._progress(2, True)
+    bar.set_description("epoch 1/1")
+    bar.set_postfix(loss="1.0", refresh=False)
+    bar.update(1)
+    bar.update(1)  # the last one always prints
+    bar.close()
+    assert "epoch 1/1 2/2 loss=1.0" in capsys.readouterr().err
