@@ -821,6 +821,14 @@ def keep_loss_scale_floor(scaler: Any, min_scale: float) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def changed_something(facts: Mapping[str, Any]) -> bool:
+    """Whether an action's facts say it changed training (the budget counts only those): not when
+    it failed, or reports ``applied``/``restored``/``saved`` as False."""
+    if "failed" in facts:
+        return False
+    return all(facts.get(key, True) is not False for key in ("applied", "restored", "saved"))
+
+
 def apply(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Carry out one decision; returns JSON-able facts for its event. ``stop`` raises StopTraining."""
     spec = ACTIONS.get(decision.action)

@@ -29,6 +29,7 @@ ACTIVATION_OVERFLOW = "activation_overflow"
 LOSS_SCALE_FLOOR = "loss_scale_floor"
 ACCURACY_COLLAPSE = "accuracy_collapse"
 PLATEAU = "plateau"
+BAD_BATCH = "bad_batch"
 
 # Action names; each is registered (registry.ACTIONS) in actions.py with its function.
 SKIP_STEP = "skip_step"
@@ -49,6 +50,9 @@ _NONFINITE_RUNGS = [(1, [SKIP_STEP]), (3, [SKIP_STEP, ROLLBACK, LR_DROP])]
 register_kind(NONFINITE_LOSS, _NONFINITE_RUNGS, window=1, doc="the step's loss is NaN or inf")
 register_kind(NONFINITE_GRAD, _NONFINITE_RUNGS, window=1, doc="a gradient holds NaN or inf")
 register_kind(NONFINITE_PARAM, [(1, [ROLLBACK, LR_DROP])], doc="a parameter holds NaN or inf")
+# Non-finite values that arrive with the inputs: the batch is bad, not the model or its state.
+# Skipping it is the whole answer, however often it comes (no escalation: window 0, one rung).
+register_kind(BAD_BATCH, [(1, [SKIP_STEP])], doc="the step's inputs hold NaN or inf")
 
 
 def __getattr__(name: str) -> Any:

@@ -291,6 +291,20 @@ class BatchRecorder:
         self.batches = []
         self.rng_state = None
 
+    def nonfinite_inputs(self) -> torch.Tensor | None:
+        """How many floating input values of this step's micro-batches are NaN or inf, as a 0-d
+        tensor (no host read); None when no floating input was recorded. A NaN that arrives with
+        the data is a bad batch, not an overflow inside the model."""
+        counts = [
+            (~torch.isfinite(t)).sum()
+            for b in self.batches
+            for _, t in _named_tensors([b.get("args", ()), b.get("kwargs", {})], "")
+            if t.is_floating_point() and t.numel()
+        ]
+        if not counts:
+            return None
+        return torch.stack([c.to(counts[0].device) for c in counts]).sum()
+
     def _pre(self, module, args, kwargs):
         if not torch.is_grad_enabled():
             return None

@@ -51,6 +51,7 @@ from .config import MonitorConfig
 from .detectors import Detector, build_detectors
 from .events import (
     ACTIVATION_OVERFLOW,
+    BAD_BATCH,
     LOSS_RATIO_IMBALANCE,
     NONFINITE_GRAD,
     NONFINITE_LOSS,
@@ -87,7 +88,7 @@ _RUN_COUNTER = itertools.count()
 LOCK_FILE = ".sfmonitor.lock"  # in run_dir while a monitor writes there
 OTHER = "other"  # the group of parameters held by the root module or named by no group
 TOTAL = "total"  # grad_norm/total: no group may take this name
-NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM)
+NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, BAD_BATCH)
 ON_DEMAND = "on_demand"  # the kind of a bundle written because the user asked for one
 
 
@@ -844,7 +845,10 @@ class Monitor:
             findings += [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, prev_rec.stats)]
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
         if self._watch.attached:
-            findings += self._watch.findings(step, {**rec.stats, **rec.internal})
+            watched = self._watch.findings(step, {**rec.stats, **rec.internal})
+            if any(f.kind == BAD_BATCH for f in findings):  # a NaN input is no overflow
+                watched = [f for f in watched if not f.data.get("nonfinite")]
+            findings += watched
 
         # A healthy step starts from a good state to come back to: snapshot it, at the first
         # healthy step once `snapshot_every` steps have passed since the last snapshot.
@@ -886,7 +890,7 @@ class Monitor:
         # The scaler's own skips (finite loss, overflowing scaled gradients) are ordinary dynamic
         # loss scaling: recorded as events, never acted on.
         actionable = [f for f in findings if not f.handled_by_scaler]
-        nonfinite = [f for f in actionable if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD)]
+        nonfinite = [f for f in actionable if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD, BAD_BATCH)]
         landed_bad = [f for f in actionable if f.kind == NONFINITE_PARAM]
         if (nonfinite or landed_bad) and self.config.strict:
             events = [self._emit(self._event(step, o, rec)) for o in outcomes]
@@ -941,6 +945,9 @@ class Monitor:
                     )
                 if stop is not None:
                     break
+            budgeted = [o.results[a] for o in outcomes for a in o.actions if a in self.config.policy.budget_actions]
+            if budgeted and not any(A.changed_something(facts) for facts in budgeted):
+                self._policy.refund(step)  # the budget counts only rescues that did something
             if rec is not None:
                 if ctx.skip:
                     rec.hide_grads(ctx.optimizer)
@@ -1095,6 +1102,9 @@ class Monitor:
         bad_param = ~torch.isfinite(param_norms)
         out[S.PARAM_FIRST_NONFINITE] = S.first_true(bad_param)
         out[S.PARAM_NONFINITE_COUNT] = bad_param.sum()
+        bad_inputs = self._recorder.nonfinite_inputs()
+        if bad_inputs is not None:
+            out[S.INPUT_NONFINITE] = bad_inputs
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         if self.config.stats.update_ratio_every and rec.step % self.config.stats.update_ratio_every == 0:
@@ -1159,6 +1169,22 @@ class Monitor:
                     {"param": name, "group": group, "count": int(i[S.PARAM_NONFINITE_COUNT])},
                     where=name,
                 )
+            )
+        n_inputs = i.get(S.INPUT_NONFINITE, 0.0)
+        if n_inputs > 0 and any(f.kind in (NONFINITE_LOSS, NONFINITE_GRAD) for f in findings):
+            # The non-finite values came with the data: one bad_batch finding tells the whole story
+            # (skip it, however often it comes); the loss and gradient findings are its symptoms.
+            symptoms = [f for f in findings if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD)]
+            findings = [f for f in findings if f not in symptoms]
+            findings.insert(
+                0,
+                Finding(
+                    BAD_BATCH,
+                    f"the batch holds {int(n_inputs)} non-finite input value(s): "
+                    + "; ".join(f.message for f in symptoms),
+                    {"nonfinite_inputs": int(n_inputs), **{f.kind: f.data for f in symptoms}},
+                    where=next((f.where for f in symptoms if f.where), ""),
+                ),
             )
         tell_ranks(findings, i.get(S.NONFINITE_BY_RANK))  # torch.distributed: where it started
         return findings

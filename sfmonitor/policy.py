@@ -149,6 +149,7 @@ class Policy:
         self.streaks: dict[str, list[int]] = {}  # kind -> [last step, count]
         self.last_taken: dict[str, int] = {}  # action -> step it was last taken
         self.rescues_used = 0
+        self.spent_at: int | None = None  # the step whose decisions spent the last rescue
         self.suppressed: list[dict[str, Any]] = []  # from the last decide(): actions held back, and why
 
     def _streak(self, step: int, kind: str, findings: list[Finding], ladder: Ladder) -> int:
@@ -244,11 +245,22 @@ class Policy:
                     )
             else:
                 self.rescues_used += 1
+                self.spent_at = step
         for d in allowed:
             self.last_taken[d.action] = step
         order = action_order()
         allowed.sort(key=lambda d: order.index(d.action))
         return allowed
+
+    def refund(self, step: int) -> bool:
+        """Give back the rescue the decisions of ``step`` spent when none of their budgeted actions
+        changed anything (a precision fallback on a module already in fp32, a rollback without a
+        snapshot): the budget counts only rescues that did something. Returns whether it did."""
+        if self.spent_at != step:
+            return False
+        self.rescues_used -= 1
+        self.spent_at = None
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {

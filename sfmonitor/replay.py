@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .events import ACTIVATION_OVERFLOW, NONFINITE_GRAD, NONFINITE_LOSS, jsonable
+from .events import ACTIVATION_OVERFLOW, BAD_BATCH, NONFINITE_GRAD, NONFINITE_LOSS, jsonable
 from .forensics import BundleError, load_bundle, restore_rng_state
 from .watch import ActivationWatch, WatchConfig
 
@@ -160,6 +160,8 @@ def _run(model: nn.Module, bundle: dict[str, Any], *, keep: set[str] | None) -> 
 
 def _live_param(event: dict[str, Any] | None) -> str | None:
     data = (event or {}).get("data") or {}
+    if isinstance(data.get(NONFINITE_GRAD), dict):  # a bad batch: its gradient symptom names it
+        data = {**data, **data[NONFINITE_GRAD]}
     for key in LIVE_PARAM_KEYS:
         if isinstance(data.get(key), str):
             return data[key]
@@ -211,7 +213,7 @@ def replay_bundle(
     kind = manifest.get("kind")
     event = bundle.get("event") or {}
     run = _run(model, bundle, keep=None)
-    if kind == NONFINITE_LOSS:
+    if kind in (NONFINITE_LOSS, BAD_BATCH):  # a bad batch shows as a non-finite loss
         reproduced: bool | None = run["loss_nonfinite"]
     elif kind == NONFINITE_GRAD:
         reproduced = run["grad_nonfinite"]

@@ -69,7 +69,10 @@ GRAD_FIRST_NONFINITE = "internal/grad_first_nonfinite"  # index of the first one
 PARAM_NONFINITE_COUNT = "internal/param_nonfinite_count"
 PARAM_FIRST_NONFINITE = "internal/param_first_nonfinite"
 AMP_FOUND_INF = "internal/amp_found_inf"  # the GradScaler's found-inf, summed
-ACT_FIRST_NONFINITE = "internal/act_first_nonfinite"  # watch: first module with inf/NaN
+ACT_FIRST_NONFINITE = "internal/act_first_nonfinite"
+INPUT_NONFINITE = (
+    "internal/input_nonfinite"  # NaN/inf values in the step's floating inputs  # watch: first module with inf/NaN
+)
 # Under torch.distributed only: a vector of 3 x world slots, one-hot per rank (rank r fills slot r
 # of each third): [its loss is non-finite, its local non-finite gradient count, its local
 # non-finite parameter count]. Summed across ranks, it says where a non-finite value started.
@@ -83,6 +86,7 @@ INTERNAL = frozenset(
         AMP_FOUND_INF,
         ACT_FIRST_NONFINITE,
         NONFINITE_BY_RANK,
+        INPUT_NONFINITE,
     }
 )
 
@@ -115,6 +119,7 @@ REDUCTIONS: dict[str, Reduce] = {
     PARAM_FIRST_NONFINITE: Reduce.FIRST,
     ACT_FIRST_NONFINITE: Reduce.FIRST,
     NONFINITE_BY_RANK: Reduce.SUM,
+    INPUT_NONFINITE: Reduce.SUM,  # a bad batch on one rank is a bad step for all
     ACT_ABSMAX.format(""): Reduce.MAX,
     GRAD_NORM.format(""): Reduce.NORM,
     PARAM_NORM.format(""): Reduce.NORM,

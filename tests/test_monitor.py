@@ -109,13 +109,14 @@ def test_nonfinite_step_is_skipped_bit_identically(opt_name, amp, how, tmp_path)
     train_step(model, opt, mon, batch(nan=how == "nan_input"), scaler, nan_loss=how == "nan_loss_only")
     assert_identical(before, snapshot(model, opt))
     ev = [e for e in mon.events if e.step == 3]
-    assert ev and ev[0].kind == "nonfinite_loss" and "skip_step" in ev[0].actions
     assert mon.step == 4
     if how == "nan_input":
-        grad_ev = [e for e in ev if e.kind == "nonfinite_grad"]
-        assert grad_ev and grad_ev[0].data["count"] == 7  # NaN spread to every gradient
-        if not amp:  # one skip_step, caused by the loss; the gradient's event says the step was skipped
-            assert grad_ev[0].actions == [] and grad_ev[0].data["step_skipped"] is True
+        # The NaN came with the data: one bad_batch event; the loss and gradients are its symptoms.
+        assert [e.kind for e in ev] == ["bad_batch"] and ev[0].actions == ["skip_step"]
+        assert ev[0].data["nonfinite_grad"]["count"] == 7  # NaN spread to every gradient
+        assert ev[0].data["nonfinite_inputs"] == 1
+    else:
+        assert ev and ev[0].kind == "nonfinite_loss" and "skip_step" in ev[0].actions
     # training goes on normally afterwards
     train_step(model, opt, mon, batch(), scaler)
     after = snapshot(model, opt)
@@ -316,7 +317,7 @@ def test_strict_mode_raises_with_the_facts(tmp_path):
     train_step(model, opt, mon, batch())
     with pytest.raises(sfmonitor.NonFiniteError, match="step 1") as ei:
         train_step(model, opt, mon, batch(nan=True))
-    assert ei.value.event.kind == "nonfinite_loss"
+    assert ei.value.event.kind == "bad_batch"  # the NaN came with the input
     mon.detach()
 
 
@@ -429,9 +430,9 @@ def test_jsonl_is_readable_after_the_process_is_killed(tmp_path):
     metrics = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
     events = read_jsonl(os.path.join(tmp_path, "events.jsonl"))
     assert len(metrics) >= 20 and [r["step"] for r in metrics] == list(range(len(metrics)))
-    nonfinite = [e for e in events if e["kind"] == "nonfinite_loss"]
+    nonfinite = [e for e in events if e["kind"] == "bad_batch"]  # NaN inputs
     assert [e["step"] for e in nonfinite[:3]] == [3, 10, 17]
-    assert nonfinite[0]["actions"] == ["skip_step"] and nonfinite[0]["data"]["loss"] == "nan"
+    assert nonfinite[0]["actions"] == ["skip_step"] and nonfinite[0]["data"]["nonfinite_loss"]["loss"] == "nan"
     # every complete line is valid JSON; at most the last one is cut
     lines = open(os.path.join(tmp_path, "metrics.jsonl")).read().split("\n")
     bad = [ln for ln in lines[:-1] if ln and not json.loads(ln)]
@@ -460,7 +461,7 @@ def test_closure_optimizers_are_driven_externally(tmp_path):
     before = snapshot(model, opt)
     run(batch(nan=True))
     assert_identical(before, snapshot(model, opt))
-    assert mon.step == 2 and [e.step for e in mon.events if e.kind == "nonfinite_loss"] == [1]
+    assert mon.step == 2 and [e.step for e in mon.events if e.kind == "bad_batch"] == [1]
     assert mon.stats["grad_norm/total"] != mon.stats["grad_norm/total"]
     mon.detach()
 

@@ -1,0 +1,110 @@
+"""First, do no harm: evaluation never counts as training, a bad batch is skipped and nothing
+more, and the rescue budget counts only rescues that changed something."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import sfmonitor
+
+
+def quiet(**cfg):
+    return {"console": False, **cfg}
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def data(n=60, seed=1, bad_every=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
+        bad = bool(bad_every) and i % bad_every == bad_every - 1
+        if bad:
+            x[3, 2] = float("nan")
+        out.append((x, y, bad))
+    return out
+
+
+def same_state(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_evaluation_through_combine_never_counts_towards_a_training_step(tmp_path):
+    batches = data()
+    bare, bare_opt = make()
+    for x, y, _ in batches:
+        nn.functional.mse_loss(bare(x), y).backward()
+        bare_opt.step()
+        bare_opt.zero_grad()
+    model, opt = make()
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    for i, (x, y, _) in enumerate(batches):
+        loss = mon.combine(nn.functional.mse_loss(model(x), y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i % 10 == 9:  # a validation pass, with a loss far above the training loss
+            with torch.no_grad():
+                mon.combine(nn.functional.mse_loss(model(x), y * 100))
+            with torch.inference_mode():
+                mon.combine(nn.functional.mse_loss(model(x), y * 100))
+            assert mon.stats["loss/total"] == float(loss.detach())
+    mon.detach()
+    assert mon.events == [] and mon.step == len(batches)
+    assert same_state(model, bare), "a healthy monitored run ends bit-identical to the bare one"
+
+
+def test_a_bad_batch_every_few_steps_is_skipped_and_costs_nothing_else(tmp_path):
+    batches = data(n=80, bad_every=5)
+    twin, twin_opt = make()  # the fault-free twin: the same run without the bad batches
+    for x, y, bad in batches:
+        if bad:
+            continue
+        nn.functional.mse_loss(twin(x), y).backward()
+        twin_opt.step()
+        twin_opt.zero_grad()
+    model, opt = make()
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    for x, y, _ in batches:
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    assert {e.kind for e in mon.events} == {"bad_batch"}, [e.kind for e in mon.events]
+    assert all(e.actions == ["skip_step"] for e in mon.events)
+    assert [e.step for e in mon.events] == [i for i, (_, _, bad) in enumerate(batches) if bad]
+    assert mon.events[0].data["nonfinite_inputs"] == 1
+    assert not mon.should_stop and mon._policy.rescues_used == 0
+    assert same_state(model, twin), "skipping a bad batch must equal never having seen it"
+
+
+def test_the_budget_counts_only_rescues_that_changed_something(tmp_path):
+    # A ladder whose rescue can do nothing here: precision_fallback names a parameter, not a
+    # module running in reduced precision, so it is not applied and must not spend the budget.
+    ladder = {"rungs": [{"after": 1, "actions": ["skip_step", "precision_fallback"]}], "window": 1}
+    model, opt = make()
+    mon = sfmonitor.attach(
+        model,
+        opt,
+        run_dir=str(tmp_path),
+        config=quiet(watch={"enabled": False}, policy={"budget": 1, "ladders": {"nonfinite_grad": ladder}}),
+    )
+    for i in range(12):
+        x, y = torch.randn(16, 6), torch.randn(16, 1)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        if i % 4 == 1:
+            model[0].weight.grad[0, 0] = float("nan")  # a gradient fault, not a bad input
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    grads = [e for e in mon.events if e.kind == "nonfinite_grad"]
+    assert len(grads) == 3
+    assert all(e.data["action_results"]["precision_fallback"]["applied"] is False for e in grads)
+    assert mon._policy.rescues_used == 0 and not mon.should_stop
+    assert not any("stop" in e.actions for e in mon.events)
