@@ -3,9 +3,9 @@
 A flat loop (nanoGPT style): fp16 autocast + GradScaler, gradient accumulation, AdamW or RAdam,
 constant or triangular cyclical LR, validation every epoch (Top-1 retrieval, val loss),
 checkpoint/resume, DDP under torchrun (gloo on CPU, NCCL on GPU), or FSDP2 with ``--fsdp``
-(``fully_shard`` on the vision, text and fusion branches and the root: each rank holds a shard of
-every weight). Attaching the monitor is one line; everything else the monitor does happens through
-PyTorch hooks.
+(``fully_shard`` on the vision branch, the text encoder, the fusion module and the root: each
+rank holds a shard of every weight). Attaching the monitor is one line; everything else the
+monitor does happens through PyTorch hooks.
 
 The last line printed is a JSON result: diverged, first_nan_epoch, final_top1, val_loss,
 events {kind: count}, actions {name: count}, seed, config, seconds (and a few extras).
@@ -172,9 +172,15 @@ def evaluate(model, data, tc: TrainConfig, device: torch.device) -> dict[str, fl
     return {"top1": correct / max(total, 1), "loss": float(loss_sum) / max(total, 1), "max_logit": float(max_logit)}
 
 
+# FSDP2 units, innermost first. The text branch's embeddings and head stay with the root: the
+# root's scores_and_losses calls text.head directly, outside the text branch's own forward.
+UNITS = ("vision", "text.encoder", "fusion", "")
+
+
 def shard(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """FSDP2: ``fully_shard`` each branch (``vision``, ``text``, ``fusion``), then the root; the
-    evaluation entry point ``scores_and_losses`` gathers the parameters like ``forward`` does.
+    """FSDP2: ``fully_shard`` the ``UNITS`` (the vision branch, the text encoder, the fusion
+    module, then the root); the evaluation entry point ``scores_and_losses`` gathers the
+    parameters like ``forward`` does.
 
     ``fully_shard`` refuses 0-d parameters (the learnable temperature ``fusion.log_tau``): they are
     left out of the sharding, replicated on every rank, and returned; ``sync_replicated`` averages
@@ -182,7 +188,7 @@ def shard(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     scalars = [p for p in model.parameters() if p.dim() == 0]
-    for name in ("vision", "text", "fusion", ""):
+    for name in UNITS:
         module = model.get_submodule(name)
         mine = {p for p in module.parameters() if p.dim() == 0}
         fully_shard(module, ignored_params=mine) if mine else fully_shard(module)

@@ -83,13 +83,22 @@ def _overflow_worker(rank, world, port, out_dir):
         mon.combine(losses, weights={"fusion": 1.0, "aux": 1.0}).backward()
         opt.step()
         opt.zero_grad()
-    torch.save({"events": [(e.step, e.kind, e.actions) for e in mon.events]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "events": [(e.step, e.kind, e.actions) for e in mon.events],
+            "params": [p.detach().clone() for p in model.parameters()],
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     mon.detach()
     dist.destroy_process_group()
 
 
-def test_one_rank_near_the_fp16_limit_makes_every_rank_fall_back(tmp_path):
+def test_one_rank_overflowing_makes_every_rank_rescue_alike(tmp_path):
     mp.spawn(_overflow_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["events"] == r1["events"]
-    assert any("precision_fallback" in a for _, k, a in r0["events"] if k == "activation_overflow")
+    # only rank 1's logits overflow; the watch's answer (the activation_overflow ladder) is taken on
+    # both ranks, and whatever it changed in the weights, the replicas stay equal
+    assert any(a for _, k, a in r0["events"] if k == "activation_overflow")
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))

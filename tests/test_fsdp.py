@@ -1,0 +1,415 @@
+"""FSDP2 (``fully_shard``, DTensor parameters) under the monitor: 2 ranks, gloo, CPU.
+
+Every worker shards the same 3-layer MLP (each Linear and the root), so each rank holds half of
+every weight; rank r trains on half r of each batch. Results come back through files in tmp_path
+and are compared in the test process (no process group there).
+"""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import sfmonitor
+from sfmonitor import dcp as sfdcp
+from sfmonitor.sharding import optimizer_state_by_index
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
+    pytest.skip("FSDP2's public fully_shard needs torch >= 2.6", allow_module_level=True)
+
+WORLD = 2
+GROUPS = ["0", "2", "4"]  # the Linear layers of nn.Sequential: one group each
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _sharded():
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def _half(batch, rank):
+    x, y = batch
+    return x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
+
+
+def _full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _full_params(model):
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _full_opt(model, opt):
+    return {n: {k: _full(v) for k, v in opt.state[p].items()} for n, p in model.named_parameters() if p in opt.state}
+
+
+def _events(mon):
+    return [(e.step, e.kind, list(e.actions), e.data.get("ranks")) for e in mon.events]
+
+
+def _run(worker, tmp_path, *args):
+    mp.spawn(worker, args=(_free_port(), str(tmp_path), *args), nprocs=WORLD, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _quiet(**extra):
+    return {"console": False, **extra}
+
+
+# --------------------------------------------------------------------------------------------
+# statistics
+# --------------------------------------------------------------------------------------------
+
+
+def _norms_worker(rank, port, out):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=["jsonl"], config=_quiet())
+    stats = []
+    for batch in _batches(3):
+        x, y = _half(batch, rank)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        stats.append(mon.stats)
+    mon.detach()
+    torch.save({"stats": stats, "params": _full_params(model)}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _reference(run_dir, steps):
+    """The same model, unsharded, in this process, on the concatenated batches."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=["jsonl"], config=_quiet())
+    stats = []
+    for x, y in _batches(steps):
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        stats.append(mon.stats)
+    mon.detach()
+    return stats, model
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_sharded_norms_equal_the_unsharded_model_on_the_whole_batch(tmp_path):
+    r0, r1 = _run(_norms_worker, tmp_path)
+    assert r0["stats"] == r1["stats"]  # every rank read the same numbers
+    ref_stats, ref_model = _reference(str(tmp_path / "ref"), 3)
+    keys = ["grad_norm/total"] + [f"{k}/{g}" for k in ("grad_norm", "param_norm") for g in GROUPS]
+    for got, want in zip(r0["stats"], ref_stats):
+        assert set(keys) <= set(got)
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-5), k
+        assert got["loss/total"] == pytest.approx(want["loss/total"], rel=1e-6)
+    # The update ratios (||delta theta|| / ||theta|| over the full parameters) reach the sinks with
+    # the next step's read; the last step's go out without them (no collective at detach).
+    sharded, ref = _metrics(tmp_path / "run"), _metrics(tmp_path / "ref")
+    assert [m["step"] for m in sharded] == [0, 1, 2]
+    for got, want in zip(sharded[:2], ref[:2]):
+        for g in GROUPS:
+            assert got[f"update_ratio/{g}"] == pytest.approx(want[f"update_ratio/{g}"], rel=1e-5)
+    assert not any(k.startswith("update_ratio/") for k in sharded[2])
+    for n, p in ref_model.named_parameters():  # and training itself matched
+        torch.testing.assert_close(r0["params"][n], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# a NaN on one rank: skip, name the rank, nothing lands
+# --------------------------------------------------------------------------------------------
+
+BAD_STEP = 2
+
+
+def _nan_worker(rank, port, out):
+    _join(rank, port)
+    watched, bare = _sharded(), _sharded()
+    opt = torch.optim.AdamW(watched.parameters(), lr=1e-2)
+    opt_bare = torch.optim.AdamW(bare.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(watched, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+    for i, batch in enumerate(_batches(5)):
+        x, y = _half(batch, rank)
+        loss = nn.functional.mse_loss(watched(x), y)
+        if i == BAD_STEP and rank == 1:  # only rank 1: its loss and so every gradient is NaN
+            loss = loss * torch.tensor(float("nan"))
+        mon.combine(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if i != BAD_STEP:  # the reference run never sees that batch
+            nn.functional.mse_loss(bare(x), y).backward()
+            opt_bare.step()
+            opt_bare.zero_grad()
+    events = _events(mon)
+    mon.detach()
+    torch.save(
+        {
+            "events": events,
+            "params": _full_params(watched),
+            "bare": _full_params(bare),
+            "opt": _full_opt(watched, opt),
+            "opt_bare": _full_opt(bare, opt_bare),
+        },
+        os.path.join(out, f"rank{rank}.pt"),
+    )
+    dist.destroy_process_group()
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_both_and_names_the_rank(tmp_path):
+    r0, r1 = _run(_nan_worker, tmp_path)
+    assert r0["events"] == r1["events"]
+    loss_events = [e for e in r0["events"] if e[1] == "nonfinite_loss"]
+    assert loss_events == [(BAD_STEP, "nonfinite_loss", ["skip_step"], [1])]
+    grad_events = [e for e in r0["events"] if e[1] == "nonfinite_grad"]
+    assert [(s, r) for s, _, _, r in grad_events] == [(BAD_STEP, [1])]  # started where the loss was
+    for r in (r0, r1):
+        assert r["params"].keys() == r["bare"].keys()
+        for n in r["params"]:
+            assert torch.equal(r["params"][n], r["bare"][n]), n  # bit-identical to never seeing it
+            for k in r["opt"][n]:
+                assert torch.equal(r["opt"][n][k], r["opt_bare"][n][k]), (n, k)
+
+
+# --------------------------------------------------------------------------------------------
+# rollback restores every rank's shards
+# --------------------------------------------------------------------------------------------
+
+
+def _rollback_worker(rank, port, out):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = _quiet(
+        actions={"rollback": {"snapshot_every": 1, "skip_batches": 0}},
+        policy={"ladders": {"nonfinite_loss": {"rungs": [{"after": 1, "actions": ["rollback"]}]}}},
+    )
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=config)
+    starts = []
+    for i, batch in enumerate(_batches(4)):
+        starts.append((_full_params(model), _full_opt(model, opt)))
+        x, y = _half(batch, rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        if i == BAD_STEP and rank == 1:
+            loss = loss * torch.tensor(float("nan"))
+        mon.combine(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == BAD_STEP:
+            after_rollback = (_full_params(model), _full_opt(model, opt))
+    events = [(e.step, e.kind, e.actions, e.data.get("action_results", {})) for e in mon.events]
+    mon.detach()
+    torch.save(
+        {
+            "events": events,
+            "starts": starts,
+            "after": after_rollback,
+            "local": [p.to_local() for p in model.parameters()],
+        },
+        os.path.join(out, f"rank{rank}.pt"),
+    )
+    dist.destroy_process_group()
+
+
+def test_rollback_restores_every_ranks_shards(tmp_path):
+    r0, r1 = _run(_rollback_worker, tmp_path)
+    assert r0["events"] == r1["events"]
+    (step, kind, actions, results) = next(e for e in r0["events"] if e[1] == "nonfinite_loss")
+    assert (step, actions) == (BAD_STEP, ["rollback"])
+    assert results["rollback"]["restored"] is True and results["rollback"]["restored_from"] == BAD_STEP - 1
+    for r in (r0, r1):
+        params, opt = r["after"]
+        want_params, want_opt = r["starts"][BAD_STEP - 1]  # the state step 1 started from
+        for n in want_params:
+            assert torch.equal(params[n], want_params[n]), n
+            for k in want_opt[n]:
+                assert torch.equal(opt[n][k], want_opt[n][k]), (n, k)
+    # each rank holds its own half again, and the halves differ (a sharded model, not a replica)
+    assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(r0["local"], r1["local"]))
+
+
+# --------------------------------------------------------------------------------------------
+# emergency checkpoints: written by 2 ranks, read by 1
+# --------------------------------------------------------------------------------------------
+
+
+def _checkpoint_worker(rank, port, out):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = _quiet(
+        actions={"rollback": {"snapshot_every": 1}},
+        policy={
+            "ladders": {"nonfinite_loss": {"rungs": [{"after": 1, "actions": ["checkpoint", "skip_step"]}]}},
+            "cooldowns": {"checkpoint": 0},
+        },
+    )
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=["jsonl"], config=config)
+    starts = []
+    for i, batch in enumerate(_batches(5)):
+        starts.append((_full_params(model), _full_opt(model, opt)))
+        x, y = _half(batch, rank)
+        if i == 4 and rank == 1:  # a NaN in rank 1's half of a weight: the live state is damaged
+            with torch.no_grad():
+                model[2].weight.to_local()[0, 0] = float("nan")
+        loss = nn.functional.mse_loss(model(x), y)
+        if i == BAD_STEP and rank == 1:
+            loss = loss * torch.tensor(float("nan"))
+        mon.combine(loss).backward()
+        opt.step()
+        opt.zero_grad()
+    events = [(e.step, e.kind, e.actions, e.data) for e in mon.events]
+    mon.detach()
+    torch.save({"events": events, "starts": starts}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _checkpoints(events):
+    return {
+        step: data["action_results"]["checkpoint"]
+        for step, kind, actions, data in events
+        if kind == "nonfinite_loss" and "checkpoint" in actions
+    }
+
+
+def test_an_emergency_checkpoint_written_by_two_ranks_loads_into_one_process(tmp_path):
+    r0, r1 = _run(_checkpoint_worker, tmp_path)
+    saved = _checkpoints(r0["events"])
+    assert saved == _checkpoints(r1["events"]) and sorted(saved) == [BAD_STEP, 4]
+    live, snap = saved[BAD_STEP], saved[4]
+    assert live["saved"] and live["format"] == "dcp" and live["source"] == "live"
+    assert snap["saved"] and snap["source"] == "snapshot@3"  # the weights were already damaged
+    # the damaged parameter is named, and only rank 1 held a non-finite shard
+    param_events = [d for _, k, _, d in r0["events"] if k == "nonfinite_param"]
+    assert param_events and param_events[0]["param"] == "2.weight" and param_events[0]["ranks"] == [1]
+    for path, start in ((live["path"], r0["starts"][BAD_STEP]), (snap["path"], r0["starts"][3])):
+        assert os.path.isdir(path) and path.endswith(".dcp")
+        assert not os.path.exists(path + ".partial")
+        want_params, want_opt = start
+        model = _mlp()  # one process, no process group, the plain model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        extra = sfdcp.load(path, model, opt)
+        assert extra["kind"] == "nonfinite_loss" and "monitor" in extra
+        for n, p in model.named_parameters():
+            assert torch.equal(p.detach(), want_params[n]), n
+            for k, v in want_opt[n].items():
+                assert torch.equal(opt.state[p][k], v), (n, k)
+        # the single-file conversion: plain torch.load(weights_only=True), plain names
+        out = sfdcp.to_single_file(path, tmp_path / "single.pt")
+        sd = torch.load(out, weights_only=True)
+        assert list(sd["model"]) == list(_mlp().state_dict())
+        for n in want_params:
+            assert torch.equal(sd["model"][n], want_params[n])
+        fresh = _mlp()
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        fresh.load_state_dict(sd["model"])
+        fresh_opt.load_state_dict(optimizer_state_by_index(sd["optimizer"], fresh, fresh_opt))
+        assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], want_opt["0.weight"]["exp_avg"])
+
+
+def test_a_folder_that_is_not_a_dcp_checkpoint_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "nothing.dcp").mkdir()
+    with pytest.raises(sfmonitor.checkpoint.CheckpointError, match="not a DCP checkpoint folder"):
+        sfdcp.load(tmp_path / "nothing.dcp", _mlp())
+    with pytest.raises(sfmonitor.checkpoint.CheckpointError, match="not a DCP checkpoint folder"):
+        sfdcp.to_single_file(tmp_path / "missing", tmp_path / "out.pt")
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation metrics agree across ranks (DDP and FSDP2)
+# --------------------------------------------------------------------------------------------
+
+# rank 0 / rank 1 accuracies per validation (chance 0.1): the second would collapse rank 1 alone,
+# the third collapses neither rank alone but their mean (0.1) is at chance.
+EVALS = [(0.9, 0.9), (0.5, 0.0), (0.2, 0.0)]
+
+
+def _eval_worker(rank, port, out, mode):
+    _join(rank, port)
+    if mode == "fsdp2":
+        model = _sharded()
+    else:
+        model = nn.parallel.DistributedDataParallel(_mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+    x, y = _half(_batches(1)[0], rank)
+    decisions = []
+    for accs in EVALS:
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        new = mon.observe_eval({"accuracy": accs[rank]}, chance=0.1)
+        decisions.append([(e.kind, e.actions, e.data.get("value")) for e in new])
+    mon.detach()
+    torch.save({"decisions": decisions, "params": _full_params(model)}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_different_eval_values_on_each_rank_yield_one_decision(tmp_path, mode):
+    r0, r1 = _run(_eval_worker, tmp_path, mode)
+    assert r0["decisions"] == r1["decisions"]
+    assert r0["decisions"][:2] == [[], []]
+    (kind, actions, value), *_ = r0["decisions"][2]
+    assert kind == "accuracy_collapse" and value == pytest.approx(0.1) and "rollback" in actions
+    for n in r0["params"]:  # the rollback it took left both ranks' models the same
+        assert torch.equal(r0["params"][n], r1["params"][n])
+
+
+def _mismatch_worker(rank, port, out):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+    try:
+        mon.observe_eval({"accuracy": 0.5} if rank == 0 else {"acc": 0.5}, chance=0.1)
+        err = None
+    except sfmonitor.ConfigError as e:
+        err = str(e)
+    mon.detach()
+    torch.save({"error": err}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_different_metric_names_on_the_ranks_are_an_error_on_every_rank(tmp_path):
+    r0, r1 = _run(_mismatch_worker, tmp_path)
+    assert "different metric names" in r0["error"] and "['accuracy']" in r0["error"]
+    assert "different metric names" in r1["error"] and "['acc']" in r1["error"]
