@@ -60,12 +60,14 @@ from .events import (
     ROLLBACK,
     SKIP_STEP,
     STOP,
+    UNDO,
     ConfigError,
     Decision,
     StopTraining,
 )
 from .registry import ACTIONS, register_action
 from .schema import Section, SectionTable, option
+from .undo import UndoState
 
 __all__ = [
     "ActionContext",
@@ -186,6 +188,25 @@ class LRDropConfig(Section):
         lo_open=True,
     )
     min_lr: float = option(0.0, "a dropped LR never goes below this (nor above the user's own LR)", lo=0)
+    recover_after: int = option(
+        100,
+        "optimizer steps after a drop before the LR starts back towards the user's schedule (0: a drop "
+        "is permanent); a second drop before it is back makes the cut permanent",
+        lo=0,
+    )
+    recover_steps: int = option(200, "optimizer steps the LR scale takes to climb back to 1 (geometrically)", lo=1)
+
+
+@dataclass
+class UndoConfig(Section):
+    """Exact one-step undo (sfmonitor/undo.py)."""
+
+    enabled: bool = option(
+        True,
+        "hold one copy of the parameters and the optimizer state from before each update (AdamW: "
+        "3x the parameter bytes), so a bad update that landed is undone exactly; false (the lean "
+        "profile): undo falls back to the newest snapshot",
+    )
 
 
 @dataclass
@@ -295,6 +316,12 @@ class ActionContext:
     stats: Mapping[str, float] = field(default_factory=dict)
     skip: bool = False  # set by skip_step / rollback: this step's update must not land
     batches_to_skip: int = 0  # set by rollback; consumed by monitor.batches()
+    repeat_batch: bool = False  # set by undo: monitor.batches() yields this step's batch again
+    undo: UndoState | None = None  # the state before the last update (the monitor keeps it current)
+    undo_params: list[nn.Parameter] = field(default_factory=list)  # the parameters it holds, in order
+    lr_dropped_at: int | None = None  # step of the last lr_drop (recovery counts from it)
+    lr_drop_kind: str = ""  # the kind that caused it
+    lr_permanent: bool = False  # the trouble came back while the LR was still lowered
     should_stop: bool = False
     stopped: bool = False  # set by stop (not early stopping): every later step is skipped
     graceful_stop: bool = False  # set by the monitor: a loop draws from batches(), so stop ends it
@@ -558,15 +585,66 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     old = ctx.lr_scale
     new = max(old * factor, cfg.min_scale)
     ctx.lr_scale = new
+    if old < 1.0 or not cfg.recover_after:  # the trouble came back before the LR did: it stays cut
+        ctx.lr_permanent = True
+    ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
     lrs = [float(g["lr"]) for g in ctx.optimizer.param_groups]
     return {
         "factor": factor,
         "old_scale": old,
         "new_scale": new,
+        "permanent": ctx.lr_permanent,
+        "recovers_from_step": None if ctx.lr_permanent else ctx.step + cfg.recover_after,
         "at_floor": new == cfg.min_scale,
         "old_lr": [_scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
         "new_lr": [_scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
     }
+
+
+def relax_lr(ctx: ActionContext) -> dict[str, Any]:
+    """Call once per step: after a transient, the LR scale climbs back to 1 over ``recover_steps``
+    steps, starting ``recover_after`` steps after the drop (never once the cut is permanent).
+    Returns facts when the climb starts and when it ends (each is an event), else {}."""
+    cfg = ctx.config.lr_drop
+    if ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not cfg.recover_after:
+        return {}
+    since = ctx.step - ctx.lr_dropped_at
+    if since < cfg.recover_after:
+        return {}
+    old = ctx.lr_scale
+    rate = (1.0 / cfg.factor) ** (1.0 / cfg.recover_steps)
+    ctx.lr_scale = min(1.0, old * rate)
+    if ctx.lr_scale >= 1.0:
+        ctx.lr_dropped_at = None
+        return {"old_scale": old, "new_scale": 1.0, "recovered": True}
+    if since == cfg.recover_after:
+        return {"old_scale": old, "new_scale": ctx.lr_scale, "recovering": True, "steps": cfg.recover_steps}
+    return {}
+
+
+# --------------------------------------------------------------------------------------------
+# undo
+# --------------------------------------------------------------------------------------------
+
+
+@register_action(UNDO, order=25, config=UndoConfig)
+def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """Put back the parameters and optimizer state from just before the last update (the step the
+    finding names, or the one before a finding about the step in flight), skip this step (its
+    gradients belong to the undone state), and let ``monitor.batches()`` yield this step's batch
+    again: at most one step is lost. Without the copy of that step (undo disabled, or it is older),
+    it goes back to the newest snapshot instead (``rollback``)."""
+    cause = decision.cause
+    target = (ctx.step - 1) if cause.before_update else (cause.step if cause.step is not None else ctx.step - 1)
+    state = ctx.undo
+    if state is None or state.label != target:
+        facts = rollback(ctx, decision)
+        have = None if state is None else state.label
+        return {**facts, "fallback": "rollback", "reason": f"no copy from before step {target}'s update ({have})"}
+    state.restore(ctx.undo_params, ctx.optimizer)
+    ctx.skip = True
+    ctx.repeat_batch = True
+    return {"restored": True, "undone_step": target, "steps_back": ctx.step - target, "skipped_step": ctx.step}
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,7 +40,9 @@ from .events import (
     PLATEAU,
     REWEIGHT,
     ROLLBACK,
+    SKIP_STEP,
     STOP,
+    UNDO,
     UPDATE_RATIO_SPIKE,
     ConfigError,
     Finding,
@@ -324,10 +326,11 @@ class _Windowed(Detector):
         }
 
 
-# A loss jump on the step after an update means that update was bad: go back to before it; a second
-# jump within 50 steps also drops the LR.
+# A loss jump alone is most often the batch (a bad update shows as an update-ratio spike, undone
+# there): skip the step. Three jumps each within 10 steps of the last are trouble that builds up:
+# go back to the newest snapshot and lower the LR. A bad batch every N > 10 steps never escalates.
 @register_detector(
-    "loss_spike", config=LossSpikeConfig, window=50, kinds={LOSS_SPIKE: [(1, [ROLLBACK]), (2, [ROLLBACK, LR_DROP])]}
+    "loss_spike", config=LossSpikeConfig, window=10, kinds={LOSS_SPIKE: [(1, [SKIP_STEP]), (3, [ROLLBACK, LR_DROP])]}
 )
 class LossSpike(_Windowed):
     """log(loss) above median + z * max(1.4826 * MAD, min_sigma) of the last ``window`` finite values.
@@ -454,9 +457,13 @@ class GradSpike(Detector):
         self.warm = {k: [float(a) for a in v] for k, v in state.get("warm", {}).items()}
 
 
-# A spike seen after the update landed: only going back helps.
+# A spike seen after the update landed: undo exactly that update (one step lost). A second within
+# 50 steps also lowers the LR, which climbs back once the trouble is gone (actions.lr_drop).
 @register_detector(
-    "update_ratio_spike", config=UpdateRatioSpikeConfig, kinds={UPDATE_RATIO_SPIKE: [(1, [ROLLBACK, LR_DROP])]}
+    "update_ratio_spike",
+    config=UpdateRatioSpikeConfig,
+    window=50,
+    kinds={UPDATE_RATIO_SPIKE: [(1, [UNDO]), (2, [UNDO, LR_DROP])]},
 )
 class UpdateRatioSpike(_Windowed):
     """update_ratio/<group> above ``factor`` x its rolling median, or above ``ceiling``.

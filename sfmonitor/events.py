@@ -41,6 +41,7 @@ ROLLBACK = "rollback"
 PRECISION_FALLBACK = "precision_fallback"
 GRAD_NOISE = "grad_noise"
 STOP = "stop"
+UNDO = "undo"
 
 # The core's own kinds: the monitor checks every step for non-finite values itself (no detector
 # to switch off). A non-finite loss or gradient is skipped; three in a row also go back to the
@@ -49,7 +50,9 @@ STOP = "stop"
 _NONFINITE_RUNGS = [(1, [SKIP_STEP]), (3, [SKIP_STEP, ROLLBACK, LR_DROP])]
 register_kind(NONFINITE_LOSS, _NONFINITE_RUNGS, window=1, doc="the step's loss is NaN or inf")
 register_kind(NONFINITE_GRAD, _NONFINITE_RUNGS, window=1, doc="a gradient holds NaN or inf")
-register_kind(NONFINITE_PARAM, [(1, [ROLLBACK, LR_DROP])], doc="a parameter holds NaN or inf")
+# A non-finite weight: the last update put it there. Undo that update (exact, one step lost); again
+# within 50 steps: the trouble builds up, go back to the newest snapshot and lower the LR.
+register_kind(NONFINITE_PARAM, [(1, [UNDO]), (2, [ROLLBACK, LR_DROP])], window=50, doc="a parameter holds NaN or inf")
 # Non-finite values that arrive with the inputs: the batch is bad, not the model or its state.
 # Skipping it is the whole answer, however often it comes (no escalation: window 0, one rung).
 register_kind(BAD_BATCH, [(1, [SKIP_STEP])], doc="the step's inputs hold NaN or inf")

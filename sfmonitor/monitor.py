@@ -52,13 +52,18 @@ from .detectors import Detector, build_detectors
 from .events import (
     ACTIVATION_OVERFLOW,
     BAD_BATCH,
+    CLIP,
+    GRAD_NOISE,
     LOSS_RATIO_IMBALANCE,
+    LR_DROP,
     NONFINITE_GRAD,
     NONFINITE_LOSS,
     NONFINITE_PARAM,
     PRECISION_FALLBACK,
     REWEIGHT,
+    ROLLBACK,
     SKIP_STEP,
+    UNDO,
     ConfigError,
     Decision,
     Event,
@@ -82,6 +87,7 @@ from .record import Outcome, Phase, StepRecord
 from .registry import register_kind
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
+from .undo import UndoState, update_norms
 from .watch import ActivationWatch
 
 _RUN_COUNTER = itertools.count()
@@ -403,6 +409,10 @@ class Monitor:
         group_index = {g: i for i, g in enumerate(self._group_names)}
         ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group] + outside
         self._params = [p for _, p in ordered]
+        if self._ctx is not None:  # add_param_group(): the undo copy starts over with the new list
+            self._ctx.undo_params = self._params
+            if self._ctx.undo is not None:
+                self._ctx.undo.clear()
         self._param_names = [n for n, _ in ordered]
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
         device = self._params[0].device if self._params else torch.device("cpu")
@@ -473,6 +483,8 @@ class Monitor:
             config=self.config.actions,
             monitor_state=self.state_dict,
             outside_params=self._outside,
+            undo=UndoState() if self.config.actions.undo.enabled else None,
+            undo_params=self._params,
         )
         self._watch.attach(unwrap(model))
         self._watch.reset(self.step)
@@ -521,7 +533,7 @@ class Monitor:
             self._pending_ctx = {
                 k: v
                 for k, v in self.state_dict().items()
-                if k in ("lr_scale", "batches_to_skip", "reweighted", "epoch")
+                if k in ("lr_scale", "batches_to_skip", "reweighted", "epoch", "lr_recovery")
             }
             self._should_stop = self.should_stop
         self._ctx = None
@@ -716,6 +728,11 @@ class Monitor:
                     self._ctx.batches_to_skip -= 1
                     continue
                 yield batch
+                # An undo skipped the step this batch fed (its gradients came from the undone
+                # state): the batch is used again, from the restored state.
+                while self._ctx is not None and self._ctx.repeat_batch and not self.should_stop:
+                    self._ctx.repeat_batch = False
+                    yield batch
         finally:
             self._batch_loops -= 1
 
@@ -794,6 +811,7 @@ class Monitor:
             rec.hide_grads(ctx.optimizer)
             return
         ctx.graceful_stop = self._batch_loops > 0
+        ctx.repeat_batch = False  # a request to repeat the last step's batch was taken or not
         try:
             self._run_pipeline(rec)
         except BaseException:
@@ -908,7 +926,14 @@ class Monitor:
             raise NonFiniteError(f"step {step}: {message}", events[outcomes.index(by_finding(outcomes, first))])
         # 3. policy: findings -> decisions (ladders, cooldowns, budget).
         decisions = self._policy.decide(step, actionable)
-        if rec is not None and nonfinite and not any(d.action == SKIP_STEP for d in decisions):
+        if {d.action for d in decisions} & {UNDO, ROLLBACK}:
+            # The state goes back: this step is skipped, and what the other findings saw of it (a
+            # loss jump, a gradient spike) are symptoms of the state being left. No separate answer.
+            moot = [d for d in decisions if d.action in (SKIP_STEP, CLIP, GRAD_NOISE)]
+            for d in moot:
+                d.cause.data["answered_by"] = next(d.action for d in decisions if d.action in (UNDO, ROLLBACK))
+            decisions = [d for d in decisions if d not in moot]
+        if rec is not None and nonfinite and not any(d.action in (SKIP_STEP, UNDO, ROLLBACK) for d in decisions):
             # The promise holds whatever the ladder says: a non-finite step never lands.
             decisions.insert(0, Decision(SKIP_STEP, nonfinite[0], {"enforced": True}))
         # Evidence for the anomalies (non-finite values, findings that trigger actions), taken
@@ -965,9 +990,26 @@ class Monitor:
                             {REWEIGHT: relaxed},
                         )
                     )
+                recovered = A.relax_lr(ctx)  # after a transient the LR climbs back (an event each way)
+                if recovered:
+                    what = "is back to" if recovered.get("recovered") else "climbs back towards"
+                    outcomes.append(
+                        Outcome(
+                            Finding(
+                                ctx.lr_drop_kind, f"no trouble since the LR drop: the LR {what} the user's schedule"
+                            ),
+                            [LR_DROP],
+                            {LR_DROP: recovered},
+                        )
+                    )
                 # The LR scale (lr_drop) applies around this update only; the user's own LR and
                 # scheduler are put back when the step closes (see actions.py).
                 rec.saved_lr = A.apply_lr_scale(ctx.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
+                if ctx.undo is not None and not ctx.stopped:
+                    # The state this update starts from: an exact undo of it, and the update ratio's
+                    # "before" (no other copy of the parameters is held).
+                    ctx.undo.capture(step, self._params, ctx.optimizer)
+                    rec.before_params = ctx.undo.params
                 for i, pg in enumerate(ctx.optimizer.param_groups):
                     self._stats[S.LR.format(i)] = float(pg["lr"])
         finally:
@@ -1108,6 +1150,9 @@ class Monitor:
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         if self.config.stats.update_ratio_every and rec.step % self.config.stats.update_ratio_every == 0:
+            rec.before_norms = per_group_p
+            if self._live().undo is not None:
+                return out, key  # the undo copy, taken after the actions, is the "before"
             # One buffer per parameter, allocated once and reused: copying into warm memory is
             # several times cheaper than a fresh clone each step.
             if self._update_buf is None:
@@ -1200,7 +1245,11 @@ class Monitor:
                 self._amp_skipped += 1
             if rec.before_params is not None and rec.before_norms is not None:
                 if rec.update_landed:
-                    upd = S.update_norms_(rec.before_params, self._layout.local(p.detach() for p in self._params))
+                    now = self._layout.local(p.detach() for p in self._params)
+                    if self._ctx is not None and rec.before_params is getattr(self._ctx.undo, "params", None):
+                        upd = update_norms(rec.before_params, now)  # the undo copy stays intact
+                    else:
+                        upd = S.update_norms_(rec.before_params, now)
                     per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))
                     for gi, g in enumerate(self._group_names):
                         # ||delta theta|| / ||theta||: both norms are completed across ranks at the read
@@ -1275,6 +1324,11 @@ class Monitor:
             "watch": self._watch.state_dict(),
             "bundles": self._bundles.state_dict(),
             "epoch": ctx.epoch if ctx else self._pending_ctx.get("epoch", 0),
+            "lr_recovery": (
+                {"dropped_at": ctx.lr_dropped_at, "kind": ctx.lr_drop_kind, "permanent": ctx.lr_permanent}
+                if ctx
+                else self._pending_ctx.get("lr_recovery", {})
+            ),
         }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -1293,7 +1347,9 @@ class Monitor:
         self._watch.load_state_dict(sd.get("watch", {}))
         self._bundles.load_state_dict(sd.get("bundles", {}))
         self._pending_ctx = {
-            k: sd[k] for k in ("lr_scale", "batches_to_skip", "reweighted", "fp32_modules", "epoch") if k in sd
+            k: sd[k]
+            for k in ("lr_scale", "batches_to_skip", "reweighted", "fp32_modules", "epoch", "lr_recovery")
+            if k in sd
         }
         self.should_stop = bool(sd.get("should_stop", False))
         if self._ctx is not None:
@@ -1302,6 +1358,11 @@ class Monitor:
             ctx.batches_to_skip = int(sd.get("batches_to_skip", 0))
             ctx.reweighted = copy.deepcopy(dict(sd.get("reweighted", {})))
             ctx.epoch = int(sd.get("epoch", 0))
+            recovery = dict(sd.get("lr_recovery") or {})
+            dropped = recovery.get("dropped_at")
+            ctx.lr_dropped_at = int(dropped) if dropped is not None else None
+            ctx.lr_drop_kind = str(recovery.get("kind", ""))
+            ctx.lr_permanent = bool(recovery.get("permanent", False))
             for name in sd.get("fp32_modules", []):
                 if name not in ctx.fp32_modules:
                     A.precision_fallback(

@@ -90,21 +90,23 @@ def test_a_param_group_added_after_attach_is_checked_and_skipped(tmp_path):
 
 
 # -- 4. rollback and checkpoints carry parameters the optimizer holds outside the model ---------
-def test_rollback_restores_a_parameter_held_only_by_the_optimizer(tmp_path):
+@pytest.mark.parametrize("undo", [True, False], ids=["undo", "rollback"])
+def test_going_back_restores_a_parameter_held_only_by_the_optimizer(tmp_path, undo):
     model = Net()
     temp = nn.Parameter(torch.tensor(1.0))
     opt = torch.optim.SGD([*model.parameters(), temp], lr=0.1)
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(actions={"rollback": {"snapshot_every": 1}}))
-    saved_temp = temp.detach().clone()  # snapshot 0: the state step 0 started from
+    config = quiet(actions={"rollback": {"snapshot_every": 1}, "undo": {"enabled": undo}})
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=config)
+    saved_temp = temp.detach().clone()  # snapshot 0 and the undo copy: the state step 0 started from
     step(mon, model, opt, params=[temp])
     assert not torch.equal(temp.detach(), saved_temp)
-    ladder = mon.config.policy.ladders["nonfinite_param"]
-    assert "rollback" in ladder.rungs[0].actions
     with torch.no_grad():
         temp.fill_(float("nan"))  # damage that landed outside the model
     step(mon, model, opt, params=[temp])
     ev = next(e for e in mon.events if e.kind == "nonfinite_param")
-    assert ev.data["action_results"]["rollback"]["restored"] is True
+    assert ev.actions == ["undo"]
+    facts = ev.data["action_results"]["undo"]
+    assert facts["restored"] is True and (facts.get("fallback") == "rollback") == (not undo)
     assert torch.isfinite(temp).all() and torch.equal(temp.detach(), saved_temp)
     mon.detach()
 

@@ -108,3 +108,50 @@ def test_the_budget_counts_only_rescues_that_changed_something(tmp_path):
     assert all(e.data["action_results"]["precision_fallback"]["applied"] is False for e in grads)
     assert mon._policy.rescues_used == 0 and not mon.should_stop
     assert not any("stop" in e.actions for e in mon.events)
+
+
+def spiky_run(tmp_path, lr_at, config=None, steps=60):
+    """SGD on a small net through monitor.batches(); the step(s) in ``lr_at`` run at 10^4 x the LR."""
+    model, _ = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(**(config or {})))
+    seen = []
+    for x, y, _ in mon.batches(data(n=steps)):
+        seen.append(float(x[0, 0]))
+        for g in opt.param_groups:
+            g["lr"] = 0.02 * (1e4 if mon.step in lr_at else 1.0)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    return model, mon, seen
+
+
+def test_a_landed_bad_update_is_undone_and_the_run_equals_its_twin_without_that_step(tmp_path):
+    model, mon, seen = spiky_run(tmp_path / "mon", lr_at={30})
+    acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acted == [(30, "update_ratio_spike", ["undo"])]
+    # The twin never took the bad step: batches 0..29, then 31 onwards (batch 30 is the one lost).
+    twin, _ = make()
+    topt = torch.optim.SGD(twin.parameters(), lr=0.02, momentum=0.9)
+    batches = data(n=60)
+    for i, (x, y, _) in enumerate(batches):
+        if i == 30:
+            continue
+        nn.functional.mse_loss(twin(x), y).backward()
+        topt.step()
+        topt.zero_grad()
+    assert seen.count(float(batches[31][0][0, 0])) == 2  # batch 31 fed the skipped step, then again
+    assert same_state(model, twin), "an exact undo loses one step and nothing else"
+
+
+def test_a_second_landed_spike_lowers_the_lr_which_then_climbs_back(tmp_path):
+    cfg = {"actions": {"lr_drop": {"recover_after": 10, "recover_steps": 5}}}
+    model, mon, _ = spiky_run(tmp_path, lr_at={30, 40}, config=cfg, steps=80)
+    acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acted[:2] == [(30, "update_ratio_spike", ["undo"]), (40, "update_ratio_spike", ["undo", "lr_drop"])]
+    recovery = [e for e in mon.events if e.actions == ["lr_drop"]]
+    assert [e.data["action_results"]["lr_drop"].get("recovering") for e in recovery[:1]] == [True]
+    assert recovery[-1].data["action_results"]["lr_drop"]["recovered"] is True
+    assert mon.state_dict()["lr_scale"] == 1.0 and not mon.state_dict()["lr_recovery"]["permanent"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())

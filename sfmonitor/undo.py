@@ -1,0 +1,110 @@
+"""Exact one-step undo: the state just before the last update, kept in one reused copy.
+
+A bad update that lands (an update-ratio spike, a loss jump on the next step, a non-finite weight)
+is best answered by going back exactly one step, not to a snapshot taken tens of steps earlier:
+at most one step is lost. That needs the state before the update: the parameters and the
+optimizer's state. ``UndoState`` holds one copy of both (for AdamW: 3x the parameter bytes), made
+once and overwritten every step (no allocation after the first), and nothing that grows with time.
+Its parameter copy also measures the update ratio ``||theta_after - theta_before|| / ||theta_before||``,
+so the monitor holds no other copy of the parameters.
+
+Under FSDP2 each rank copies its own local shards (``to_local()``): an undo on every rank
+restores the whole model. The user's param-group settings (LR, weight decay) are not part of the
+copy: an undo never turns the user's schedule back.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["UndoState", "local"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of its storage), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class UndoState:
+    """The parameters and optimizer state as they were before the update of step ``label``."""
+
+    def __init__(self) -> None:
+        self.label: int | None = None
+        self.params: list[torch.Tensor] = []
+        self._state: list[dict[str, Any] | None] = []  # per parameter: key -> buffer or value
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self.params + [v for st in self._state if st for v in st.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def capture(self, label: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Copy the parameters and their optimizer state (one fused copy of each list)."""
+        live = [local(p.detach()) for p in params]
+        if len(self.params) != len(live) or any(a.shape != b.shape for a, b in zip(self.params, live)):
+            self.params = [torch.empty_like(t, memory_format=torch.preserve_format) for t in live]
+            self._state = [None] * len(live)
+        dst, src = list(self.params), list(live)
+        for i, p in enumerate(params):
+            state = optimizer.state.get(p)
+            if not state:
+                self._state[i] = None  # no state yet: an undo removes what the update created
+                continue
+            saved = self._state[i] if self._state[i] is not None else {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    v = local(value)
+                    buf = saved.get(key)
+                    if not isinstance(buf, torch.Tensor) or buf.shape != v.shape or buf.dtype != v.dtype:
+                        buf = saved[key] = torch.empty_like(v)
+                    dst.append(buf)
+                    src.append(v)
+                else:
+                    saved[key] = copy.deepcopy(value)
+            self._state[i] = saved
+        torch._foreach_copy_(dst, src)
+        self.label = label
+
+    @torch.no_grad()
+    def restore(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Put the copy back: parameters and optimizer state bit-identical to the capture."""
+        dst = [local(p.detach()) for p in params]
+        src = list(self.params)
+        for p, saved in zip(params, self._state):
+            if saved is None:
+                optimizer.state.pop(p, None)
+                continue
+            state = optimizer.state[p]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor):
+                    dst.append(local(state[key]))
+                    src.append(value)
+                else:
+                    state[key] = copy.deepcopy(value)
+        torch._foreach_copy_(dst, src)
+
+    def clear(self) -> None:
+        self.label, self.params, self._state = None, [], []
+
+
+def update_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], chunk: int = 1 << 24) -> torch.Tensor:
+    """Per-tensor ``||after - before||`` as one fp32 vector, leaving ``before`` intact (it is the
+    undo copy). The differences are made a chunk of at most ``chunk`` elements at a time, so the
+    scratch memory stays bounded whatever the model's size."""
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < len(before):
+        j, size = i, 0
+        while j < len(before) and (j == i or size + before[j].numel() <= chunk):
+            size += before[j].numel()
+            j += 1
+        diffs = torch._foreach_sub(list(after[i:j]), list(before[i:j]))
+        out.extend(torch._foreach_norm(diffs, 2, dtype=torch.float32))
+        i = j
+    return torch.stack(out) if out else torch.zeros(0)
