@@ -1,0 +1,929 @@
+"""Faults and healthy runs: how close does a monitored run end to its fault-free twin?
+
+    python benchmarks/faults.py --quick                      # a subset, under a minute
+    python benchmarks/faults.py                              # every model x scenario, a few minutes
+    python benchmarks/faults.py --models gpt,cnn --scenarios nan_batch,lr_spike --steps 80 --json out.json
+
+Models (benchmarks/fault_models.py): a nanoGPT-style char-level GPT (``gpt``), a transformers
+``BertForMaskedLM`` from a tiny ``BertConfig`` (``bert``), a small CNN with BatchNorm on synthetic
+images (``cnn``), and the reference model through its own trainer, ``reference_model.train.train``
+with the ``tiny`` config (``reference``: fp16 autocast + GradScaler, gradient accumulation 2).
+
+Scenarios (``f`` = the fault step, 40% into the run, after the detectors' warm-up):
+
+* ``fault_free``: the monitored run against the bare one (the twin): 0 actions, bit-identical;
+* ``nan_batch``: the batch of step f holds a NaN; the exact comparison is the twin that never saw
+  that batch (it skips step f and keeps the loop's schedule);
+* ``lr_spike``: step f runs at 10^4 x the LR (one bad update lands);
+* ``loss_spike``: the loss of step f is multiplied by 10^4;
+* ``bad_labels``: a stretch of steps (f to f + steps/10) with random labels;
+* ``bad_every``: a batch of noise with random labels every N steps over a longer run;
+* ``eval_combine``: healthy, with an evaluation every few steps through ``monitor.combine()``
+  under ``torch.no_grad()``, against the bare run with the same evaluations;
+* ``lightning``: healthy, through ``SFMonitorCallback`` in a CPU Lightning Trainer with a
+  validation loop (``combine`` in training_step and validation_step), against bare Lightning;
+* ``hf_trainer``: healthy, BERT through the HF Trainer with evaluation and
+  ``SFMonitorTrainerCallback`` (``compute_loss`` overridden with ``combine`` as
+  docs/integrations.md shows), against the bare Trainer;
+* ``high_lr``: the GPT at 20x its LR without warm-up, bare and monitored, against its default LR.
+
+Each arm runs in a forked child process (peak RSS is that run's own); the twins share the seed,
+the data and its order. From each monitored run's events.jsonl: actions, event kinds, steps thrown
+away (updates undone by rollback/undo: ``steps_back``; skipped updates; batches ``batches()`` left
+out; minus batches it yielded again). Prints one markdown row per model x scenario. Latest results
+and how to read them: docs/benchmarks.md. Not part of the test suite (a smoke run is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+from fault_models import TASKS, Task  # noqa: E402 - after the path
+
+MODELS = ("gpt", "bert", "cnn", "reference")
+SCENARIOS = (
+    "fault_free",
+    "nan_batch",
+    "lr_spike",
+    "loss_spike",
+    "bad_labels",
+    "bad_every",
+    "eval_combine",
+    "lightning",
+    "hf_trainer",
+    "high_lr",
+)
+# Which scenarios each model runs (the reference trainer evaluates every epoch on its own).
+APPLIES = {
+    "gpt": set(SCENARIOS) - {"hf_trainer"},
+    "bert": set(SCENARIOS) - {"lightning", "high_lr"},
+    "cnn": set(SCENARIOS) - {"hf_trainer", "high_lr"},
+    "reference": {"fault_free", "nan_batch", "lr_spike", "loss_spike", "bad_labels", "bad_every"},
+}
+QUICK = {"models": "gpt,cnn", "scenarios": "fault_free,nan_batch,lr_spike,eval_combine", "steps": 60}
+LR_FAULT = 1e4  # the LR of the faulty step, x the run's own
+LOSS_FAULT = 1e4  # the loss of the faulty batch, x its own
+TRAIN_TAIL = 10  # final train loss: the mean over this many last healthy steps
+TOLERANCE = 1.05  # the issue's target: final loss <= 1.05 x the fault-free twin
+SPIKE = 1.10  # an early spike: loss above 1.10 x the lowest loss so far
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One run. Twins differ only in what is listed here."""
+
+    steps: int
+    monitored: bool = False
+    faults: tuple[tuple[str, int], ...] = ()  # (kind, step): nan, lr, loss, garbage, labels
+    drop: tuple[int, ...] = ()  # steps the twin leaves out (it never sees those batches)
+    eval_every: int = 0  # an evaluation pass every this many steps (through combine when monitored)
+    lr_mult: float = 1.0
+    driver: str = "loop"  # loop, lightning, hf, reference
+
+
+@dataclass
+class Options:
+    steps: int = 100
+    long_steps: int = 300
+    every: int = 20
+    eval_every: int = 20
+    high_lr_mult: float = 20.0
+    high_lr_steps: int = 150
+    seed: int = 0
+    monitor_config: dict[str, Any] = field(default_factory=dict)
+    isolate: bool = True  # one forked process per run (per-run peak RSS)
+    root: str = ""  # run folders go here
+
+    def fault_step(self, steps: int) -> int:
+        return max(1, int(0.4 * steps))
+
+
+# --------------------------------------------------------------------------------------------
+# One run
+# --------------------------------------------------------------------------------------------
+
+
+def monitor_config(opts: Options) -> dict[str, Any]:
+    return {"console": False, **opts.monitor_config}
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter and buffer (state_dict order): equal digests, equal bits."""
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def all_finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in model.state_dict().values() if v.is_floating_point())
+
+
+@torch.no_grad()
+def eval_loss(task: Task, model: torch.nn.Module) -> float:
+    was = model.training
+    model.eval()
+    value = statistics.fmean(float(task.loss(model, b)) for b in task.eval_batches())
+    model.train(was)
+    return value
+
+
+def faults_at(arm: Arm) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for kind, step in arm.faults:
+        out.setdefault(step, set()).add(kind)
+    return out
+
+
+def spoil(task: Task, batch: dict, kinds: set[str], g: torch.Generator) -> dict:
+    if "garbage" in kinds:
+        batch = task.garbage(batch, g)
+    if "labels" in kinds:
+        batch = task.scramble(batch, g)
+    if "nan" in kinds:
+        batch = task.poison(batch)
+    return batch
+
+
+def step_seed(seed: int, i: int) -> int:
+    """The RNG seed of step i (dropout): the same whatever steps came before (skips, repeats)."""
+    return seed * 1_000_003 + i
+
+
+def run_loop(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str, Any]:
+    """A plain training loop (the README's): batches through monitor.batches(), one loss through
+    monitor.combine(), clipping (if the task clips) before optimizer.step()."""
+    torch.manual_seed(seed)
+    model, opt = task.build()
+    data = task.train_batches(arm.steps, seed)
+    faults = faults_at(arm)
+    mon = None
+    if arm.monitored:
+        import sfmonitor
+
+        mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=["jsonl"], config=monitor_config(opts))
+    drawn: Counter[int] = Counter()
+    losses: list[tuple[int, float, bool]] = []  # (step, loss of the batch as drawn, faulty)
+    times: list[float] = []
+    stopped = None
+    source = mon.batches(range(len(data))) if mon is not None else range(len(data))
+    lr = task.lr * arm.lr_mult
+    try:
+        for i in source:
+            drawn[i] += 1
+            if i in arm.drop:
+                continue
+            kinds = faults.get(i, set())
+            torch.manual_seed(step_seed(seed, i))
+            batch = spoil(task, data[i], kinds, torch.Generator().manual_seed(step_seed(seed, i)))
+            t0 = time.perf_counter()
+            for pg in opt.param_groups:  # nanoGPT sets the LR itself every iteration
+                pg["lr"] = lr * (LR_FAULT if "lr" in kinds else 1.0)
+            loss = task.loss(model, batch)
+            losses.append((i, float(loss.detach()), bool(kinds)))
+            if "loss" in kinds:
+                loss = loss * LOSS_FAULT
+            if mon is not None:
+                loss = mon.combine(loss)
+            loss.backward()
+            if task.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+            if arm.eval_every and (i + 1) % arm.eval_every == 0:
+                model.eval()
+                with torch.no_grad():  # a validation pass, as users write it
+                    for b in task.eval_batches()[:2]:
+                        value = task.loss(model, b)
+                        if mon is not None:
+                            mon.combine(value)
+                model.train()
+    except Exception as e:  # StopTraining through a plain loop
+        if type(e).__name__ != "StopTraining":
+            raise
+        stopped = str(e)
+    finally:
+        if mon is not None:
+            stopped = stopped or ("should_stop" if mon.should_stop else None)
+            mon.detach()
+    last = max(drawn) if drawn else -1
+    return {
+        "losses": losses,
+        "eval_loss": eval_loss(task, model),
+        "digest": weights_digest(model),
+        "finite": all_finite(model),
+        "step_ms": 1e3 * statistics.median(times) if times else None,
+        "stopped": stopped,
+        "left_out": sum(1 for i in range(last + 1) if i not in drawn) if mon is not None else 0,
+        "repeated": sum(n - 1 for n in drawn.values()),
+    }
+
+
+def run_lightning(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str, Any]:
+    """The task as a LightningModule (CPU, fp32), validation every ``eval_every`` steps."""
+    import lightning.pytorch as pl
+
+    cb = None
+    if arm.monitored:
+        from sfmonitor.integrations.lightning import SFMonitorCallback
+
+        cb = SFMonitorCallback(run_dir=run_dir, sinks=["jsonl"], config=monitor_config(opts))
+    torch.manual_seed(seed)
+    net, opt = task.build()
+    losses: list[tuple[int, float, bool]] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            torch.manual_seed(step_seed(seed, batch_idx))
+            loss = task.loss(self.net, batch)
+            losses.append((batch_idx, float(loss.detach()), False))
+            return cb.monitor.combine(loss) if cb is not None else loss
+
+        def validation_step(self, batch, batch_idx):
+            loss = task.loss(self.net, batch)
+            if cb is not None:
+                loss = cb.monitor.combine(loss)
+            self.log("val_loss", loss)
+
+        def configure_optimizers(self):
+            return opt
+
+    loader = torch.utils.data.DataLoader(task.train_batches(arm.steps, seed), batch_size=None)
+    val = torch.utils.data.DataLoader(task.eval_batches()[:2], batch_size=None)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        max_steps=arm.steps,
+        val_check_interval=arm.eval_every or None,
+        gradient_clip_val=task.clip or None,
+        callbacks=[cb] if cb is not None else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(Module(), loader, val)
+    seconds = time.perf_counter() - t0
+    stopped = (cb.stop_reason or ("should_stop" if cb.monitor.should_stop else None)) if cb is not None else None
+    return {
+        "losses": losses,
+        "eval_loss": eval_loss(task, net),
+        "digest": weights_digest(net),
+        "finite": all_finite(net),
+        "step_ms": 1e3 * seconds / max(1, len(losses)),
+        "stopped": stopped,
+        "left_out": 0,
+        "repeated": 0,
+    }
+
+
+def run_hf(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str, Any]:
+    """BERT through the HF Trainer with evaluation; ``compute_loss`` passes the loss through
+    ``combine`` as docs/integrations.md shows (the Trainer also calls it for evaluation)."""
+    import transformers
+
+    cb = None
+    if arm.monitored:
+        from sfmonitor.integrations.transformers import SFMonitorTrainerCallback
+
+        cb = SFMonitorTrainerCallback(run_dir=run_dir, sinks=["jsonl"], config=monitor_config(opts))
+    torch.manual_seed(seed)
+    model, _ = task.build()  # the Trainer makes its own AdamW
+    keys = ("input_ids", "attention_mask", "labels")
+
+    class Examples(torch.utils.data.Dataset):
+        def __init__(self, batches):
+            self.rows = [{k: b[k][j] for k in keys} for b in batches for j in range(len(b["labels"]))]
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return self.rows[i]
+
+    losses: list[tuple[int, float, bool]] = []
+
+    class Trainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kw):
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True, **kw)
+            if model.training:
+                losses.append((len(losses), float(loss.detach()), False))
+            if cb is not None:
+                loss = cb.monitor.combine(loss)
+            return (loss, outputs) if return_outputs else loss
+
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(run_dir, "hf"),
+        per_device_train_batch_size=task.batch,
+        per_device_eval_batch_size=task.batch,
+        max_steps=arm.steps,
+        learning_rate=task.lr,
+        lr_scheduler_type="constant",
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=seed,
+        eval_strategy="steps" if arm.eval_every else "no",
+        eval_steps=arm.eval_every or None,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Examples(task.train_batches(arm.steps, seed)),
+        eval_dataset=Examples(task.eval_batches()[:2]),
+        callbacks=[cb] if cb is not None else [],
+    )
+    t0 = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        if cb is not None:
+            cb.monitor.detach()
+    seconds = time.perf_counter() - t0
+    stopped = (cb.stop_reason or ("should_stop" if cb.monitor.should_stop else None)) if cb is not None else None
+    return {
+        "losses": losses,
+        "eval_loss": eval_loss(task, model),
+        "digest": weights_digest(model),
+        "finite": all_finite(model),
+        "step_ms": 1e3 * seconds / max(1, len(losses)),
+        "stopped": stopped,
+        "left_out": 0,
+        "repeated": 0,
+    }
+
+
+def run_reference(arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str, Any]:
+    """The reference model through ``reference_model.train.train`` (``tiny`` config, 4 optimizer
+    steps an epoch, 2 micro-batches a step, fp16 autocast + GradScaler). Faults enter through hooks
+    the benchmark puts on the model and the optimizer as the trainer builds them: a NaN image, noise
+    images with random labels, random labels, the losses x 10^4 (forward hooks on the micro-batches
+    of the step), the LR x 10^4 (optimizer pre/post hooks). The twin that leaves a step out hides
+    its gradients from the optimizer (as a skip does)."""
+    import reference_model.train as rt
+    from reference_model.model import LOSS_NAMES
+
+    cfg = rt.load_config("tiny")
+    accum = cfg.train.accumulation
+    per_epoch = math.ceil(cfg.data.n_train / cfg.train.micro_batch / accum)
+    epochs = max(1, math.ceil(arm.steps / per_epoch))
+    weights = dict(cfg.train.loss_weights)
+    faults = faults_at(arm)
+    state: dict[str, Any] = {"fwd": 0, "model": None, "lr_hit": False, "last": None}
+    micro: dict[int, list[float]] = {}
+    times: list[float] = []
+
+    def step_now() -> int:
+        return state["fwd"] // accum
+
+    def pre(module, args, kwargs):
+        if not torch.is_grad_enabled():
+            return None
+        kinds = faults.get(step_now(), set())
+        if not kinds:
+            return None
+        g = torch.Generator().manual_seed(step_seed(seed, state["fwd"]))
+        kw = dict(kwargs)
+        if "garbage" in kinds:
+            kw["images"] = 3.0 * torch.randn(kw["images"].shape, generator=g)
+        if kinds & {"garbage", "labels"}:
+            kw["target"] = torch.randint(0, kw["captions"].shape[1], kw["target"].shape, generator=g)
+            kw["category"] = torch.randint(0, cfg.model.num_classes, kw["category"].shape, generator=g)
+        if "nan" in kinds and state["fwd"] % accum == 0:
+            kw["images"] = kw["images"].clone()
+            kw["images"][0, 0, 0, 0] = float("nan")
+        return args, kw
+
+    def post(module, args, kwargs, out):
+        if not torch.is_grad_enabled():
+            return None
+        s = step_now()
+        state["fwd"] += 1
+        micro.setdefault(s, []).append(float(sum(weights[k] * out[k].detach().float() for k in LOSS_NAMES)))
+        if "loss" in faults.get(s, set()):
+            return {k: v * LOSS_FAULT for k, v in out.items()}
+        return None
+
+    def opt_pre(optimizer, a, kw):
+        s = state["fwd"] // accum - 1  # the step whose micro-batches just ran
+        now = time.perf_counter()
+        if state["last"] is not None:
+            times.append(now - state["last"])
+        state["last"] = now
+        if s in arm.drop:
+            for pg in optimizer.param_groups:
+                for p in pg["params"]:
+                    p.grad = None
+        if "lr" in faults.get(s, set()):
+            state["lr_hit"] = True
+            for pg in optimizer.param_groups:
+                pg["lr"] = pg["lr"] * LR_FAULT
+
+    def opt_post(optimizer, a, kw):
+        if state["lr_hit"]:
+            state["lr_hit"] = False
+            for pg in optimizer.param_groups:
+                pg["lr"] = pg["lr"] / LR_FAULT
+
+    build_model, make_optimizer = rt.build_model, rt.make_optimizer
+
+    def build(mcfg):
+        model = build_model(mcfg)
+        model.register_forward_pre_hook(pre, with_kwargs=True)
+        model.register_forward_hook(post, with_kwargs=True)
+        state["model"] = model
+        return model
+
+    def make_opt(model, tc):
+        opt = make_optimizer(model, tc)
+        opt.register_step_pre_hook(opt_pre)  # before the monitor's hooks: the monitor attaches later
+        opt.register_step_post_hook(opt_post)
+        return opt
+
+    rt.build_model, rt.make_optimizer = build, make_opt
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            result = rt.train(
+                "tiny",
+                seed=seed,
+                monitor=arm.monitored,
+                run_dir=run_dir,
+                monitor_config=monitor_config(opts) if arm.monitored else None,
+                overrides={"train.epochs": epochs},
+            )
+    finally:
+        rt.build_model, rt.make_optimizer = build_model, make_optimizer
+    model = state["model"]
+    losses = [(s, statistics.fmean(v), bool(faults.get(s))) for s, v in sorted(micro.items())]
+    return {
+        "losses": losses,
+        "eval_loss": float(result["val_loss"]),  # a non-finite loss comes back as "nan"/"inf"
+        "digest": weights_digest(model),
+        "finite": all_finite(model),
+        "step_ms": 1e3 * statistics.median(times) if times else None,
+        "stopped": result.get("stopped"),
+        "left_out": 0,
+        "repeated": 0,
+        "optimizer_steps": result.get("optimizer_steps"),
+    }
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    from sfmonitor.sinks.jsonl import read_jsonl
+
+    return read_jsonl(os.path.join(run_dir, "events.jsonl"))
+
+
+def thrown_away(events: list[dict[str, Any]], left_out: int, repeated: int) -> dict[str, int]:
+    """Steps thrown away, from the events: updates undone (``steps_back`` of a rollback or an undo
+    that restored), updates skipped (each step once), batches ``batches()`` left out, less the
+    batches it yielded again (an undo re-uses the batch of the step that found the trouble)."""
+    undone, skipped = 0, set()
+    for e in events:
+        results = (e.get("data") or {}).get("action_results") or {}
+        for facts in results.values():
+            if not isinstance(facts, dict):
+                continue
+            if facts.get("restored") and isinstance(facts.get("steps_back"), int):
+                undone += facts["steps_back"]
+            if isinstance(facts.get("skipped_step"), int):
+                skipped.add(facts["skipped_step"])
+    lost = undone + len(skipped) + left_out - repeated
+    return {"lost": lost, "undone": undone, "skipped": len(skipped), "left_out": left_out, "repeated": repeated}
+
+
+def run_arm(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
+    """One run, in this process. Returns its measurements (and the monitor's, when monitored)."""
+    torch.set_num_threads(1)
+    run_dir = tempfile.mkdtemp(prefix=f"{model_name}-", dir=opts.root or None)
+    t0 = time.perf_counter()
+    if arm.driver == "reference":
+        out = run_reference(arm, opts.seed, run_dir, opts)
+    else:
+        task = TASKS[model_name]()
+        fn: Callable[..., dict[str, Any]] = {"loop": run_loop, "lightning": run_lightning, "hf": run_hf}[arm.driver]
+        out = fn(task, arm, opts.seed, run_dir, opts)
+    out["seconds"] = time.perf_counter() - t0
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    healthy = [loss for _, loss, bad in out["losses"] if not bad]
+    tail = healthy[-TRAIN_TAIL:]
+    out["final_train"] = statistics.fmean(tail) if tail else math.nan
+    if arm.monitored:
+        events = read_events(run_dir)
+        out["events"] = events
+        out["kinds"] = dict(Counter(e["kind"] for e in events))
+        out["actions"] = dict(Counter(a for e in events for a in e.get("actions", [])))
+        out["thrown_away"] = thrown_away(events, out["left_out"], out["repeated"])
+    if not opts.root:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+def _child(conn, model_name: str, arm: Arm, opts: Options) -> None:
+    try:
+        conn.send(("ok", run_arm(model_name, arm, opts)))
+    except BaseException as e:  # the parent reports it as the run's error
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
+    finally:
+        conn.close()
+
+
+def run_isolated(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
+    """``run_arm`` in a forked child: its peak RSS is its own, and a crash is one row's error."""
+    if not opts.isolate or "fork" not in multiprocessing.get_all_start_methods():
+        return run_arm(model_name, arm, opts)
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, model_name, arm, opts))
+    proc.start()
+    send.close()
+    try:
+        status, payload = recv.recv()
+    except EOFError:
+        status, payload = "error", "the run's process died without a result"
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(payload)
+    return payload
+
+
+# --------------------------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------------------------
+
+
+def scenario_arms(model_name: str, scenario: str, opts: Options) -> dict[str, Arm]:
+    """The runs of one model x scenario: ``twin`` (bare, fault-free or with the same evaluations),
+    ``mon`` (monitored), ``bare`` (bare with the fault), ``exact`` (the twin the monitored run must
+    equal bit for bit, where the rescue should be exact)."""
+    driver = "reference" if model_name == "reference" else "loop"
+    n = opts.steps
+    f = opts.fault_step(n)
+
+    def pair(faults=(), steps=n, **kw):
+        return Arm(steps, False, faults, driver=driver, **kw), Arm(steps, True, faults, driver=driver, **kw)
+
+    twin = Arm(n, driver=driver)
+    if scenario == "fault_free":
+        return {"twin": twin, "mon": pair()[1], "exact": twin}
+    if scenario == "nan_batch":
+        bare, mon = pair((("nan", f),))
+        return {"twin": twin, "bare": bare, "mon": mon, "exact": Arm(n, drop=(f,), driver=driver)}
+    if scenario in ("lr_spike", "loss_spike"):
+        bare, mon = pair((("lr" if scenario == "lr_spike" else "loss", f),))
+        return {"twin": twin, "bare": bare, "mon": mon}
+    if scenario == "bad_labels":
+        bare, mon = pair(tuple(("labels", s) for s in range(f, f + max(1, n // 10))))
+        return {"twin": twin, "bare": bare, "mon": mon}
+    if scenario == "bad_every":
+        long = opts.long_steps
+        faults = tuple(("garbage", s) for s in range(opts.every - 1, long, opts.every))
+        bare, mon = pair(faults, steps=long)
+        return {"twin": Arm(long, driver=driver), "bare": bare, "mon": mon}
+    if scenario in ("eval_combine", "lightning", "hf_trainer"):
+        d = {"eval_combine": "loop", "lightning": "lightning", "hf_trainer": "hf"}[scenario]
+        ref = Arm(n, eval_every=opts.eval_every, driver=d)
+        return {"twin": ref, "mon": dataclasses.replace(ref, monitored=True), "exact": ref}
+    if scenario == "high_lr":
+        s = opts.high_lr_steps
+        return {
+            "twin": Arm(s, driver=driver),
+            "bare": Arm(s, lr_mult=opts.high_lr_mult, driver=driver),
+            "mon": Arm(s, True, lr_mult=opts.high_lr_mult, driver=driver),
+        }
+    raise ValueError(f"unknown scenario {scenario!r}; expected one of {', '.join(SCENARIOS)}")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not math.isfinite(b) or b == 0:
+        return None
+    return a / b
+
+
+def first_spike(losses: list[tuple[int, float, bool]]) -> int | None:
+    """The first step whose loss is above SPIKE x the lowest loss before it."""
+    low = math.inf
+    for step, loss, _ in losses:
+        if not math.isfinite(loss) or (low < math.inf and loss > SPIKE * low):
+            return step
+        low = min(low, loss)
+    return None
+
+
+def judge(scenario: str, row: dict[str, Any], runs: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's targets this row misses (empty: met)."""
+    mon = runs["mon"]
+    miss = []
+    n_actions = sum(mon["actions"].values())
+    if scenario in ("fault_free", "eval_combine", "lightning", "hf_trainer"):
+        if n_actions:
+            miss.append(f"{n_actions} action(s) on a healthy run")
+        if not row["identical"]:
+            miss.append("not bit-identical to the bare run")
+        return miss
+    if mon["stopped"]:
+        miss.append("stopped")
+    if scenario == "high_lr":
+        if row["spike_step"] is not None and (row["detected_step"] is None or row["detected_step"] > row["spike_step"]):
+            miss.append("spike not detected in its step")
+        if row["gap_closed"] is None or row["gap_closed"] < 0.5:
+            miss.append("ends less than halfway to the default-LR loss")
+        return miss
+    if scenario == "bad_every":
+        bare = runs["bare"]
+        if not (mon["eval_loss"] <= bare["eval_loss"]):
+            miss.append("eval loss above bare")
+        if not (mon["final_train"] <= bare["final_train"]):
+            miss.append("train loss above bare")
+        return miss
+    for key in ("eval_ratio", "train_ratio"):
+        value = row[key]
+        if value is None or not value <= TOLERANCE:
+            miss.append(f"{key.split('_')[0]} loss {_x(value)} the twin")
+    if scenario == "nan_batch" and not row["identical"]:
+        miss.append("not bit-identical to the twin without the batch")
+    if scenario in ("lr_spike", "loss_spike") and row["lost"] > 1:
+        miss.append(f"{row['lost']} steps lost (target <= 1)")
+    return miss
+
+
+def run_scenario(model_name: str, scenario: str, opts: Options, cache: dict | None = None) -> dict[str, Any]:
+    """Every run of one model x scenario (runs shared with another scenario come from ``cache``)
+    and the row: the numbers, and which of the issue's targets it misses."""
+    cache = {} if cache is None else cache
+    arms = scenario_arms(model_name, scenario, opts)
+    runs: dict[str, dict[str, Any]] = {}
+    for role, arm in arms.items():
+        key = (model_name, arm, opts.seed)
+        if key not in cache:
+            print(f"  {model_name} {scenario}: {role} {_arm_str(arm)}", file=sys.stderr, flush=True)
+            cache[key] = run_isolated(model_name, arm, opts)
+        runs[role] = cache[key]
+    mon, twin = runs["mon"], runs["twin"]
+    bare = runs.get("bare")
+    exact = runs.get("exact")
+    lost = mon["thrown_away"]
+    row: dict[str, Any] = {
+        "model": model_name,
+        "scenario": scenario,
+        "seed": opts.seed,
+        "steps": arms["mon"].steps,
+        "fault_step": opts.fault_step(opts.steps)
+        if scenario in ("nan_batch", "lr_spike", "loss_spike", "bad_labels")
+        else None,
+        "train_loss": mon["final_train"],
+        "twin_train_loss": twin["final_train"],
+        "train_ratio": ratio(mon["final_train"], twin["final_train"]),
+        "eval_loss": mon["eval_loss"],
+        "twin_eval_loss": twin["eval_loss"],
+        "eval_ratio": ratio(mon["eval_loss"], twin["eval_loss"]),
+        "bare_eval_loss": bare["eval_loss"] if bare else None,
+        "bare_train_loss": bare["final_train"] if bare else None,
+        "bare_eval_ratio": ratio(bare["eval_loss"], twin["eval_loss"]) if bare else None,
+        "identical": (mon["digest"] == exact["digest"]) if exact else None,
+        "finite": mon["finite"],
+        "lost": lost["lost"],
+        "thrown_away": lost,
+        "actions": mon["actions"],
+        "kinds": mon["kinds"],
+        "stopped": mon["stopped"],
+        "peak_rss_mib": mon["peak_rss_mib"],
+        "twin_peak_rss_mib": twin["peak_rss_mib"],
+        "step_time_ratio": ratio(mon["step_ms"], twin["step_ms"]),
+        "step_ms": mon["step_ms"],
+        "twin_step_ms": twin["step_ms"],
+        "seconds": {role: round(r["seconds"], 1) for role, r in runs.items()},
+        "events": [
+            {k: e.get(k) for k in ("step", "kind", "actions")} for e in mon["events"][:50]
+        ],  # the first 50; the counts are over all of them
+    }
+    if scenario == "high_lr":
+        row["spike_step"] = first_spike(bare["losses"]) if bare else None
+        row["detected_step"] = min((e["step"] for e in mon["events"]), default=None)
+        row["detected_kind"] = next((e["kind"] for e in mon["events"]), None)
+        gap = bare["eval_loss"] - twin["eval_loss"] if bare else None
+        row["gap_closed"] = (bare["eval_loss"] - mon["eval_loss"]) / gap if gap and gap > 0 else None
+    row["misses"] = judge(scenario, row, runs)
+    return row
+
+
+def _arm_str(arm: Arm) -> str:
+    parts = [arm.driver, f"{arm.steps} steps", "monitored" if arm.monitored else "bare"]
+    if arm.faults:
+        kinds = sorted({k for k, _ in arm.faults})
+        parts.append(f"{'+'.join(kinds)} at {len(arm.faults)} step(s) from {arm.faults[0][1]}")
+    if arm.drop:
+        parts.append(f"without step(s) {list(arm.drop)}")
+    if arm.lr_mult != 1:
+        parts.append(f"LR x{arm.lr_mult:g}")
+    if arm.eval_every:
+        parts.append(f"eval every {arm.eval_every}")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Table
+# --------------------------------------------------------------------------------------------
+
+
+def _x(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}x" if math.isfinite(v) else str(v)
+
+
+def _f(v: float | None, fmt: str = ".3f") -> str:
+    if v is None:
+        return "-"
+    return format(v, fmt) if math.isfinite(v) else str(v)
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {n}" for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) or "0"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| model | scenario | steps | train loss: monitored / twin | eval loss: monitored / twin | "
+        "bare with the fault: eval / twin | bit-identical | steps lost (undone/skipped/left out/re-used) | "
+        "actions | events | stopped | peak RSS MiB (twin) | step time / twin | targets missed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(
+                f"| {r['model']} | {r['scenario']} | - | error: {r['error'].splitlines()[0][:120]} |" + " |" * 10
+            )
+            continue
+        t = r["thrown_away"]
+        identical = "-" if r["identical"] is None else ("yes" if r["identical"] else "**no**")
+        misses = list(r["misses"])
+        extra = ""
+        if r["scenario"] == "high_lr":
+            extra = (
+                f"spike at step {_f(r['spike_step'], 'd')}, first event at step {_f(r['detected_step'], 'd')}"
+                f"{' (' + r['detected_kind'] + ')' if r['detected_kind'] else ''}, gap closed "
+                f"{'-' if r['gap_closed'] is None else format(r['gap_closed'], '.0%')}; "
+            )
+        stopped = "-" if not r["stopped"] else "**yes**"
+        out.append(
+            f"| {r['model']} | {r['scenario']} | {r['steps']} "
+            f"| {_f(r['train_loss'])} / {_f(r['twin_train_loss'])} = {_x(r['train_ratio'])} "
+            f"| {_f(r['eval_loss'])} / {_f(r['twin_eval_loss'])} = {_x(r['eval_ratio'])} "
+            f"| {_f(r['bare_eval_loss'])} = {_x(r['bare_eval_ratio'])} | {identical} "
+            f"| {r['lost']} ({t['undone']}/{t['skipped']}/{t['left_out']}/{t['repeated']}) "
+            f"| {_counts(r['actions'])} | {_counts(r['kinds'])} | {stopped} "
+            f"| {r['peak_rss_mib']:.0f} ({r['twin_peak_rss_mib']:.0f}) | {_x(r['step_time_ratio'])} "
+            f"| {extra}{'; '.join(misses) if misses else 'none'} |"
+        )
+    return "\n".join(out)
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    ok = [r for r in rows if "error" not in r and not r["misses"]]
+    return f"{len(ok)} of {len(rows)} rows meet their targets"
+
+
+def code_state() -> str:
+    """The commit measured, and whether sfmonitor/ had changes not committed."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "sfmonitor", "reference_model"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" + uncommitted changes in sfmonitor/ or reference_model/" if dirty else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--quick", action="store_true", help=f"a subset in under a minute: {QUICK}")
+    p.add_argument("--steps", type=int, default=None, help="steps of a run (default 100; --quick 60)")
+    p.add_argument("--long-steps", type=int, default=300, help="steps of the bad_every runs")
+    p.add_argument("--every", type=int, default=20, help="bad_every: one bad batch every this many steps")
+    p.add_argument("--eval-every", type=int, default=20, help="healthy runs: an evaluation every this many steps")
+    p.add_argument("--high-lr-mult", type=float, default=20.0, help="high_lr: x the GPT's default LR")
+    p.add_argument("--high-lr-steps", type=int, default=150)
+    p.add_argument("--seeds", default="0", help="comma list of seeds (one row per seed)")
+    p.add_argument("--monitor-config", default=None, help="monitor config for every monitored run (JSON or YAML)")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--keep", default=None, help="keep each run's folder (events.jsonl, metrics.jsonl) under this")
+    p.add_argument("--no-isolate", action="store_true", help="run in this process (peak RSS is then cumulative)")
+    args = p.parse_args(argv)
+    models = (QUICK["models"] if args.quick and args.models == ",".join(MODELS) else args.models).split(",")
+    default_scen = ",".join(SCENARIOS)
+    scenarios = (QUICK["scenarios"] if args.quick and args.scenarios == default_scen else args.scenarios).split(",")
+    bad = [m for m in models if m not in MODELS] + [s for s in scenarios if s not in SCENARIOS]
+    if bad:
+        p.error(f"unknown model or scenario: {', '.join(bad)}")
+    mcfg: dict[str, Any] = {}
+    if args.monitor_config:
+        text = args.monitor_config
+        if not text.lstrip().startswith("{"):
+            with open(text, encoding="utf-8") as fh:
+                text = fh.read()
+        import yaml
+
+        mcfg = yaml.safe_load(text) or {}
+    steps = args.steps or (QUICK["steps"] if args.quick else 100)
+    root = os.path.abspath(args.keep) if args.keep else ""
+    if root:
+        os.makedirs(root, exist_ok=True)
+    torch.set_num_threads(1)
+    if any(m in ("bert",) for m in models) or "hf_trainer" in scenarios:
+        with contextlib.suppress(ImportError):
+            import transformers  # noqa: F401 - imported once here, inherited by every forked run
+    if "lightning" in scenarios:
+        with contextlib.suppress(ImportError):
+            import lightning.pytorch  # noqa: F401
+    import reference_model.train  # noqa: F401
+    import sfmonitor  # noqa: F401
+
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
+        opts = Options(
+            steps=steps,
+            long_steps=args.long_steps,
+            every=args.every,
+            eval_every=args.eval_every,
+            high_lr_mult=args.high_lr_mult,
+            high_lr_steps=args.high_lr_steps,
+            seed=seed,
+            monitor_config=mcfg,
+            isolate=not args.no_isolate,
+            root=root,
+        )
+        cache: dict = {}
+        for model_name in models:
+            for scenario in scenarios:
+                if scenario not in APPLIES[model_name]:
+                    continue
+                try:
+                    rows.append(run_scenario(model_name, scenario, opts, cache))
+                except Exception as e:
+                    rows.append({"model": model_name, "scenario": scenario, "seed": seed, "error": str(e)})
+                    print(f"  {model_name} {scenario}: error {e}", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - t0
+    header = (
+        f"# faults benchmark: sfmonitor at {code_state()}, torch {torch.__version__}, {platform.machine()}, "
+        f"{os.cpu_count()} CPU(s), 1 thread per run, seeds {args.seeds}; {seconds:.0f} s"
+    )
+    print(header)
+    print(table(rows))
+    print()
+    print(summary(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(
+                {"header": header, "argv": argv if argv is not None else sys.argv[1:], "rows": rows}, fh, indent=1
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
