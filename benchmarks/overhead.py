@@ -43,6 +43,12 @@ VARIANTS = {  # name -> monitor config (None: bare training)
     "monitor, watch off": {"watch": {"enabled": False}},
     "monitor, watch every step": {"watch": {"stride": 1}},
     "monitor, update ratio every 4 steps": {"stats": {"update_ratio_every": 4}},
+    "monitor, undo off": {"actions": {"undo": {"enabled": False}}},
+    "monitor, lean (undo off, ratio every 4, watch off)": {
+        "actions": {"undo": {"enabled": False}},
+        "stats": {"update_ratio_every": 4},
+        "watch": {"enabled": False},
+    },
 }
 
 

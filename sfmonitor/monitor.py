@@ -314,6 +314,7 @@ class Monitor:
         self._weights: dict[str, float] = {}  # current (possibly rescued) loss weights
         self._amp_skipped = 0  # steps the GradScaler skipped so far
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
+        self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
         self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
         self._driven_externally = False  # an integration calls before_update()/after_update()
         self._model_factory: tuple[str, dict[str, Any]] | None = None
@@ -1120,7 +1121,7 @@ class Monitor:
         out[S.GRAD_NORM_TOTAL] = per_group.square().sum().sqrt()
         for gi, g in enumerate(self._group_names):
             out[S.GRAD_NORM.format(g)] = per_group[gi]
-        params = self._layout.local(p.detach() for p in self._params)
+        params = self._layout.detached(self._params)  # FSDP2: the local shards
         param_norms = S.norms(params)
         per_group_p = S.group_norms(param_norms, self._param_group_t, len(self._group_names))
         for gi, g in enumerate(self._group_names):
@@ -1245,9 +1246,9 @@ class Monitor:
                 self._amp_skipped += 1
             if rec.before_params is not None and rec.before_norms is not None:
                 if rec.update_landed:
-                    now = self._layout.local(p.detach() for p in self._params)
+                    now = self._layout.detached(self._params)  # FSDP2: the local shards
                     if self._ctx is not None and rec.before_params is getattr(self._ctx.undo, "params", None):
-                        upd = update_norms(rec.before_params, now)  # the undo copy stays intact
+                        upd = update_norms(rec.before_params, now, self._scratch)  # the undo copy stays intact
                     else:
                         upd = S.update_norms_(rec.before_params, now)
                     per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))

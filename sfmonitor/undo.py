@@ -93,18 +93,54 @@ class UndoState:
         self.label, self.params, self._state = None, [], []
 
 
-def update_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], chunk: int = 1 << 24) -> torch.Tensor:
+SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once
+
+
+def update_norms(
+    before: Sequence[torch.Tensor],
+    after: Sequence[torch.Tensor],
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] | None = None,
+    limit: int = SCRATCH_ELEMENTS,
+) -> torch.Tensor:
     """Per-tensor ``||after - before||`` as one fp32 vector, leaving ``before`` intact (it is the
-    undo copy). The differences are made a chunk of at most ``chunk`` elements at a time, so the
-    scratch memory stays bounded whatever the model's size."""
-    out: list[torch.Tensor] = []
-    i = 0
-    while i < len(before):
-        j, size = i, 0
-        while j < len(before) and (j == i or size + before[j].numel() <= chunk):
-            size += before[j].numel()
-            j += 1
-        diffs = torch._foreach_sub(list(after[i:j]), list(before[i:j]))
-        out.extend(torch._foreach_norm(diffs, 2, dtype=torch.float32))
-        i = j
-    return torch.stack(out) if out else torch.zeros(0)
+    undo copy). The differences go through a reused scratch buffer of at most ``limit`` elements
+    per dtype (``scratch`` keeps it between calls: no allocation, no page faults after the first
+    step), a fused copy, subtract and norm per chunk of tensors that fit in it."""
+    scratch = {} if scratch is None else scratch
+    out: list[torch.Tensor | None] = [None] * len(before)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(before):
+        by_kind.setdefault((t.dtype, t.device), []).append(i)
+    for kind, idx in by_kind.items():
+        total = sum(before[i].numel() for i in idx)
+        size = max(1, min(limit, total))
+        buf = scratch.get(kind)
+        if buf is None or buf.numel() < size:
+            buf = scratch[kind] = torch.empty(size, dtype=kind[0], device=kind[1])
+        chunk: list[int] = []
+        used = 0
+        for i in idx + [-1]:  # -1: flush the last chunk
+            n = before[i].numel() if i >= 0 else 0
+            if chunk and (i < 0 or used + n > buf.numel()):
+                views, offset = [], 0
+                for j in chunk:
+                    views.append(buf[offset : offset + before[j].numel()].view(before[j].shape))
+                    offset += before[j].numel()
+                torch._foreach_copy_(views, [after[j] for j in chunk])
+                torch._foreach_sub_(views, [before[j] for j in chunk])
+                for j, norm in zip(chunk, torch._foreach_norm(views, 2, dtype=torch.float32)):
+                    out[j] = norm
+                chunk, used = [], 0
+            if i < 0:
+                break
+            if n > buf.numel():  # larger than the scratch: piece by piece
+                a, b, sq = after[i].reshape(-1), before[i].reshape(-1), torch.zeros((), device=kind[1])
+                for k in range(0, n, buf.numel()):
+                    piece = buf[: min(buf.numel(), n - k)]
+                    torch.sub(a[k : k + piece.numel()], b[k : k + piece.numel()], out=piece)
+                    sq = sq + torch.linalg.vector_norm(piece, dtype=torch.float32).square()
+                out[i] = sq.sqrt()
+                continue
+            chunk.append(i)
+            used += n
+    return torch.stack([o for o in out if o is not None]) if before else torch.zeros(0)

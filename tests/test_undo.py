@@ -1,0 +1,63 @@
+"""sfmonitor/undo.py: the one reused copy behind an exact undo and the update ratio."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from sfmonitor.undo import UndoState, update_norms
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum", "rmsprop"])
+def test_restore_is_bit_exact_and_removes_state_a_first_step_created(opt_name):
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1),
+    }[opt_name]
+    opt = make(model.parameters())
+    params = list(model.parameters())
+    undo = UndoState()
+
+    def train():
+        model(torch.randn(4, 5)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    undo.capture(0, params, opt)  # before the first step: no optimizer state yet
+    train()
+    assert opt.state
+    undo.restore(params, opt)
+    assert not opt.state, "the state the undone step created is gone"
+    train()
+    train()
+    before_w = copy.deepcopy(model.state_dict())
+    before_s = copy.deepcopy(opt.state_dict())
+    undo.capture(2, params, opt)
+    train()
+    undo.restore(params, opt)
+    assert all(torch.equal(before_w[k], v) for k, v in model.state_dict().items())
+    after_s = opt.state_dict()
+    for pid, st in before_s["state"].items():
+        for k, v in st.items():
+            got = after_s["state"][pid][k]
+            assert torch.equal(v, got) if isinstance(v, torch.Tensor) else v == got, (pid, k)
+    assert undo.label == 2 and undo.nbytes > 0
+
+
+@pytest.mark.parametrize("limit", [1 << 22, 10, 3])
+def test_update_norms_in_bounded_chunks_match_the_direct_ones_and_keep_before(limit):
+    torch.manual_seed(0)
+    before = [torch.randn(4, 3), torch.randn(7), torch.randn(2, 2, 2).half(), torch.randn(1)]
+    after = [b + torch.randn_like(b) for b in before]
+    kept = [b.clone() for b in before]
+    scratch: dict = {}
+    got = update_norms(before, after, scratch, limit=limit)
+    want = torch.stack([torch.linalg.vector_norm((a - b).float()) for a, b in zip(after, before)])
+    assert torch.allclose(got, want, rtol=1e-3)
+    assert all(torch.equal(b, k) for b, k in zip(before, kept)), "the undo copy stays intact"
+    assert all(buf.numel() <= max(limit, 1) for buf in scratch.values())
