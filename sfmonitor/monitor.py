@@ -1247,8 +1247,9 @@ class Monitor:
             if rec.before_params is not None and rec.before_norms is not None:
                 if rec.update_landed:
                     now = self._layout.detached(self._params)  # FSDP2: the local shards
-                    if self._ctx is not None and rec.before_params is getattr(self._ctx.undo, "params", None):
-                        upd = update_norms(rec.before_params, now, self._scratch)  # the undo copy stays intact
+                    before = rec.before_params
+                    if self._ctx is not None and before is getattr(self._ctx.undo, "params", None):
+                        upd = update_norms(before, now, self._scratch)  # the undo copy stays intact
                     else:
                         upd = S.update_norms_(rec.before_params, now)
                     per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))

@@ -56,7 +56,7 @@ class UndoState:
             if not state:
                 self._state[i] = None  # no state yet: an undo removes what the update created
                 continue
-            saved = self._state[i] if self._state[i] is not None else {}
+            saved: dict[str, Any] = self._state[i] or {}
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     v = local(value)
