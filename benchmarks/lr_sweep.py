@@ -1,6 +1,6 @@
 """LR sweep: attention-logit growth in a small char-level GPT, bare, with qk-layernorm, monitored.
 
-    python benchmarks/lr_sweep.py                                  # 5 LRs x 3 arms, ~30-60 s a run
+    python benchmarks/lr_sweep.py                                  # 6 LRs x 3 arms, ~30-60 s a run
     python benchmarks/lr_sweep.py --lrs 1e-2,1e-1 --arms bare,monitored --steps 100
     python benchmarks/lr_sweep.py --json sweep.json --plot docs/lr_sweep.png
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ARMS = ("bare", "qk_layernorm", "monitored")
-DEFAULT_LRS = (3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+DEFAULT_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 
 
 @dataclass

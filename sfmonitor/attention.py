@@ -90,8 +90,9 @@ class AttentionConfig(Section):
     )
     tau: float = option(
         100.0,
-        "logit cap: a head whose max logit passes tau is clipped back to tau by qk_clip "
-        "(Kimi K2: tau = 100; evidence for this default in docs/benchmarks.md, LR sweep)",
+        "logit cap: a head whose max logit passes tau is clipped back to tau by qk_clip (Kimi K2: "
+        "100); healthy logits depend on the model: a few times the peak attn_logit_max of a run you "
+        "trust (docs/benchmarks.md, LR sweep: 30 for its GPT)",
         lo=0.0,
         lo_open=True,
     )
