@@ -35,6 +35,12 @@ class MonitorConfig(Section):
         "raise NonFiniteError on a non-finite loss or gradient instead of skipping the step (the report's assertions)",
     )
     console: bool = option(True, "print one line per event to stderr")
+    dry_run: bool = option(
+        False,
+        "detectors and policy run and events say what would have been done, but nothing changes "
+        "training (no skip, no clip, no LR change): how to learn to trust the monitor on a new model",
+    )
+    log_every: int = option(1, "send metrics to the sinks every N optimizer steps (events: always)", lo=1)
     max_events: int = option(
         10_000, "events kept in monitor.events (the oldest go first); events.jsonl keeps every one", lo=1
     )

@@ -34,6 +34,7 @@ import functools
 import itertools
 import operator
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -87,11 +88,13 @@ from .record import Outcome, Phase, StepRecord
 from .registry import register_kind
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
+from .summary import RUN_FILE, SUMMARY_FILE, format_summary, run_metadata, run_summary, write_json
 from .undo import UndoState, update_norms
 from .watch import ActivationWatch
 
 _RUN_COUNTER = itertools.count()
 LOCK_FILE = ".sfmonitor.lock"  # in run_dir while a monitor writes there
+DISABLE_ENV = "SFMONITOR_DISABLED"  # set to 1: attach() does nothing (one line on stderr)
 OTHER = "other"  # the group of parameters held by the root module or named by no group
 TOTAL = "total"  # grad_norm/total: no group may take this name
 NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, BAD_BATCH)
@@ -331,6 +334,7 @@ class Monitor:
         self._bundles = BundleTracker(self.config.bundle)
         self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
+        self._own_seconds, self._own_steps = 0.0, 0  # the monitor's own time (summary.json)
         self._batch_loops = 0  # batches() generators running: a stop then ends them, no raise
         self._bundle_next = False  # request_bundle(): write one for the next step
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
@@ -443,6 +447,9 @@ class Monitor:
     ) -> Monitor:
         if self.model is not None:
             raise RuntimeError("this Monitor is already attached; call detach() first")
+        if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
+            print(f"[sfmonitor] {DISABLE_ENV} is set: attach does nothing, training runs unmonitored", file=sys.stderr)
+            return self
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach: model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -502,7 +509,33 @@ class Monitor:
             sinks = []  # events stay in monitor.events on every rank
         self._router = SinkRouter(sinks)
         self._router.open(self._ensure_run_dir(), self.config.to_dict())
+        if self._writer:
+            meta = run_metadata(self._params, self.groups, world_size(), self.config.to_dict())
+            self._write_json(RUN_FILE, meta)
         return self
+
+    def _write_json(self, name: str, data: Mapping[str, Any]) -> None:
+        try:
+            write_json(self._ensure_run_dir(), name, data)
+        except OSError as e:
+            warnings.warn(
+                f"sfmonitor: {name} could not be written ({type(e).__name__}: {e})", RuntimeWarning, stacklevel=3
+            )
+
+    def summary(self) -> dict[str, Any]:
+        """Events and actions by kind, steps skipped or undone, rescue budget left, the monitor's
+        own milliseconds per step (``summary.json`` in run_dir at detach)."""
+        undo = self._ctx.undo if self._ctx is not None else None
+        return run_summary(
+            self.events,
+            self.step,
+            self._policy.rescues_used,
+            self.config.policy.budget,
+            self._own_seconds,
+            self._own_steps,
+            undo.nbytes if undo is not None else 0,
+            self.config.dry_run,
+        )
 
     def detach(self) -> None:
         """Remove every hook and restore what attach() replaced. Safe to call twice."""
@@ -512,6 +545,11 @@ class Monitor:
             if self._record.phase is Phase.DECIDED:  # a step was interrupted: put everything back
                 self._close(aborted=True)
             self._finish_pending(final=True)
+            if self._writer:
+                summary = self.summary()
+                self._write_json(SUMMARY_FILE, summary)
+                if self.config.console:
+                    print(format_summary(summary), file=sys.stderr)
         except Exception as e:
             warnings.warn(
                 f"sfmonitor: detach could not finish the last step ({type(e).__name__}: {e})",
@@ -813,11 +851,15 @@ class Monitor:
             return
         ctx.graceful_stop = self._batch_loops > 0
         ctx.repeat_batch = False  # a request to repeat the last step's batch was taken or not
+        started = time.perf_counter()
         try:
             self._run_pipeline(rec)
         except BaseException:
             self._close(aborted=True)
             raise
+        finally:
+            self._own_seconds += time.perf_counter() - started
+            self._own_steps += 1
 
     def after_update(self, *, aborted: bool = False) -> None:
         """Entry point 2: close the step in flight once the optimizer ran or was skipped
@@ -937,6 +979,12 @@ class Monitor:
         if rec is not None and nonfinite and not any(d.action in (SKIP_STEP, UNDO, ROLLBACK) for d in decisions):
             # The promise holds whatever the ladder says: a non-finite step never lands.
             decisions.insert(0, Decision(SKIP_STEP, nonfinite[0], {"enforced": True}))
+        if self.config.dry_run:
+            # Say what would have been done; change nothing. The policy still counts, so the
+            # ladders, cooldowns and budget show what a live run would have reached.
+            for d in decisions:
+                d.cause.data.setdefault("dry_run_would", []).append(d.action)
+            decisions = []
         # Evidence for the anomalies (non-finite values, findings that trigger actions), taken
         # before any action changes the state; warnings that trigger nothing cost nothing here.
         causes = {id(d.cause) for d in decisions}
@@ -1239,6 +1287,7 @@ class Monitor:
         """End the step in flight, whatever path got here: put back what it hid or changed,
         measure the update, and open the next step's record."""
         rec = self._record
+        started = time.perf_counter()
         try:
             rec.put_back(self.optimizer)  # gradients hidden for a skip; the user's LR
             rec.phase = Phase.ABORTED if aborted else Phase.LANDED
@@ -1273,6 +1322,7 @@ class Monitor:
             self._record = StepRecord(step=self.step)
             self._watch.reset(self.step)
             self._recorder.clear()
+            self._own_seconds += time.perf_counter() - started
 
     def _finish_pending(self, final: bool = False) -> None:
         """Read the last step's update ratios now (used by ``stats`` and, ``final``, ``detach``)."""
@@ -1293,7 +1343,7 @@ class Monitor:
         """The record's statistics are complete (its update ratios added): send them to the sinks."""
         rec.stats.update(after)
         rec.after = {}
-        if self._router is not None:
+        if self._router is not None and rec.step % self.config.log_every == 0:
             self._router.log_metrics(rec.step, dict(rec.stats))
 
     def _emit(self, event: Event) -> Event:

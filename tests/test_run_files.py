@@ -1,0 +1,81 @@
+"""Dry run, log_every, run.json / summary.json, and the SFMONITOR_DISABLED kill switch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+import sfmonitor
+from sfmonitor.sinks.jsonl import read_jsonl
+
+
+def setup(tmp_path, **cfg):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config={"console": False, **cfg})
+    return model, opt, mon
+
+
+def train(mon, model, opt, steps=12, nan_at=()):
+    for i in range(steps):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        if i in nan_at:
+            loss = loss * torch.tensor(float("nan"))
+        mon.combine(loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_dry_run_says_what_it_would_do_and_changes_nothing(tmp_path):
+    model, opt, mon = setup(tmp_path, dry_run=True)
+    train(mon, model, opt, nan_at={5})
+    mon.detach()
+    ev = [e for e in mon.events if e.kind == "nonfinite_loss"]
+    assert ev[0].step == 5 and ev[0].actions == []  # (later steps: the NaN weights it let land)
+    assert ev[0].data["dry_run_would"] == ["skip_step"]
+    assert not all(torch.isfinite(p).all() for p in model.parameters()), "the NaN update landed"
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["dry_run"] is True and summary["actions"] == {}
+
+
+def test_log_every_thins_metrics_but_not_events(tmp_path):
+    model, opt, mon = setup(tmp_path, log_every=4)
+    train(mon, model, opt, steps=12, nan_at={6})
+    mon.detach()
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0, 4, 8]
+    assert {e["step"] for e in read_jsonl(str(tmp_path / "events.jsonl"))} == {6}
+
+
+def test_run_and_summary_files(tmp_path, capsys):
+    model, opt, mon = setup(tmp_path, console=True)
+    run = json.load(open(tmp_path / "run.json"))
+    assert run["torch"] == torch.__version__ and run["sfmonitor"] == sfmonitor.__version__
+    assert run["parameters"] == sum(p.numel() for p in model.parameters()) and run["world_size"] == 1
+    assert run["parameter_dtypes"] == {"float32": 4}
+    train(mon, model, opt, steps=10, nan_at={3})
+    mon.detach()
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["steps"] == 10 and summary["steps_skipped"] == 1
+    assert summary["events"] == {"nonfinite_loss": 1, "nonfinite_grad": 1} and summary["actions"] == {"skip_step": 1}
+    assert summary["rescue_budget_left"] == 10 and summary["monitor_ms_per_step"] > 0
+    assert summary["undo_copy_bytes"] > 0
+    assert "run summary: 10 steps" in capsys.readouterr().err
+
+
+def test_the_kill_switch_makes_attach_a_no_op(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SFMONITOR_DISABLED", "1")
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "run"))
+    assert "SFMONITOR_DISABLED" in capsys.readouterr().err
+    assert not mon.attached and opt._optimizer_step_pre_hooks == {} and not os.path.exists(tmp_path / "run")
+    for _ in mon.batches(range(3)):
+        loss = mon.combine(model(torch.randn(2, 3)).sum())
+        loss.backward()
+        opt.step()
+    assert mon.step == 0 and mon.events == []
+    mon.detach()
