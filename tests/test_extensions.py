@@ -11,20 +11,9 @@ import torch
 from torch import nn
 
 import sfmonitor
-from sfmonitor import registry
 from sfmonitor.detectors import build_detectors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def clean_registry():
-    """Registrations made by a test are removed after it."""
-    saved = {t: dict(getattr(registry, t)) for t in ("KINDS", "ACTIONS", "DETECTORS")}
-    yield
-    for t, table in saved.items():
-        getattr(registry, t).clear()
-        getattr(registry, t).update(table)
 
 
 def design_example() -> str:

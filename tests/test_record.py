@@ -10,18 +10,8 @@ import torch
 from torch import nn
 
 import sfmonitor
-from sfmonitor import registry
 from sfmonitor.record import Phase
 from sfmonitor.sinks.base import Sink
-
-
-@pytest.fixture
-def clean_registry():
-    saved = {t: dict(getattr(registry, t)) for t in ("KINDS", "ACTIONS", "DETECTORS")}
-    yield
-    for t, table in saved.items():
-        getattr(registry, t).clear()
-        getattr(registry, t).update(table)
 
 
 def setup(config=None, sinks=(), lr=0.1):
