@@ -91,6 +91,7 @@ QUICK = {"models": "gpt,cnn", "scenarios": "fault_free,nan_batch,lr_spike,eval_c
 LR_FAULT = 1e4  # the LR of the faulty step, x the run's own
 LOSS_FAULT = 1e4  # the loss of the faulty batch, x its own
 TRAIN_TAIL = 10  # final train loss: the mean over this many last healthy steps
+EXACT = ("nan_batch", "lr_spike", "loss_spike")  # a skip or an exact undo: equal to the twin without the step
 TOLERANCE = 1.05  # the issue's target: final loss <= 1.05 x the fault-free twin
 SPIKE = 1.10  # an early spike: loss above 1.10 x the lowest loss so far
 
@@ -134,13 +135,19 @@ def monitor_config(opts: Options) -> dict[str, Any]:
     return {"console": False, **opts.monitor_config}
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 of every parameter and buffer (state_dict order): equal digests, equal bits."""
-    h = hashlib.sha256()
-    for k, v in model.state_dict().items():
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+def weights_digest(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of the parameters and of the buffers (BatchNorm running statistics...), each in
+    state_dict order: equal digests, equal bits."""
+    params = {id(p) for p in model.parameters()}
+    out = {}
+    for part in ("params", "buffers"):
+        h = hashlib.sha256()
+        for k, v in model.state_dict(keep_vars=True).items():
+            if (id(v) in params) == (part == "params"):
+                h.update(k.encode())
+                h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        out[part] = h.hexdigest()
+    return out
 
 
 def all_finite(model: torch.nn.Module) -> bool:
@@ -250,8 +257,14 @@ def run_loop(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> di
 
 def run_lightning(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str, Any]:
     """The task as a LightningModule (CPU, fp32), validation every ``eval_every`` steps."""
+    import logging
+    import warnings
+
     import lightning.pytorch as pl
 
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
     cb = None
     if arm.monitored:
         from sfmonitor.integrations.lightning import SFMonitorCallback
@@ -276,7 +289,7 @@ def run_lightning(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) 
             loss = task.loss(self.net, batch)
             if cb is not None:
                 loss = cb.monitor.combine(loss)
-            self.log("val_loss", loss)
+            self.log("val_loss", loss, batch_size=task.batch)
 
         def configure_optimizers(self):
             return opt
@@ -318,6 +331,7 @@ def run_hf(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> dict
     ``combine`` as docs/integrations.md shows (the Trainer also calls it for evaluation)."""
     import transformers
 
+    transformers.logging.set_verbosity_error()
     cb = None
     if arm.monitored:
         from sfmonitor.integrations.transformers import SFMonitorTrainerCallback
@@ -504,6 +518,7 @@ def run_reference(arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str,
         "left_out": 0,
         "repeated": 0,
         "optimizer_steps": result.get("optimizer_steps"),
+        "micro_per_step": accum,
     }
 
 
@@ -544,36 +559,43 @@ def run_arm(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
         out = fn(task, arm, opts.seed, run_dir, opts)
     out["seconds"] = time.perf_counter() - t0
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    healthy = [loss for _, loss, bad in out["losses"] if not bad]
-    tail = healthy[-TRAIN_TAIL:]
-    out["final_train"] = statistics.fmean(tail) if tail else math.nan
+    out["final_train"] = final_train(out["losses"])
     if arm.monitored:
         events = read_events(run_dir)
         out["events"] = events
         out["kinds"] = dict(Counter(e["kind"] for e in events))
         out["actions"] = dict(Counter(a for e in events for a in e.get("actions", [])))
+        if out.get("micro_per_step"):  # the reference trainer: batches() left out micro-batches
+            skipped = sum(
+                facts.get("batches_to_skip", 0)
+                for e in events
+                for a, facts in ((e.get("data") or {}).get("action_results") or {}).items()
+                if a == "rollback" and isinstance(facts, dict) and facts.get("restored")
+            )
+            out["left_out"] = skipped // out["micro_per_step"]
         out["thrown_away"] = thrown_away(events, out["left_out"], out["repeated"])
     if not opts.root:
         shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
 
-def _child(conn, model_name: str, arm: Arm, opts: Options) -> None:
+def _child(conn, fn: Callable[..., Any], args: tuple) -> None:
     try:
-        conn.send(("ok", run_arm(model_name, arm, opts)))
+        with contextlib.redirect_stdout(sys.stderr):  # the table alone goes to stdout
+            conn.send(("ok", fn(*args)))
     except BaseException as e:  # the parent reports it as the run's error
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
     finally:
         conn.close()
 
 
-def run_isolated(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
-    """``run_arm`` in a forked child: its peak RSS is its own, and a crash is one row's error."""
-    if not opts.isolate or "fork" not in multiprocessing.get_all_start_methods():
-        return run_arm(model_name, arm, opts)
+def isolated(isolate: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a forked child: its peak RSS is its own, and a crash is one row's error."""
+    if not isolate or "fork" not in multiprocessing.get_all_start_methods():
+        return fn(*args)
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(send, model_name, arm, opts))
+    proc = ctx.Process(target=_child, args=(send, fn, args))
     proc.start()
     send.close()
     try:
@@ -584,6 +606,47 @@ def run_isolated(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
     if status != "ok":
         raise RuntimeError(payload)
     return payload
+
+
+def run_isolated(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
+    return isolated(opts.isolate, run_arm, model_name, arm, opts)
+
+
+def step_time_probe(model_name: str, steps: int, opts: Options) -> dict[str, Any]:
+    """Step time at the monitor's defaults on a healthy run, bare and monitored twins trained in one
+    process with their steps interleaved (order alternating), so machine noise hits both alike."""
+    torch.set_num_threads(1)
+    task = TASKS[model_name]()
+    runs = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        for monitored in (False, True):
+            torch.manual_seed(opts.seed)
+            model, opt = task.build()
+            mon = None
+            if monitored:
+                import sfmonitor
+
+                mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=["jsonl"], config=monitor_config(opts))
+            runs.append((model, opt, mon, []))
+        for i, batch in enumerate(task.train_batches(steps + 5, opts.seed)):
+            for model, opt, mon, times in runs if i % 2 else runs[::-1]:
+                torch.manual_seed(step_seed(opts.seed, i))
+                t0 = time.perf_counter()
+                loss = task.loss(model, batch)
+                float(loss.detach())
+                if mon is not None:
+                    loss = mon.combine(loss)
+                loss.backward()
+                if task.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i >= 5:
+                    times.append(time.perf_counter() - t0)
+        runs[1][2].detach()
+    bare, mon_ms = (1e3 * statistics.median(r[3]) for r in runs)
+    n_params = sum(p.numel() for p in runs[0][0].parameters())
+    return {"model": model_name, "params": n_params, "steps": steps, "bare_ms": bare, "monitored_ms": mon_ms}
 
 
 # --------------------------------------------------------------------------------------------
@@ -605,20 +668,20 @@ def scenario_arms(model_name: str, scenario: str, opts: Options) -> dict[str, Ar
     twin = Arm(n, driver=driver)
     if scenario == "fault_free":
         return {"twin": twin, "mon": pair()[1], "exact": twin}
-    if scenario == "nan_batch":
-        bare, mon = pair((("nan", f),))
-        return {"twin": twin, "bare": bare, "mon": mon, "exact": Arm(n, drop=(f,), driver=driver)}
-    if scenario in ("lr_spike", "loss_spike"):
-        bare, mon = pair((("lr" if scenario == "lr_spike" else "loss", f),))
-        return {"twin": twin, "bare": bare, "mon": mon}
-    if scenario == "bad_labels":
-        bare, mon = pair(tuple(("labels", s) for s in range(f, f + max(1, n // 10))))
-        return {"twin": twin, "bare": bare, "mon": mon}
     if scenario == "bad_every":
-        long = opts.long_steps
-        faults = tuple(("garbage", s) for s in range(opts.every - 1, long, opts.every))
-        bare, mon = pair(faults, steps=long)
-        return {"twin": Arm(long, driver=driver), "bare": bare, "mon": mon}
+        n = opts.long_steps
+        faults = tuple(("garbage", s) for s in range(opts.every - 1, n, opts.every))
+        twin = Arm(n, driver=driver)
+    elif scenario == "bad_labels":
+        faults = tuple(("labels", s) for s in range(f, f + max(1, n // 10)))
+    elif scenario in ("nan_batch", "lr_spike", "loss_spike"):
+        faults = (({"nan_batch": "nan", "lr_spike": "lr", "loss_spike": "loss"}[scenario], f),)
+    else:
+        faults = ()
+    if faults:
+        bare, mon = pair(faults, steps=n)
+        exact = Arm(n, drop=tuple(s for _, s in faults), driver=driver)  # never saw the bad steps
+        return {"twin": twin, "bare": bare, "mon": mon, "exact": exact}
     if scenario in ("eval_combine", "lightning", "hf_trainer"):
         d = {"eval_combine": "loop", "lightning": "lightning", "hf_trainer": "hf"}[scenario]
         ref = Arm(n, eval_every=opts.eval_every, driver=d)
@@ -639,6 +702,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def final_train(losses: list[tuple[int, float, bool]]) -> float:
+    """The mean training loss of the last TRAIN_TAIL healthy steps (no fault injected) with a
+    finite loss; NaN when the last step's loss is not finite (the run ends broken)."""
+    if not losses or not math.isfinite(losses[-1][1]):
+        return math.nan
+    tail = [loss for _, loss, bad in losses if not bad and math.isfinite(loss)][-TRAIN_TAIL:]
+    return statistics.fmean(tail) if tail else math.nan
+
+
 def first_spike(losses: list[tuple[int, float, bool]]) -> int | None:
     """The first step whose loss is above SPIKE x the lowest loss before it."""
     low = math.inf
@@ -649,46 +721,50 @@ def first_spike(losses: list[tuple[int, float, bool]]) -> int | None:
     return None
 
 
-def judge(scenario: str, row: dict[str, Any], runs: dict[str, dict[str, Any]]) -> list[str]:
-    """The issue's targets this row misses (empty: met)."""
-    mon = runs["mon"]
+HEALTHY = ("fault_free", "eval_combine", "lightning", "hf_trainer")
+
+
+def judge(row: dict[str, Any]) -> list[str]:
+    """The issue's targets this row misses (empty: met). Reads only the row, so that it also
+    judges a row averaged over seeds."""
+    scenario = row["scenario"]
     miss = []
-    n_actions = sum(mon["actions"].values())
-    if scenario in ("fault_free", "eval_combine", "lightning", "hf_trainer"):
-        if n_actions:
-            miss.append(f"{n_actions} action(s) on a healthy run")
-        if not row["identical"]:
+    if scenario in HEALTHY:
+        if row["n_actions"]:
+            miss.append(f"{row['n_actions']:g} action(s) on a healthy run")
+        if row["identical"] is not None and row["identical"] < 1:
             miss.append("not bit-identical to the bare run")
         return miss
-    if mon["stopped"]:
+    if row["stopped"]:
         miss.append("stopped")
     if scenario == "high_lr":
-        if row["spike_step"] is not None and (row["detected_step"] is None or row["detected_step"] > row["spike_step"]):
+        spike, seen = row["spike_step"], row["detected_step"]
+        if spike is not None and (seen is None or seen > spike):
             miss.append("spike not detected in its step")
         if row["gap_closed"] is None or row["gap_closed"] < 0.5:
             miss.append("ends less than halfway to the default-LR loss")
         return miss
     if scenario == "bad_every":
-        bare = runs["bare"]
-        if not (mon["eval_loss"] <= bare["eval_loss"]):
-            miss.append("eval loss above bare")
-        if not (mon["final_train"] <= bare["final_train"]):
-            miss.append("train loss above bare")
+        for key in ("eval", "train"):
+            mon, bare = row[f"{key}_ratio"], row[f"bare_{key}_ratio"]
+            if mon is None or bare is None or not mon <= bare:
+                miss.append(f"{key} loss above bare")
         return miss
-    for key in ("eval_ratio", "train_ratio"):
-        value = row[key]
+    for key in ("eval", "train"):
+        value = row[f"{key}_ratio"]
         if value is None or not value <= TOLERANCE:
-            miss.append(f"{key.split('_')[0]} loss {_x(value)} the twin")
-    if scenario == "nan_batch" and not row["identical"]:
-        miss.append("not bit-identical to the twin without the batch")
+            miss.append(f"{key} loss {_x(value)} the twin")
+    if scenario in EXACT and row["identical"] is not None and row["identical"] < 1:
+        what = "parameters equal, buffers not" if row["params_identical"] == 1 else "parameters differ"
+        miss.append(f"not bit-identical to the twin without the bad step ({what})")
     if scenario in ("lr_spike", "loss_spike") and row["lost"] > 1:
-        miss.append(f"{row['lost']} steps lost (target <= 1)")
+        miss.append(f"{row['lost']:g} steps lost (target <= 1)")
     return miss
 
 
 def run_scenario(model_name: str, scenario: str, opts: Options, cache: dict | None = None) -> dict[str, Any]:
     """Every run of one model x scenario (runs shared with another scenario come from ``cache``)
-    and the row: the numbers, and which of the issue's targets it misses."""
+    and its row: the numbers, and which of the issue's targets it misses."""
     cache = {} if cache is None else cache
     arms = scenario_arms(model_name, scenario, opts)
     runs: dict[str, dict[str, Any]] = {}
@@ -699,51 +775,85 @@ def run_scenario(model_name: str, scenario: str, opts: Options, cache: dict | No
             cache[key] = run_isolated(model_name, arm, opts)
         runs[role] = cache[key]
     mon, twin = runs["mon"], runs["twin"]
-    bare = runs.get("bare")
-    exact = runs.get("exact")
-    lost = mon["thrown_away"]
+    bare, exact = runs.get("bare"), runs.get("exact")
     row: dict[str, Any] = {
         "model": model_name,
         "scenario": scenario,
-        "seed": opts.seed,
+        "seeds": [opts.seed],
         "steps": arms["mon"].steps,
-        "fault_step": opts.fault_step(opts.steps)
-        if scenario in ("nan_batch", "lr_spike", "loss_spike", "bad_labels")
-        else None,
-        "train_loss": mon["final_train"],
-        "twin_train_loss": twin["final_train"],
-        "train_ratio": ratio(mon["final_train"], twin["final_train"]),
-        "eval_loss": mon["eval_loss"],
+        "faults": [list(f) for f in arms["mon"].faults],
         "twin_eval_loss": twin["eval_loss"],
+        "twin_train_loss": twin["final_train"],
+        "eval_loss": mon["eval_loss"],
+        "train_loss": mon["final_train"],
         "eval_ratio": ratio(mon["eval_loss"], twin["eval_loss"]),
-        "bare_eval_loss": bare["eval_loss"] if bare else None,
-        "bare_train_loss": bare["final_train"] if bare else None,
+        "train_ratio": ratio(mon["final_train"], twin["final_train"]),
         "bare_eval_ratio": ratio(bare["eval_loss"], twin["eval_loss"]) if bare else None,
-        "identical": (mon["digest"] == exact["digest"]) if exact else None,
+        "bare_train_ratio": ratio(bare["final_train"], twin["final_train"]) if bare else None,
+        "exact_eval_ratio": ratio(exact["eval_loss"], twin["eval_loss"]) if exact and exact is not twin else None,
+        "identical": float(mon["digest"] == exact["digest"]) if exact else None,
+        "params_identical": float(mon["digest"]["params"] == exact["digest"]["params"]) if exact else None,
         "finite": mon["finite"],
-        "lost": lost["lost"],
-        "thrown_away": lost,
+        "lost": mon["thrown_away"]["lost"],
+        "thrown_away": mon["thrown_away"],
+        "n_actions": sum(mon["actions"].values()),
         "actions": mon["actions"],
         "kinds": mon["kinds"],
-        "stopped": mon["stopped"],
+        "stopped": float(bool(mon["stopped"])),
+        "stop_reason": mon["stopped"],
         "peak_rss_mib": mon["peak_rss_mib"],
         "twin_peak_rss_mib": twin["peak_rss_mib"],
         "step_time_ratio": ratio(mon["step_ms"], twin["step_ms"]),
-        "step_ms": mon["step_ms"],
-        "twin_step_ms": twin["step_ms"],
         "seconds": {role: round(r["seconds"], 1) for role, r in runs.items()},
-        "events": [
-            {k: e.get(k) for k in ("step", "kind", "actions")} for e in mon["events"][:50]
-        ],  # the first 50; the counts are over all of them
+        "events": [{k: e.get(k) for k in ("step", "kind", "actions")} for e in mon["events"][:50]],  # the counts: all
     }
     if scenario == "high_lr":
         row["spike_step"] = first_spike(bare["losses"]) if bare else None
         row["detected_step"] = min((e["step"] for e in mon["events"]), default=None)
-        row["detected_kind"] = next((e["kind"] for e in mon["events"]), None)
+        row["detected_kind"] = min(mon["events"], key=lambda e: e["step"])["kind"] if mon["events"] else None
         gap = bare["eval_loss"] - twin["eval_loss"] if bare else None
         row["gap_closed"] = (bare["eval_loss"] - mon["eval_loss"]) / gap if gap and gap > 0 else None
-    row["misses"] = judge(scenario, row, runs)
+    row["misses"] = judge(row)
     return row
+
+
+def _mean(values: list[Any]) -> float | None:
+    xs = [float(v) for v in values if v is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per model x scenario over its seeds: means of the numbers, sums of the counts
+    (actions, events), the latest spike and detection, and the targets judged on the means."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["scenario"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            out.append(rs[0])
+            continue
+        agg = dict(ok[0])
+        agg["seeds"] = [s for r in ok for s in r["seeds"]]
+        for key, value in ok[0].items():
+            if key in ("steps", "seeds") or isinstance(value, (str, list)):
+                continue
+            if isinstance(value, dict):
+                if key in ("actions", "kinds"):
+                    agg[key] = dict(sum((Counter(r[key]) for r in ok), Counter()))
+                elif key == "thrown_away":
+                    agg[key] = {k: _mean([r[key][k] for r in ok]) for k in value}
+                continue
+            if key in ("spike_step", "detected_step"):
+                vals = [r[key] for r in ok]
+                agg[key] = None if any(v is None for v in vals) else max(vals)
+            elif isinstance(value, (int, float)) or value is None:
+                agg[key] = _mean([r[key] for r in ok])
+        agg["errors"] = len(rs) - len(ok)
+        agg["misses"] = judge(agg) + ([f"{agg['errors']} run(s) failed"] if agg["errors"] else [])
+        out.append(agg)
+    return out
 
 
 def _arm_str(arm: Arm) -> str:
@@ -778,42 +888,73 @@ def _f(v: float | None, fmt: str = ".3f") -> str:
 
 
 def _counts(d: dict[str, int]) -> str:
-    return ", ".join(f"{k} {n}" for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) or "0"
+    return ", ".join(f"{k} {_n(n)}" for k, n in sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))) or "0"
+
+
+def _n(v: float | None) -> str:
+    """A count or a mean of counts."""
+    if v is None:
+        return "-"
+    return f"{v:g}" if float(v).is_integer() else f"{v:.1f}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """One markdown row per model x scenario. Ratios are to the fault-free twin (the bare run of the
+    same seed and data; for the healthy scenarios, with the same evaluations)."""
     out = [
-        "| model | scenario | steps | train loss: monitored / twin | eval loss: monitored / twin | "
-        "bare with the fault: eval / twin | bit-identical | steps lost (undone/skipped/left out/re-used) | "
-        "actions | events | stopped | peak RSS MiB (twin) | step time / twin | targets missed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | scenario | steps | eval loss of the twin | monitored: eval / twin | monitored: train / twin | "
+        "bare with the fault: eval / twin | bare without the bad steps: eval / twin | bit-identical | "
+        "steps lost (undone/skipped/left out/re-used) | actions | events | stopped | "
+        "peak RSS MiB, monitored (twin) | step time / twin | targets missed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            out.append(
-                f"| {r['model']} | {r['scenario']} | - | error: {r['error'].splitlines()[0][:120]} |" + " |" * 10
-            )
+            out.append(f"| {r['model']} | {r['scenario']} | error: {r['error'].splitlines()[0][:150]} |" + " |" * 13)
             continue
         t = r["thrown_away"]
-        identical = "-" if r["identical"] is None else ("yes" if r["identical"] else "**no**")
-        misses = list(r["misses"])
+        n = len(r["seeds"])
+        if r["identical"] is None:
+            identical = "-"
+        elif r["identical"] == 1:
+            identical = "yes"
+        elif r["params_identical"] == 1:
+            identical = "**parameters only**"
+        else:
+            identical = "**no**"
+        if n > 1 and r["identical"] is not None and 0 < r["identical"] < 1:
+            identical = f"**{round(r['identical'] * n)}/{n}**"
         extra = ""
         if r["scenario"] == "high_lr":
+            kind = f" ({r['detected_kind']})" if r.get("detected_kind") else ""
+            gap = "-" if r["gap_closed"] is None else format(r["gap_closed"], ".0%")
             extra = (
-                f"spike at step {_f(r['spike_step'], 'd')}, first event at step {_f(r['detected_step'], 'd')}"
-                f"{' (' + r['detected_kind'] + ')' if r['detected_kind'] else ''}, gap closed "
-                f"{'-' if r['gap_closed'] is None else format(r['gap_closed'], '.0%')}; "
+                f"spike at step {_n(r['spike_step'])}, first event at step {_n(r['detected_step'])}{kind}, "
+                f"gap closed {gap}; "
             )
-        stopped = "-" if not r["stopped"] else "**yes**"
+        stopped = "-" if not r["stopped"] else ("**yes**" if n == 1 else f"**{round(r['stopped'] * n)}/{n}**")
+        misses = "; ".join(r["misses"]) if r["misses"] else "none"
         out.append(
-            f"| {r['model']} | {r['scenario']} | {r['steps']} "
-            f"| {_f(r['train_loss'])} / {_f(r['twin_train_loss'])} = {_x(r['train_ratio'])} "
-            f"| {_f(r['eval_loss'])} / {_f(r['twin_eval_loss'])} = {_x(r['eval_ratio'])} "
-            f"| {_f(r['bare_eval_loss'])} = {_x(r['bare_eval_ratio'])} | {identical} "
-            f"| {r['lost']} ({t['undone']}/{t['skipped']}/{t['left_out']}/{t['repeated']}) "
+            f"| {r['model']} | {r['scenario']} | {r['steps']} | {_f(r['twin_eval_loss'])} "
+            f"| {_x(r['eval_ratio'])} | {_x(r['train_ratio'])} | {_x(r['bare_eval_ratio'])} "
+            f"| {_x(r['exact_eval_ratio'])} | {identical} "
+            f"| {_n(r['lost'])} ({_n(t['undone'])}/{_n(t['skipped'])}/{_n(t['left_out'])}/{_n(t['repeated'])}) "
             f"| {_counts(r['actions'])} | {_counts(r['kinds'])} | {stopped} "
             f"| {r['peak_rss_mib']:.0f} ({r['twin_peak_rss_mib']:.0f}) | {_x(r['step_time_ratio'])} "
-            f"| {extra}{'; '.join(misses) if misses else 'none'} |"
+            f"| {extra}{misses} |"
+        )
+    return "\n".join(out)
+
+
+def probe_table(probes: list[dict[str, Any]]) -> str:
+    out = [
+        "| model | parameters | bare ms/step | monitored ms/step | ratio (interleaved, median) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in probes:
+        out.append(
+            f"| {r['model']} | {r['params'] / 1e3:.0f}k | {r['bare_ms']:.1f} | {r['monitored_ms']:.1f} "
+            f"| {r['monitored_ms'] / r['bare_ms']:.3f}x |"
         )
     return "\n".join(out)
 
@@ -852,6 +993,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--monitor-config", default=None, help="monitor config for every monitored run (JSON or YAML)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--keep", default=None, help="keep each run's folder (events.jsonl, metrics.jsonl) under this")
+    p.add_argument("--probe-steps", type=int, default=60, help="steps of the interleaved step-time probe")
+    p.add_argument("--no-probe", action="store_true", help="skip the interleaved step-time probe")
     p.add_argument("--no-isolate", action="store_true", help="run in this process (peak RSS is then cumulative)")
     args = p.parse_args(argv)
     models = (QUICK["models"] if args.quick and args.models == ",".join(MODELS) else args.models).split(",")
@@ -884,8 +1027,10 @@ def main(argv: list[str] | None = None) -> int:
     import sfmonitor  # noqa: F401
 
     rows: list[dict[str, Any]] = []
+    probes: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    for seed in seeds:
         opts = Options(
             steps=steps,
             long_steps=args.long_steps,
@@ -906,22 +1051,34 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     rows.append(run_scenario(model_name, scenario, opts, cache))
                 except Exception as e:
-                    rows.append({"model": model_name, "scenario": scenario, "seed": seed, "error": str(e)})
+                    rows.append({"model": model_name, "scenario": scenario, "seeds": [seed], "error": str(e)})
                     print(f"  {model_name} {scenario}: error {e}", file=sys.stderr, flush=True)
+        if seed == seeds[0] and not args.no_probe:
+            for model_name in models:
+                if model_name == "reference":
+                    continue  # its own trainer's loop: nothing to interleave
+                print(f"  {model_name}: step time probe", file=sys.stderr, flush=True)
+                try:
+                    probes.append(isolated(opts.isolate, step_time_probe, model_name, args.probe_steps, opts))
+                except Exception as e:
+                    print(f"  {model_name}: step time probe failed: {e}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
     header = (
         f"# faults benchmark: sfmonitor at {code_state()}, torch {torch.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} CPU(s), 1 thread per run, seeds {args.seeds}; {seconds:.0f} s"
     )
+    shown = aggregate(rows) if len(seeds) > 1 else rows
     print(header)
-    print(table(rows))
+    print(table(shown))
     print()
-    print(summary(rows))
+    print(summary(shown))
+    if probes:
+        print()
+        print(probe_table(probes))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(
-                {"header": header, "argv": argv if argv is not None else sys.argv[1:], "rows": rows}, fh, indent=1
-            )
+            record = {"header": header, "argv": sys.argv[1:] if argv is None else argv, "rows": rows, "table": shown}
+            json.dump({**record, "step_time": probes}, fh, indent=1)
     return 0
 
 
