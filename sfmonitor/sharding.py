@@ -71,8 +71,12 @@ def is_sharded(t: Any) -> bool:
 
 def local(t: Any) -> Any:
     """This rank's part of a DTensor (a view: writing into it writes into the DTensor); anything
-    else as it is."""
-    return t.to_local() if is_sharded(t) else t
+    else as it is. (The DTensor's own local tensor, read directly: ``to_local()`` costs ~10 us of
+    Python per call, which adds up over every parameter and gradient of every step.)"""
+    if not is_sharded(t):
+        return t
+    part = getattr(t, "_local_tensor", None)
+    return part if isinstance(part, torch.Tensor) else t.to_local()
 
 
 def locals_(tensors: Iterable[Any]) -> list[Any]:
@@ -123,6 +127,10 @@ class Layout:
         if not self.sharded:
             return tensors
         return [local(t) for t in tensors]
+
+    def detached(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor's local part, detached (parameters, for their norms and copies)."""
+        return [local(t).detach() for t in tensors]
 
     def index(self, positions: Sequence[int], groups: Sequence[int], device: torch.device) -> TensorIndex:
         """The ``TensorIndex`` of the parameters at ``positions`` (their groups: ``groups[i]``)."""

@@ -102,3 +102,37 @@ def test_one_rank_overflowing_makes_every_rank_rescue_alike(tmp_path):
     # both ranks, and whatever it changed in the weights, the replicas stay equal
     assert any(a for _, k, a in r0["events"] if k == "activation_overflow")
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
+def test_tell_ranks_names_where_a_nonfinite_value_started():
+    from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM, Finding
+    from sfmonitor.integrations.distributed import culprit_ranks, tell_ranks
+
+    # 3 ranks: slots [loss x3, grad x3, param x3], summed across ranks
+    by_rank = [0, 1, 1, 4, 4, 4, 0, 0, 2]
+    assert culprit_ranks(by_rank) == {"loss": [1, 2], "grad": [0, 1, 2], "param": [2]}
+    found = [Finding(NONFINITE_LOSS, "loss is nan"), Finding(NONFINITE_GRAD, "g"), Finding(NONFINITE_PARAM, "p")]
+    tell_ranks(found, by_rank)
+    assert [f.data["ranks"] for f in found] == [[1, 2], [1, 2], [2]]
+    assert found[0].message == "loss is nan (started on ranks 1, 2: their losses were non-finite)"
+    assert found[2].message.endswith("(started on rank 2: non-finite parameters)")
+    # the loss was fine everywhere: the gradients' ranks are named
+    grad_only = [Finding(NONFINITE_GRAD, "g")]
+    tell_ranks(grad_only, [0, 0, 3, 3, 0, 0])
+    assert grad_only[0].data["ranks"] == [0, 1]
+    tell_ranks(grad_only[:0], None)  # no process group: nothing to say
+
+
+def test_read_all_reads_vectors_and_norm_ratios_in_one_read():
+    from sfmonitor import stats as S
+
+    out = S.read_all(
+        {
+            "a": torch.tensor(2.0),
+            "v": S.Vector(torch.tensor([1.0, 0.0, 3.0])),
+            "r": S.NormRatio(torch.tensor(1.0), torch.tensor(4.0)),
+            "z": S.NormRatio(torch.tensor(0.0), torch.tensor(0.0)),
+            "n": 5,
+        }
+    )
+    assert out == {"a": 2.0, "v": [1.0, 0.0, 3.0], "r": 0.25, "z": 0.0, "n": 5.0}

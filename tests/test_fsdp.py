@@ -82,6 +82,7 @@ def _events(mon):
 
 
 def _run(worker, tmp_path, *args):
+    os.makedirs(tmp_path, exist_ok=True)
     mp.spawn(worker, args=(_free_port(), str(tmp_path), *args), nprocs=WORLD, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
@@ -413,3 +414,113 @@ def test_different_metric_names_on_the_ranks_are_an_error_on_every_rank(tmp_path
     r0, r1 = _run(_mismatch_worker, tmp_path)
     assert "different metric names" in r0["error"] and "['accuracy']" in r0["error"]
     assert "different metric names" in r1["error"] and "['acc']" in r1["error"]
+
+
+# --------------------------------------------------------------------------------------------
+# a GradScaler overflow in one rank's shard; clip and gradient noise on shards
+# --------------------------------------------------------------------------------------------
+
+
+def _scaler_worker(rank, port, out, monitored):
+    # (torch's DTensor unscale already all-reduces found-inf over the mesh; the monitor's agreed read
+    # marks it found on every rank too, for scalers whose found-inf stays local)
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    mon = None
+    if monitored:
+        mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+    moved = []
+    for i, batch in enumerate(_batches(3)):
+        x, y = _half(batch, rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(mon.combine(loss) if mon else loss).backward()
+        if i == 1 and rank == 1:  # an overflow in rank 1's shard of one gradient only
+            model[2].weight.grad.to_local()[0, 0] = float("inf")
+        before = [p.to_local().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        moved.append(any(not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters())))
+    events = _events(mon) if mon else []
+    if mon:
+        mon.detach()
+    torch.save({"moved": moved, "scale": scaler.get_scale(), "events": events}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_scaler_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_path):
+    r0, r1 = _run(_scaler_worker, tmp_path, True)
+    assert r0["moved"] == r1["moved"] == [True, False, True]
+    assert r0["scale"] == r1["scale"] == 32768.0  # both lowered their scale once
+    # one event on both ranks: the scaler's own skip (recorded, not acted on), seen on rank 1
+    assert r0["events"] == r1["events"] == [(1, "nonfinite_grad", [], [1])]
+
+
+def test_share_scaler_skip_marks_found_inf_where_this_rank_found_none():
+    from sfmonitor.integrations.distributed import share_scaler_skip
+
+    opt = torch.optim.SGD(_mlp().parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    found = torch.zeros(())
+    scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = {torch.device("cpu"): found}
+    share_scaler_skip(scaler, opt)
+    assert found.item() == 1.0  # so scaler.step skips and scaler.update lowers the scale
+
+
+def _clip_worker(rank, port, out):
+    from sfmonitor import actions as A
+
+    _join(rank, port)
+    model = _sharded()
+    x, y = _half(_batches(1)[0], rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    groups = {g: [p for n, p in model.named_parameters() if n.startswith(g + ".")] for g in GROUPS}
+    cfg = A.ClipConfig(max_grad_norm=0.05, per_modality={"*": "norm:0.01"})
+    clipped = {}
+    for mode in ("global", "per_modality"):
+        saved = [p.grad.to_local().clone() for p in model.parameters()]
+        before, after, _ = A.clip_gradients(groups, cfg, mode=mode)
+        clipped[mode] = (
+            {g: float(v) for g, v in before.items()},
+            {g: float(v) for g, v in after.items()},
+            {n: _full(p.grad) for n, p in model.named_parameters()},
+        )
+        for p, g in zip(model.parameters(), saved):
+            p.grad.to_local().copy_(g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = A.ActionContext(
+        model=model, optimizer=opt, groups={g: [(n, p) for n, p in model.named_parameters()] for g in ["all"]}
+    )
+    local_before = [p.grad.to_local().clone() for p in model.parameters()]
+    A.grad_noise(ctx, sfmonitor.Decision("grad_noise", sfmonitor.Finding("plateau", "test"), {}))
+    noise = [p.grad.to_local() - b for p, b in zip(model.parameters(), local_before)]
+    torch.save({"clipped": clipped, "noise": noise}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_clip_measures_and_scales_every_shard_and_noise_differs_per_shard(tmp_path):
+    from sfmonitor import actions as A
+
+    r0, r1 = _run(_clip_worker, tmp_path)
+    model = _mlp()  # the unsharded reference on the whole batch
+    x, y = _batches(1)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    groups = {g: [p for n, p in model.named_parameters() if n.startswith(g + ".")] for g in GROUPS}
+    cfg = A.ClipConfig(max_grad_norm=0.05, per_modality={"*": "norm:0.01"})
+    for mode in ("global", "per_modality"):
+        saved = [p.grad.clone() for p in model.parameters()]
+        before, after, _ = A.clip_gradients(groups, cfg, mode=mode)
+        got_before, got_after, got_grads = r0["clipped"][mode]
+        assert r1["clipped"][mode][0] == got_before  # the same global norms on both ranks
+        for g in GROUPS:
+            assert got_before[g] == pytest.approx(float(before[g]), rel=1e-5)
+            assert got_after[g] == pytest.approx(float(after[g]), rel=1e-5)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got_grads[n], p.grad, rtol=1e-5, atol=1e-8)
+        for p, g in zip(model.parameters(), saved):
+            p.grad.copy_(g)
+    # each rank's shard got its own noise (one pattern repeated on every shard would be correlated)
+    assert any(a.numel() and not torch.equal(a, b) for a, b in zip(r0["noise"], r1["noise"]) if a.shape == b.shape)
+    assert all(torch.isfinite(n).all() and n.abs().sum() > 0 for n in r0["noise"] if n.numel())

@@ -175,7 +175,10 @@ def tell_ranks(findings: Sequence[Any], by_rank: Sequence[float] | None) -> None
         if f.kind == NONFINITE_PARAM:
             where, why = seen["param"], "non-finite parameters"
         elif f.kind in (NONFINITE_LOSS, NONFINITE_GRAD) and seen["loss"]:
-            where, why = seen["loss"], "its loss was non-finite" if len(seen["loss"]) == 1 else "their losses were"
+            where, why = (
+                seen["loss"],
+                "its loss was non-finite" if len(seen["loss"]) == 1 else "their losses were non-finite",
+            )
         elif f.kind == NONFINITE_GRAD:
             where, why = seen["grad"], "non-finite gradients"
         else:
