@@ -705,9 +705,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def final_train(losses: list[tuple[int, float, bool]]) -> float:
     """The mean training loss of the last TRAIN_TAIL healthy steps (no fault injected) with a
     finite loss; NaN when the last step's loss is not finite (the run ends broken)."""
-    if not losses or not math.isfinite(losses[-1][1]):
+    healthy = [loss for _, loss, bad in losses if not bad]
+    if not healthy or not math.isfinite(healthy[-1]):
         return math.nan
-    tail = [loss for _, loss, bad in losses if not bad and math.isfinite(loss)][-TRAIN_TAIL:]
+    tail = [loss for loss in healthy if math.isfinite(loss)][-TRAIN_TAIL:]
     return statistics.fmean(tail) if tail else math.nan
 
 

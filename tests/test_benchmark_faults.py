@@ -1,0 +1,75 @@
+"""A small run of benchmarks/faults.py (the fault-and-health table of docs/benchmarks.md) in the suite:
+one tiny model, two scenarios, through the benchmark's own functions."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def faults():
+    spec = importlib.util.spec_from_file_location("faults", os.path.join(ROOT, "benchmarks", "faults.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["faults"] = mod  # dataclasses look their module up while it executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def rows(faults, tmp_path_factory):
+    opts = faults.Options(steps=30, isolate=False, root=str(tmp_path_factory.mktemp("runs")))
+    cache: dict = {}
+    return {s: faults.run_scenario("gpt", s, opts, cache) for s in ("fault_free", "nan_batch")}
+
+
+def test_rows_have_the_measurements(faults, rows):
+    keys = {
+        "model",
+        "scenario",
+        "steps",
+        "eval_ratio",
+        "train_ratio",
+        "identical",
+        "lost",
+        "thrown_away",
+        "actions",
+        "kinds",
+        "stopped",
+        "peak_rss_mib",
+        "step_time_ratio",
+        "misses",
+    }
+    for row in rows.values():
+        assert keys <= set(row), keys - set(row)
+        assert row["model"] == "gpt" and row["steps"] == 30
+        assert row["peak_rss_mib"] > 0 and row["step_time_ratio"] > 0
+        assert set(row["thrown_away"]) == {"lost", "undone", "skipped", "left_out", "repeated"}
+    table = faults.table(list(rows.values())).splitlines()
+    assert len(table) == 2 + len(rows) and all(line.count("|") == table[0].count("|") for line in table)
+    merged = faults.aggregate([rows["nan_batch"], {**rows["nan_batch"], "seeds": [1]}])
+    assert len(merged) == 1 and merged[0]["seeds"] == [0, 1]
+    assert merged[0]["actions"]["skip_step"] == 2 * rows["nan_batch"]["actions"]["skip_step"]
+
+
+def test_a_healthy_run_is_left_alone(rows):
+    row = rows["fault_free"]
+    assert row["n_actions"] == 0 and row["kinds"] == {}
+    assert row["identical"] == 1.0 and row["eval_ratio"] == 1.0 and row["lost"] == 0
+    assert row["misses"] == []
+
+
+def test_a_skipped_nan_batch_ends_bit_identical_to_the_twin_without_it(rows):
+    row = rows["nan_batch"]
+    assert row["faults"] == [["nan", 12]]
+    assert row["actions"].get("skip_step") == 1 and row["stopped"] == 0
+    assert {"nonfinite_loss", "bad_batch"} & set(row["kinds"])
+    assert row["identical"] == 1.0, "skipping the NaN batch must equal never having seen it"
+    assert math.isnan(row["bare_eval_ratio"])  # the bare run with the NaN batch ends with NaN weights
+    assert row["thrown_away"]["skipped"] == 1 and row["lost"] == 1
