@@ -524,3 +524,41 @@ def test_clip_measures_and_scales_every_shard_and_noise_differs_per_shard(tmp_pa
     # each rank's shard got its own noise (one pattern repeated on every shard would be correlated)
     assert any(a.numel() and not torch.equal(a, b) for a, b in zip(r0["noise"], r1["noise"]) if a.shape == b.shape)
     assert all(torch.isfinite(n).all() and n.abs().sum() > 0 for n in r0["noise"] if n.numel())
+
+
+def _undo_worker(rank, port, out):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+    starts = []
+    for i, batch in enumerate(_batches(4)):
+        starts.append((_full_params(model), _full_opt(model, opt)))
+        x, y = _half(batch, rank)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1 and rank == 1:  # step 1's update "landed" a NaN in rank 1's half of a weight
+            with torch.no_grad():
+                model[2].weight.to_local()[0, 0] = float("nan")
+        if i == 2:
+            after = (_full_params(model), _full_opt(model, opt))
+    events = [(e.step, e.kind, e.actions, e.data.get("ranks"), e.data.get("action_results", {})) for e in mon.events]
+    mon.detach()
+    torch.save({"events": events, "starts": starts, "after": after}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_undo_puts_every_ranks_shards_back_one_step(tmp_path):
+    r0, r1 = _run(_undo_worker, tmp_path)
+    assert [e[:4] for e in r0["events"]] == [e[:4] for e in r1["events"]]
+    param = next(e for e in r0["events"] if e[1] == "nonfinite_param")
+    assert param[0] == 2 and "undo" in param[2] and param[3] == [1]  # only rank 1's shard held it
+    assert param[4]["undo"]["restored"] is True
+    for r in (r0, r1):
+        params, opt = r["after"]
+        want_params, want_opt = r["starts"][1]  # the state step 1's update started from
+        for n in want_params:
+            assert torch.equal(params[n], want_params[n]), n
+            for k in want_opt[n]:
+                assert torch.equal(opt[n][k], want_opt[n][k]), (n, k)
