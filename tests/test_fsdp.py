@@ -237,6 +237,10 @@ def _rollback_worker(rank, port, out):
         if i == BAD_STEP:
             after_rollback = (_full_params(model), _full_opt(model, opt))
     events = [(e.step, e.kind, e.actions, e.data.get("action_results", {})) for e in mon.events]
+    # host memory: a snapshot holds this rank's shards only
+    _, snap = mon._live().snapshots.latest_before(BAD_STEP)
+    held = sum(v.data.numel() for v in snap["model"].values())
+    mine = sum(p.to_local().numel() for p in model.parameters())
     mon.detach()
     torch.save(
         {
@@ -244,6 +248,7 @@ def _rollback_worker(rank, port, out):
             "starts": starts,
             "after": after_rollback,
             "local": [p.to_local() for p in model.parameters()],
+            "held": (held, mine, sum(p.numel() for p in model.parameters())),
         },
         os.path.join(out, f"rank{rank}.pt"),
     )
@@ -263,6 +268,9 @@ def test_rollback_restores_every_ranks_shards(tmp_path):
             assert torch.equal(params[n], want_params[n]), n
             for k in want_opt[n]:
                 assert torch.equal(opt[n][k], want_opt[n][k]), (n, k)
+    for r in (r0, r1):
+        held, mine, full = r["held"]
+        assert held == mine < full  # the snapshot is this rank's shards, not the whole model
     # each rank holds its own half again, and the halves differ (a sharded model, not a replica)
     assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(r0["local"], r1["local"]))
 
@@ -562,3 +570,11 @@ def test_undo_puts_every_ranks_shards_back_one_step(tmp_path):
             assert torch.equal(params[n], want_params[n]), n
             for k in want_opt[n]:
                 assert torch.equal(opt[n][k], want_opt[n][k]), (n, k)
+
+
+def test_checkpoint_names_are_the_plain_models():
+    from sfmonitor.sharding import clean_name
+
+    assert clean_name("_orig_mod.layers.0._checkpoint_wrapped_module.attn.weight") == "layers.0.attn.weight"
+    assert clean_name("encoder._fsdp_wrapped_module.0.weight") == "encoder.0.weight"
+    assert clean_name("head.weight") == "head.weight"
