@@ -461,6 +461,7 @@ class Monitor:
             )
         # Everything that can fail on bad input fails here, before any hook is registered.
         self._model_groups = resolve_groups(model, groups)
+        sharding.check_optimizer(unwrap(model), optimizer)  # FSDP2: built after fully_shard?
         sinks = [make_sink(s) for s in self._sink_specs]
         self._lock = self._lock_run_dir()
         self.model, self.optimizer = model, optimizer

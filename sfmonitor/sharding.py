@@ -298,3 +298,20 @@ def gaussian_noise(tensors: Sequence[torch.Tensor], generator: torch.Generator) 
         for t, part in zip(tensors, parts)
     ]
     return parts, noise
+
+
+def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A sharded model (FSDP2) watched with an optimizer that holds none of its parameters: the
+    optimizer was built before ``fully_shard`` replaced them, and it would update tensors the model
+    no longer uses. A ``ConfigError`` says so at attach."""
+    from .errors import ConfigError
+
+    params = list(model.parameters())
+    if not any(is_sharded(p) for p in params):
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in held for p in params):
+        raise ConfigError(
+            "attach: the model is sharded (FSDP2) but the optimizer holds none of its parameters; "
+            "build the optimizer after fully_shard(), from model.parameters()"
+        )

@@ -578,3 +578,24 @@ def test_checkpoint_names_are_the_plain_models():
     assert clean_name("_orig_mod.layers.0._checkpoint_wrapped_module.attn.weight") == "layers.0.attn.weight"
     assert clean_name("encoder._fsdp_wrapped_module.0.weight") == "encoder.0.weight"
     assert clean_name("head.weight") == "head.weight"
+
+
+def _stale_optimizer_worker(rank, port, out):
+    from torch.distributed.fsdp import fully_shard
+
+    _join(rank, port)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before fully_shard: stale
+    fully_shard(model)
+    try:
+        sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+        err = None
+    except sfmonitor.ConfigError as e:
+        err = str(e)
+    torch.save({"error": err}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_an_optimizer_built_before_fully_shard_is_a_config_error(tmp_path):
+    for r in _run(_stale_optimizer_worker, tmp_path):
+        assert "build the optimizer after fully_shard()" in r["error"]
