@@ -528,7 +528,7 @@ def read_events(run_dir: str) -> list[dict[str, Any]]:
     return read_jsonl(os.path.join(run_dir, "events.jsonl"))
 
 
-def thrown_away(events: list[dict[str, Any]], left_out: int, repeated: int) -> dict[str, int]:
+def thrown_away(events: list[dict[str, Any]], left_out: float, repeated: float) -> dict[str, float]:
     """Steps thrown away, from the events: updates undone (``steps_back`` of a rollback or an undo
     that restored), updates skipped (each step once), batches ``batches()`` left out, less the
     batches it yielded again (an undo re-uses the batch of the step that found the trouble)."""
@@ -565,14 +565,18 @@ def run_arm(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
         out["events"] = events
         out["kinds"] = dict(Counter(e["kind"] for e in events))
         out["actions"] = dict(Counter(a for e in events for a in e.get("actions", [])))
-        if out.get("micro_per_step"):  # the reference trainer: batches() left out micro-batches
-            skipped = sum(
-                facts.get("batches_to_skip", 0)
+        if out.get("micro_per_step"):
+            # The reference trainer draws micro-batches through batches(): a rollback leaves out
+            # `batches_to_skip` of them, an undo yields one again; in optimizer steps here.
+            done = [
+                (a, facts)
                 for e in events
                 for a, facts in ((e.get("data") or {}).get("action_results") or {}).items()
-                if a == "rollback" and isinstance(facts, dict) and facts.get("restored")
-            )
-            out["left_out"] = skipped // out["micro_per_step"]
+                if isinstance(facts, dict) and facts.get("restored")
+            ]
+            micro = out["micro_per_step"]
+            out["left_out"] = sum(f.get("batches_to_skip", 0) for a, f in done if a == "rollback") / micro
+            out["repeated"] = sum(1 for a, f in done if a == "undo") / micro
         out["thrown_away"] = thrown_away(events, out["left_out"], out["repeated"])
     if not opts.root:
         shutil.rmtree(run_dir, ignore_errors=True)
