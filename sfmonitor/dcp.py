@@ -81,7 +81,11 @@ def _blob(value: Any) -> bytes:
 def _unblob(value: Any, what: str) -> Any:
     if not isinstance(value, (bytes, bytearray)):
         raise CheckpointError(f"DCP checkpoint: {what} is a {type(value).__name__}, not the entry sfmonitor writes")
-    return torch.load(io.BytesIO(bytes(value)), map_location="cpu", weights_only=True)
+    try:
+        return torch.load(io.BytesIO(bytes(value)), map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CheckpointError(f"DCP checkpoint: its {what} entry cannot be read with weights_only=True: {first}") from e
 
 
 def _model_state(model: nn.Module, state: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -342,7 +342,8 @@ def test_an_emergency_checkpoint_written_by_two_ranks_loads_into_one_process(tmp
             for k, v in want_opt[n].items():
                 assert torch.equal(opt.state[p][k], v), (n, k)
         # the single-file conversion: plain torch.load(weights_only=True), plain names
-        out = sfdcp.to_single_file(path, tmp_path / "single.pt")
+        out = tmp_path / "single.pt"
+        assert sfdcp.main([path, str(out)]) == 0  # python -m sfmonitor.dcp FOLDER OUT
         sd = torch.load(out, weights_only=True)
         assert list(sd["model"]) == list(_mlp().state_dict())
         for n in want_params:
@@ -354,12 +355,15 @@ def test_an_emergency_checkpoint_written_by_two_ranks_loads_into_one_process(tmp
         assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], want_opt["0.weight"]["exp_avg"])
 
 
-def test_a_folder_that_is_not_a_dcp_checkpoint_is_a_checkpoint_error(tmp_path):
+def test_a_folder_that_is_not_a_dcp_checkpoint_is_a_checkpoint_error(tmp_path, capsys):
     (tmp_path / "nothing.dcp").mkdir()
     with pytest.raises(sfmonitor.checkpoint.CheckpointError, match="not a DCP checkpoint folder"):
         sfdcp.load(tmp_path / "nothing.dcp", _mlp())
     with pytest.raises(sfmonitor.checkpoint.CheckpointError, match="not a DCP checkpoint folder"):
         sfdcp.to_single_file(tmp_path / "missing", tmp_path / "out.pt")
+    assert sfdcp.main([str(tmp_path / "missing"), str(tmp_path / "out.pt")]) == 2  # python -m sfmonitor.dcp
+    assert "not a DCP checkpoint folder" in capsys.readouterr().err
+    assert not (tmp_path / "out.pt").exists()
 
 
 # --------------------------------------------------------------------------------------------
