@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -188,6 +189,12 @@ def shard(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     scalars = [p for p in model.parameters() if p.dim() == 0]
+    if scalars and "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise ConfigError(
+            "--fsdp: the model has 0-d parameters (model.learn_temperature), which fully_shard can only "
+            f"leave out with ignored_params (torch >= 2.7; installed: {torch.__version__}); "
+            "set model.learn_temperature=false or upgrade torch"
+        )
     for name in UNITS:
         module = model.get_submodule(name)
         mine = {p for p in module.parameters() if p.dim() == 0}

@@ -43,6 +43,7 @@ __all__ = [
     "optimizer_state_by_index",
     "optimizer_state_by_name",
     "rebuild",
+    "scale_slice_",
     "square_share",
 ]
 
@@ -315,3 +316,19 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             "attach: the model is sharded (FSDP2) but the optimizer holds none of its parameters; "
             "build the optimizer after fully_shard(), from model.parameters()"
         )
+
+
+@torch.no_grad()
+def scale_slice_(t: Any, dim: int, start: int, length: int, scale: float) -> None:
+    """``t.narrow(dim, start, length).mul_(scale)`` that reaches a DTensor's shards: each rank
+    scales the part of the slice it holds. (On an FSDP2 parameter, sharded on dim 0, an in-place
+    op on ``narrow`` of the DTensor itself changes nothing: it runs on a redistributed copy.)"""
+    if not is_sharded(t):
+        t.narrow(dim, start, length).mul_(scale)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    lo, hi = max(start, offset[dim]), min(start + length, offset[dim] + shape[dim])
+    if hi > lo:
+        local(t).narrow(dim, lo - offset[dim], hi - lo).mul_(scale)

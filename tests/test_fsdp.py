@@ -603,3 +603,32 @@ def _stale_optimizer_worker(rank, port, out):
 def test_an_optimizer_built_before_fully_shard_is_a_config_error(tmp_path):
     for r in _run(_stale_optimizer_worker, tmp_path):
         assert "build the optimizer after fully_shard()" in r["error"]
+
+
+def _slice_worker(rank, port, out):
+    from torch.distributed.fsdp import fully_shard
+
+    from sfmonitor.sharding import scale_slice_
+
+    _join(rank, port)
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 7)  # 7 rows: uneven shards (4 on rank 0, 3 on rank 1)
+    fully_shard(layer)
+    before = _full(layer.weight)
+    with torch.no_grad():
+        layer.weight.narrow(0, 2, 4).mul_(0.5)  # the plain way: a redistributed copy, nothing lands
+    plain = _full(layer.weight)
+    scale_slice_(layer.weight, 0, 2, 4, 0.5)  # rows 2..5: across both shards
+    scale_slice_(layer.weight, 1, 1, 2, 3.0)  # columns 1..2 of every row
+    torch.save({"before": before, "plain": plain, "after": _full(layer.weight)}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_scale_slice_reaches_every_shard(tmp_path):
+    r0, r1 = _run(_slice_worker, tmp_path)
+    assert torch.equal(r0["plain"], r0["before"])  # why the helper exists
+    want = r0["before"].clone()
+    want[2:6] *= 0.5
+    want[:, 1:3] *= 3.0
+    for r in (r0, r1):
+        assert torch.equal(r["after"], want)
