@@ -491,7 +491,7 @@ def _clip_worker(rank, port, out):
     groups = {g: [p for n, p in model.named_parameters() if n.startswith(g + ".")] for g in GROUPS}
     cfg = A.ClipConfig(max_grad_norm=0.05, per_modality={"*": "norm:0.01"})
     clipped = {}
-    for mode in ("global", "per_modality"):
+    for mode in ("global", "per_modality", "agc"):
         saved = [p.grad.to_local().clone() for p in model.parameters()]
         before, after, _ = A.clip_gradients(groups, cfg, mode=mode)
         clipped[mode] = (
@@ -521,7 +521,7 @@ def test_clip_measures_and_scales_every_shard_and_noise_differs_per_shard(tmp_pa
     nn.functional.mse_loss(model(x), y).backward()
     groups = {g: [p for n, p in model.named_parameters() if n.startswith(g + ".")] for g in GROUPS}
     cfg = A.ClipConfig(max_grad_norm=0.05, per_modality={"*": "norm:0.01"})
-    for mode in ("global", "per_modality"):
+    for mode in ("global", "per_modality", "agc"):
         saved = [p.grad.clone() for p in model.parameters()]
         before, after, _ = A.clip_gradients(groups, cfg, mode=mode)
         got_before, got_after, got_grads = r0["clipped"][mode]
