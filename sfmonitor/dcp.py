@@ -178,9 +178,21 @@ def save_emergency(ctx: Any, folder: Path, prefix: str, snap: Any, extra: Mappin
         )
         return {"saved": False, "path": str(path), "format": "dcp", "error": f"{type(e).__name__}: {e}"}
     ctx.last_checkpoint, ctx.last_checkpoint_step = str(path), ctx.step
-    removed = prune(folder, ctx.config.checkpoint.keep, prefix)
-    size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else 0
-    return {"saved": True, "path": str(path), "format": "dcp", "bytes": size, "source": source, "removed": removed}
+    facts: dict[str, Any] = {"saved": True, "path": str(path), "format": "dcp", "source": source}
+    if _rank() == 0:  # the folder has its final name (rank 0 renamed it); rank 0 prunes the old ones
+        facts["removed"] = prune(folder, ctx.config.checkpoint.keep, prefix)
+        facts["bytes"] = sum(f.stat().st_size for f in path.iterdir())
+    return _from_rank0(facts)  # every rank's event tells the same
+
+
+def _from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (one broadcast; no-op without a process group)."""
+    d = torch.distributed
+    if not (d.is_available() and d.is_initialized()) or d.get_world_size() == 1:
+        return obj
+    box = [obj]
+    d.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # --------------------------------------------------------------------------------------------
