@@ -3,6 +3,7 @@
     python benchmarks/faults.py --quick                      # a subset, under a minute
     python benchmarks/faults.py                              # every model x scenario, a few minutes
     python benchmarks/faults.py --models gpt,cnn --scenarios nan_batch,lr_spike --steps 80 --json out.json
+    python benchmarks/faults.py --show out.json              # the tables again, from the JSON
 
 Models (benchmarks/fault_models.py): a nanoGPT-style char-level GPT (``gpt``), a transformers
 ``BertForMaskedLM`` from a tiny ``BertConfig`` (``bert``), a small CNN with BatchNorm on synthetic
@@ -924,11 +925,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         elif r["identical"] == 1:
             identical = "yes"
         elif r["params_identical"] == 1:
-            identical = "**parameters only**"
+            identical = "parameters only"
         else:
-            identical = "**no**"
+            identical = "no"
         if n > 1 and r["identical"] is not None and 0 < r["identical"] < 1:
-            identical = f"**{round(r['identical'] * n)}/{n}**"
+            identical = f"{round(r['identical'] * n)}/{n}"
+        if identical != "yes" and r["scenario"] in (*HEALTHY, *EXACT):  # where the target asks for it
+            identical = f"**{identical}**"
         extra = ""
         if r["scenario"] == "high_lr":
             kind = f" ({r['detected_kind']})" if r.get("detected_kind") else ""
@@ -1001,7 +1004,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-steps", type=int, default=60, help="steps of the interleaved step-time probe")
     p.add_argument("--no-probe", action="store_true", help="skip the interleaved step-time probe")
     p.add_argument("--no-isolate", action="store_true", help="run in this process (peak RSS is then cumulative)")
+    p.add_argument("--show", default=None, help="print the tables of a JSON file written by --json, run nothing")
     args = p.parse_args(argv)
+    if args.show:
+        with open(args.show, encoding="utf-8") as fh:
+            saved = json.load(fh)
+        print(saved["header"])
+        print(table(saved["table"]))
+        print()
+        print(summary(saved["table"]))
+        if saved.get("step_time"):
+            print()
+            print(probe_table(saved["step_time"]))
+        return 0
     models = (QUICK["models"] if args.quick and args.models == ",".join(MODELS) else args.models).split(",")
     default_scen = ",".join(SCENARIOS)
     scenarios = (QUICK["scenarios"] if args.quick and args.scenarios == default_scen else args.scenarios).split(",")
