@@ -51,6 +51,7 @@ from .errors import ConfigError
 from .events import Decision, Finding
 from .registry import register_action, register_kind
 from .schema import Section, option
+from .sharding import scale_slice_
 
 __all__ = [
     "ATTENTION_LOGIT_GROWTH",
@@ -467,8 +468,8 @@ def _rows_scale(t: torch.Tensor, start: int, stop: int, scales: list[float], dim
     n = len(scales)
     size = (stop - start) // n
     for i, s in enumerate(scales):
-        if s != 1.0:
-            t.narrow(dim, start + i * size, size).mul_(s)
+        if s != 1.0:  # FSDP2: each rank scales the part of the rows its shard holds
+            scale_slice_(t, dim, start + i * size, size, s)
 
 
 def apply_qk_clip(model: nn.Module, spec: QKSpec, q_scale: list[float], k_scale: list[float]) -> None:
