@@ -737,7 +737,7 @@ def judge(row: dict[str, Any]) -> list[str]:
     miss = []
     if scenario in HEALTHY:
         if row["n_actions"]:
-            miss.append(f"{row['n_actions']:g} action(s) on a healthy run")
+            miss.append(f"{_n(row['n_actions'])} action(s) on a healthy run")
         if row["identical"] is not None and row["identical"] < 1:
             miss.append("not bit-identical to the bare run")
         return miss
@@ -986,6 +986,10 @@ def code_state() -> str:
     return head + (" + uncommitted changes in sfmonitor/ or reference_model/" if dirty else "")
 
 
+def _states(start: str, end: str) -> str:
+    return start if start == end else f"{start} at the start, {end} at the end (changed during the run)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
@@ -1046,6 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
     import reference_model.train  # noqa: F401
     import sfmonitor  # noqa: F401
 
+    state_at_start = code_state()
     rows: list[dict[str, Any]] = []
     probes: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -1084,7 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {model_name}: step time probe failed: {e}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
     header = (
-        f"# faults benchmark: sfmonitor at {code_state()}, torch {torch.__version__}, {platform.machine()}, "
+        f"# faults benchmark: sfmonitor at {_states(state_at_start, code_state())}, "
+        f"torch {torch.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} CPU(s), 1 thread per run, seeds {args.seeds}; {seconds:.0f} s"
     )
     shown = aggregate(rows) if len(seeds) > 1 else rows
