@@ -1,7 +1,7 @@
 """Faults and healthy runs: how close does a monitored run end to its fault-free twin?
 
     python benchmarks/faults.py --quick                      # a subset, under a minute
-    python benchmarks/faults.py                              # every model x scenario, a few minutes
+    python benchmarks/faults.py                              # every model x scenario, ~5 min a seed
     python benchmarks/faults.py --models gpt,cnn --scenarios nan_batch,lr_spike --steps 80 --json out.json
     python benchmarks/faults.py --show out.json              # the tables again, from the JSON
 
@@ -13,8 +13,7 @@ with the ``tiny`` config (``reference``: fp16 autocast + GradScaler, gradient ac
 Scenarios (``f`` = the fault step, 40% into the run, after the detectors' warm-up):
 
 * ``fault_free``: the monitored run against the bare one (the twin): 0 actions, bit-identical;
-* ``nan_batch``: the batch of step f holds a NaN; the exact comparison is the twin that never saw
-  that batch (it skips step f and keeps the loop's schedule);
+* ``nan_batch``: the batch of step f holds a NaN;
 * ``lr_spike``: step f runs at 10^4 x the LR (one bad update lands);
 * ``loss_spike``: the loss of step f is multiplied by 10^4;
 * ``bad_labels``: a stretch of steps (f to f + steps/10) with random labels;
@@ -27,6 +26,10 @@ Scenarios (``f`` = the fault step, 40% into the run, after the detectors' warm-u
   ``SFMonitorTrainerCallback`` (``compute_loss`` overridden with ``combine`` as
   docs/integrations.md shows), against the bare Trainer;
 * ``high_lr``: the GPT at 20x its LR without warm-up, bare and monitored, against its default LR.
+
+Every fault scenario also runs the bare run with the fault and the exact twin: the bare run that
+never runs the faulty steps (it keeps the loop's schedule). Where the rescue is a skip or an undo
+(nan_batch, lr_spike, loss_spike) the monitored run should equal it bit for bit.
 
 Each arm runs in a forked child process (peak RSS is that run's own); the twins share the seed,
 the data and its order. From each monitored run's events.jsonl: actions, event kinds, steps thrown
