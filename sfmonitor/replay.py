@@ -92,6 +92,10 @@ def first_nonfinite_param(model: nn.Module) -> str | None:
 def _losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return {"total": out}
+    if isinstance(out, (tuple, list)):  # nanoGPT's (logits, loss): the one scalar tensor is the loss
+        scalars = [v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0]
+        if len(scalars) == 1:
+            return {"total": scalars[0]}
     if isinstance(out, dict):
         comps = {
             k: v
@@ -101,11 +105,15 @@ def _losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]:
         if comps:
             return comps
     raise BundleError(
-        f"the model's forward must return a loss tensor or a dict of 0-d loss tensors, got {type(out).__name__}"
+        f"the model's forward must return a loss tensor, a dict of 0-d loss tensors or a tuple holding "
+        f"one 0-d loss (as nanoGPT's (logits, loss)), got {type(out).__name__}; or pass --loss "
+        f"module:function to compute the loss from the output"
     )
 
 
-def _run(model: nn.Module, bundle: dict[str, Any], *, keep: set[str] | None) -> dict[str, Any]:
+def _run(
+    model: nn.Module, bundle: dict[str, Any], *, keep: set[str] | None, loss: Callable[..., Any] | None = None
+) -> dict[str, Any]:
     """One forward/backward over every saved micro-batch; ``keep``: components summed (None: all)."""
     manifest = bundle["manifest"]
     weights = manifest.get("loss_weights") or {}
@@ -130,7 +138,8 @@ def _run(model: nn.Module, bundle: dict[str, Any], *, keep: set[str] | None) -> 
                 else torch.autocast(device_type=dev, enabled=False)
             )
             with ctx:
-                comps = _losses(model(*args, **kwargs), weights)
+                out = model(*args, **kwargs)
+                comps = _losses(loss(out, {"args": args, "kwargs": kwargs}) if loss else out, weights)
             for k, v in comps.items():
                 losses.setdefault(k, []).append(float(v.detach().float()))
             chosen = [k for k in comps if keep is None or k in keep]
@@ -169,14 +178,20 @@ def _live_param(event: dict[str, Any] | None) -> str | None:
 
 
 def replay_bundle(
-    path: str, factory: str | Callable[..., nn.Module] | None = None, ablate: bool = False
+    path: str,
+    factory: str | Callable[..., nn.Module] | None = None,
+    ablate: bool = False,
+    loss: str | Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
     """Replay a bundle; return the report as a dict (see the module doc).
 
     ``factory``: a callable or "module:function" building the model from the bundle's
     ``model_kwargs``; None: the bundle's factory, trusted only when an installed package registers
     it under the entry point group ``sfmonitor.replay_factories`` (``trusted_factories()``).
+    ``loss``: a callable or "module:function" ``(output, {"args", "kwargs"}) -> loss tensor or dict``
+    for models whose forward does not return the loss.
     """
+    loss_fn = resolve_factory(loss) if loss is not None else None
     bundle = load_bundle(path)
     manifest = bundle["manifest"]
     if bundle["batch"] is None:
@@ -212,7 +227,7 @@ def replay_bundle(
 
     kind = manifest.get("kind")
     event = bundle.get("event") or {}
-    run = _run(model, bundle, keep=None)
+    run = _run(model, bundle, keep=None, loss=loss_fn)
     if kind in (NONFINITE_LOSS, BAD_BATCH):  # a bad batch shows as a non-finite loss
         reproduced: bool | None = run["loss_nonfinite"]
     elif kind == NONFINITE_GRAD:
@@ -248,8 +263,8 @@ def replay_bundle(
         comps = list(run["losses"])
         rows = []
         for c in comps:
-            alone = _run(model, bundle, keep={c})
-            without = _run(model, bundle, keep=set(comps) - {c})
+            alone = _run(model, bundle, keep={c}, loss=loss_fn)
+            without = _run(model, bundle, keep=set(comps) - {c}, loss=loss_fn)
             rows.append(
                 {
                     "component": c,
@@ -297,7 +312,7 @@ def format_report(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="sfmonitor replay",
-        description=__doc__.split("\n\n")[1],
+        description=__doc__.split("\n\n", 1)[1],  # all of it but the usage line
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("bundle", help="an anomaly bundle folder (run_dir/bundles/<step>-<kind>)")
@@ -309,12 +324,20 @@ def main(argv: list[str] | None = None) -> int:
         f"it under the entry point group {FACTORY_GROUP})",
     )
     p.add_argument("--ablate", action="store_true", help="rerun with each loss component alone / left out")
+    p.add_argument(
+        "--loss",
+        metavar="MODULE:FUNCTION",
+        help="function (output, {'args', 'kwargs'}) -> loss, for a model whose forward returns no loss",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     try:
-        report = replay_bundle(a.bundle, factory=a.model, ablate=a.ablate)
+        report = replay_bundle(a.bundle, factory=a.model, ablate=a.ablate, loss=a.loss)
     except BundleError as e:
         print(f"sfmonitor replay: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the model or the loss hook failed on the saved batch: say so, no traceback
+        print(f"sfmonitor replay: could not replay {a.bundle}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(json.dumps(jsonable(report), indent=1) if a.json else format_report(report))
     return 0 if report["reproduced"] else 1

@@ -268,3 +268,82 @@ def test_reference_model_factory_is_trusted_from_the_bundle(tmp_path):
     r = replay_bundle(path, ablate=True)  # no factory given: the bundle's is trusted
     assert r["reproduced"] is True and r["first_nonfinite_module"] == "fusion"
     assert r["culprits"] == ["fusion"]
+
+
+# -- malformed bundles, (logits, loss) models, --loss, --help -------------------------------------
+class TupleGPT(nn.Module):
+    """nanoGPT's convention: forward(idx, targets) returns (logits, loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.emb(idx))
+        return logits, nn.functional.cross_entropy(logits.view(-1, 10), targets.view(-1))
+
+
+def build_tuple_gpt():
+    return TupleGPT()
+
+
+def _tuple_bundle(tmp_path):
+    torch.manual_seed(0)
+    model = build_tuple_gpt()
+    rec = BatchRecorder().attach(model)
+    idx, targets = torch.randint(0, 10, (2, 5)), torch.randint(0, 10, (2, 5))
+    _, loss = model(idx, targets)
+    path = write_bundle(
+        tmp_path,
+        0,
+        "on_demand",
+        model_state=model.state_dict(),
+        optimizer_state={},
+        batch=rec.batches,
+        rng_state=rec.rng_state,
+        stats={"loss/total": float(loss)},
+        event={"step": 0, "kind": "on_demand", "message": ""},
+        model_factory=f"{__name__}:build_tuple_gpt",
+        model_kwargs={},
+        loss_weights={},
+    )
+    return path, float(loss)
+
+
+def test_a_model_returning_logits_and_loss_replays(tmp_path):
+    path, live_loss = _tuple_bundle(tmp_path)
+    rep = replay_bundle(path, factory=build_tuple_gpt)
+    assert rep["reproduced"] and rep["losses"]["total"] == [pytest.approx(live_loss)]
+
+
+def loss_from_logits(output, batch):
+    logits = output[0]
+    return nn.functional.cross_entropy(logits.view(-1, 10), batch["kwargs"].get("targets", batch["args"][1]).view(-1))
+
+
+def test_a_loss_hook_computes_the_loss_from_the_output(tmp_path, capsys):
+    path, _ = _tuple_bundle(tmp_path)
+    code = main([path, "--model", f"{__name__}:build_tuple_gpt", "--loss", f"{__name__}:loss_from_logits"])
+    assert code == 0, capsys.readouterr()
+
+
+def test_a_malformed_bundle_is_exit_2_with_a_message_not_a_traceback(tmp_path, capsys):
+    path, _ = _tuple_bundle(tmp_path)
+    with open(os.path.join(path, "manifest.json"), "w") as fh:
+        fh.write("{not json")
+    assert main([path, "--model", f"{__name__}:build_tuple_gpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sfmonitor replay: ") and "Traceback" not in err
+    # A model whose forward raises on the saved batch: a message, exit 2.
+    path2, _ = _tuple_bundle(tmp_path / "b")
+    assert main([path2, "--model", f"{__name__}:build_toy"]) == 2
+    assert "sfmonitor replay: " in capsys.readouterr().err
+
+
+def test_help_text_is_whole(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "Exit status: 0 reproduced, 1 ran but did not reproduce, 2 bad bundle or arguments." in out
+    assert "--loss" in out
