@@ -641,7 +641,7 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         facts = rollback(ctx, decision)
         have = None if state is None else state.label
         return {**facts, "fallback": "rollback", "reason": f"no copy from before step {target}'s update ({have})"}
-    state.restore(ctx.undo_params, ctx.optimizer)
+    state.restore(ctx.undo_params, ctx.optimizer, list(ctx.model.buffers()))
     ctx.skip = True
     ctx.repeat_batch = True
     return {"restored": True, "undone_step": target, "steps_back": ctx.step - target, "skipped_step": ctx.step}

@@ -1026,6 +1026,10 @@ class Monitor:
             if rec is not None:
                 if ctx.skip:
                     rec.hide_grads(ctx.optimizer)
+                    if ctx.undo is not None and ctx.undo.label == step - 1:
+                        # What this step's forward wrote into the buffers (BatchNorm statistics of
+                        # a NaN batch) goes too: a skipped batch is a batch never seen.
+                        ctx.undo.restore_buffers(list(ctx.model.buffers()))
                 relaxed = A.relax_weights(ctx)
                 if relaxed.get("restored"):
                     outcomes.append(
@@ -1058,7 +1062,7 @@ class Monitor:
                 if ctx.undo is not None and not ctx.stopped:
                     # The state this update starts from: an exact undo of it, and the update ratio's
                     # "before" (no other copy of the parameters is held).
-                    ctx.undo.capture(step, self._params, ctx.optimizer)
+                    ctx.undo.capture(step, self._params, ctx.optimizer, list(ctx.model.buffers()))
                     rec.before_params = ctx.undo.params
                 for i, pg in enumerate(ctx.optimizer.param_groups):
                     self._stats[S.LR.format(i)] = float(pg["lr"])

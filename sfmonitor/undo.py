@@ -36,21 +36,39 @@ class UndoState:
     def __init__(self) -> None:
         self.label: int | None = None
         self.params: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []  # the model's buffers (BatchNorm statistics...)
         self._state: list[dict[str, Any] | None] = []  # per parameter: key -> buffer or value
 
     @property
     def nbytes(self) -> int:
-        tensors = self.params + [v for st in self._state if st for v in st.values() if isinstance(v, torch.Tensor)]
+        tensors = (
+            self.params
+            + self.buffers
+            + [v for st in self._state if st for v in st.values() if isinstance(v, torch.Tensor)]
+        )
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()
-    def capture(self, label: int, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-        """Copy the parameters and their optimizer state (one fused copy of each list)."""
+    def capture(
+        self,
+        label: int,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        buffers: Sequence[torch.Tensor] = (),
+    ) -> None:
+        """Copy the parameters, their optimizer state and the model's buffers (one fused copy).
+        Taken after the step's forward: the buffers hold the running statistics up to this step's
+        batch, which a later skip of the next step puts back."""
+        live_buffers = [local(b) for b in buffers]
+        if len(self.buffers) != len(live_buffers) or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(self.buffers, live_buffers)
+        ):
+            self.buffers = [torch.empty_like(b) for b in live_buffers]
         live = [local(p.detach()) for p in params]
         if len(self.params) != len(live) or any(a.shape != b.shape for a, b in zip(self.params, live)):
             self.params = [torch.empty_like(t, memory_format=torch.preserve_format) for t in live]
             self._state = [None] * len(live)
-        dst, src = list(self.params), list(live)
+        dst, src = list(self.params) + list(self.buffers), list(live) + live_buffers
         for i, p in enumerate(params):
             state = optimizer.state.get(p)
             if not state:
@@ -72,8 +90,18 @@ class UndoState:
         self.label = label
 
     @torch.no_grad()
-    def restore(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-        """Put the copy back: parameters and optimizer state bit-identical to the capture."""
+    def restore_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Put the model's buffers back as they were at the capture (a skipped step's forward
+        moved BatchNorm's running statistics; a NaN batch made them NaN)."""
+        if self.buffers and len(self.buffers) == len(buffers):
+            torch._foreach_copy_([local(b) for b in buffers], self.buffers)
+
+    @torch.no_grad()
+    def restore(
+        self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, buffers: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Put the copy back: parameters, optimizer state and buffers bit-identical to the capture."""
+        self.restore_buffers(buffers)
         dst = [local(p.detach()) for p in params]
         src = list(self.params)
         for p, saved in zip(params, self._state):
@@ -90,7 +118,7 @@ class UndoState:
         torch._foreach_copy_(dst, src)
 
     def clear(self) -> None:
-        self.label, self.params, self._state = None, [], []
+        self.label, self.params, self.buffers, self._state = None, [], [], []
 
 
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once

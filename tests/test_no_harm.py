@@ -155,3 +155,30 @@ def test_a_second_landed_spike_lowers_the_lr_which_then_climbs_back(tmp_path):
     assert recovery[-1].data["action_results"]["lr_drop"]["recovered"] is True
     assert mon.state_dict()["lr_scale"] == 1.0 and not mon.state_dict()["lr_recovery"]["permanent"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_skipped_batch_leaves_no_trace_in_batchnorm_statistics(tmp_path):
+    def make_cnn():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 1))
+        return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 1, 8, 8, generator=g), torch.randn(8, 1, generator=g)) for _ in range(12)]
+    batches[5][0][0, 0, 0, 0] = float("nan")  # a bad batch: its forward writes NaN into the running stats
+    twin, topt = make_cnn()
+    for i, (x, y) in enumerate(batches):
+        if i != 5:
+            nn.functional.mse_loss(twin(x), y).backward()
+            topt.step()
+            topt.zero_grad()
+    model, opt = make_cnn()
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    for x, y in batches:
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    assert [(e.step, e.kind) for e in mon.events] == [(5, "bad_batch")]
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), name  # parameters and buffers (running mean/var, batch count)
