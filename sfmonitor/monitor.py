@@ -263,7 +263,14 @@ class _ScalerPatch:
         return out
 
     def update(self, *args: Any, **kwargs: Any) -> Any:
+        # A bad batch (NaN in the inputs) says nothing about the loss scale: the scaler's found-inf
+        # would halve it, so its scale and growth tracker are kept as they were.
+        keep = self.scaler._scale is not None and any(m.last_step_was_bad_batch() for m in self.monitors.values())
+        saved = [t.clone() for t in (self.scaler._scale, self.scaler._growth_tracker)] if keep else None
         out = self.original_update(*args, **kwargs)
+        if saved is not None and self.scaler._scale is not None:
+            self.scaler._scale.copy_(saved[0])
+            self.scaler._growth_tracker.copy_(saved[1])
         floors = [m.config.actions.loss_scale for m in self.monitors.values()]
         floors = [f.min_loss_scale for f in floors if f.enforce_floor]
         if floors:
@@ -700,6 +707,12 @@ class Monitor:
             losses, total, {k: w.detach() if isinstance(w, torch.Tensor) else w for k, w in effective.items()}
         )
         return total
+
+    def last_step_was_bad_batch(self) -> bool:
+        """Whether the step that just closed was skipped for a bad batch (the GradScaler patch
+        keeps the loss scale then)."""
+        last = self._last
+        return last is not None and any(o.finding.kind == BAD_BATCH and SKIP_STEP in o.actions for o in last.outcomes)
 
     def _open_record(self) -> StepRecord:
         """The record of the step in flight, ready for this step's inputs. A record left DECIDED

@@ -182,3 +182,31 @@ def test_a_skipped_batch_leaves_no_trace_in_batchnorm_statistics(tmp_path):
     assert [(e.step, e.kind) for e in mon.events] == [(5, "bad_batch")]
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(a, b), name  # parameters and buffers (running mean/var, batch count)
+
+
+def test_a_bad_batch_under_a_grad_scaler_leaves_the_loss_scale_alone(tmp_path):
+    def run(monitored, skip_bad):
+        model, opt = make()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+        mon = None
+        if monitored:
+            mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=str(tmp_path / "mon"), config=quiet())
+        for x, y, bad in data(n=12, bad_every=5):
+            if bad and skip_bad:
+                continue
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            loss = mon.combine(loss) if mon else loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if mon:
+            mon.detach()
+            assert {e.kind for e in mon.events} == {"bad_batch"}
+        return model, scaler.get_scale()
+
+    model, scale = run(True, False)
+    twin, twin_scale = run(False, True)
+    assert scale == twin_scale, "the scale must not be halved for a NaN that came with the data"
+    assert same_state(model, twin)
