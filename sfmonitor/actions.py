@@ -325,6 +325,7 @@ class ActionContext:
     should_stop: bool = False
     stopped: bool = False  # set by stop (not early stopping): every later step is skipped
     graceful_stop: bool = False  # set by the monitor: a loop draws from batches(), so stop ends it
+    scaler_skips: bool = False  # set by the monitor: the GradScaler found inf/NaN and skips this step
     config: ActionsConfig = field(default_factory=ActionsConfig)
     monitor_state: Callable[[], dict[str, Any]] | None = None  # saved inside emergency checkpoints
     reweighted: dict[str, dict[str, Any]] = field(default_factory=dict)  # "a/b" -> {a, b, key, threshold}

@@ -490,15 +490,9 @@ def apply_qk_clip(model: nn.Module, spec: QKSpec, q_scale: list[float], k_scale:
 
 def _update_will_be_skipped(ctx: Any) -> bool:
     """True when this step's update will not land: a skip or rollback decided this step, or the
-    GradScaler found inf/NaN and will not call optimizer.step (one host read, only when acting)."""
-    if getattr(ctx, "skip", False):
-        return True
-    scaler = getattr(ctx, "scaler", None)
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
-        return False
-    state = scaler._per_optimizer_states.get(id(ctx.optimizer), {})
-    found = state.get("found_inf_per_device", {})
-    return bool(found) and sum(float(v.item()) for v in found.values()) > 0
+    GradScaler found inf/NaN and will not call optimizer.step (the monitor read that in the step's
+    one host read: ``ctx.scaler_skips``)."""
+    return bool(getattr(ctx, "skip", False) or getattr(ctx, "scaler_skips", False))
 
 
 @register_action(QK_CLIP, order=45, per_finding=True)

@@ -1009,6 +1009,7 @@ class Monitor:
         # 4. actions: the only code that changes training. A failing action is told in its event
         #    and as a warning; the others still run (a skip still keeps the update out).
         ctx.step, ctx.stats = step, self._stats
+        ctx.scaler_skips = rec is not None and rec.scaler_skips  # read in this step's one read
         by_cause = {id(o.finding): o for o in outcomes}
         stop: tuple[StopTraining, Outcome] | None = None
         try:
