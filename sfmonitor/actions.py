@@ -319,6 +319,7 @@ class ActionContext:
     repeat_batch: bool = False  # set by undo: monitor.batches() yields this step's batch again
     undo: UndoState | None = None  # the state before the last update (the monitor keeps it current)
     undo_params: list[nn.Parameter] = field(default_factory=list)  # the parameters it holds, in order
+    undo_buffers: list[torch.Tensor] = field(default_factory=list)  # the model's buffers it holds
     lr_dropped_at: int | None = None  # step of the last lr_drop (recovery counts from it)
     lr_drop_kind: str = ""  # the kind that caused it
     lr_permanent: bool = False  # the trouble came back while the LR was still lowered
@@ -642,7 +643,7 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         facts = rollback(ctx, decision)
         have = None if state is None else state.label
         return {**facts, "fallback": "rollback", "reason": f"no copy from before step {target}'s update ({have})"}
-    state.restore(ctx.undo_params, ctx.optimizer, list(ctx.model.buffers()))
+    state.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers)
     ctx.skip = True
     ctx.repeat_batch = True
     return {"restored": True, "undone_step": target, "steps_back": ctx.step - target, "skipped_step": ctx.step}

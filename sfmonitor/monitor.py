@@ -85,7 +85,7 @@ from .integrations.distributed import (
 )
 from .policy import Policy
 from .record import Outcome, Phase, StepRecord
-from .registry import register_kind
+from .registry import KINDS, register_kind
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
 from .summary import RUN_FILE, SUMMARY_FILE, format_summary, run_metadata, run_summary, write_json
@@ -387,8 +387,6 @@ class Monitor:
                     f"detectors[{i}]: {type(d).__name__} has no kind (set the class "
                     f"attribute `kind`: the event kind of its findings)"
                 )
-            from .registry import KINDS
-
             if kind not in KINDS:
                 register_kind(kind)
         return out
@@ -421,8 +419,9 @@ class Monitor:
         group_index = {g: i for i, g in enumerate(self._group_names)}
         ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group] + outside
         self._params = [p for _, p in ordered]
+        self._buffers = list(model.buffers())  # walked once, not every step: the undo copy holds them
         if self._ctx is not None:  # add_param_group(): the undo copy starts over with the new list
-            self._ctx.undo_params = self._params
+            self._ctx.undo_params, self._ctx.undo_buffers = self._params, self._buffers
             if self._ctx.undo is not None:
                 self._ctx.undo.clear()
         self._param_names = [n for n, _ in ordered]
@@ -501,6 +500,7 @@ class Monitor:
             outside_params=self._outside,
             undo=UndoState() if self.config.actions.undo.enabled else None,
             undo_params=self._params,
+            undo_buffers=self._buffers,
         )
         self._watch.attach(unwrap(model))
         self._watch.reset(self.step)
@@ -1043,7 +1043,7 @@ class Monitor:
                     if ctx.undo is not None and ctx.undo.label == step - 1:
                         # What this step's forward wrote into the buffers (BatchNorm statistics of
                         # a NaN batch) goes too: a skipped batch is a batch never seen.
-                        ctx.undo.restore_buffers(list(ctx.model.buffers()))
+                        ctx.undo.restore_buffers(ctx.undo_buffers)
                 relaxed = A.relax_weights(ctx)
                 if relaxed.get("restored"):
                     outcomes.append(
@@ -1076,7 +1076,7 @@ class Monitor:
                 if ctx.undo is not None and not ctx.stopped:
                     # The state this update starts from: an exact undo of it, and the update ratio's
                     # "before" (no other copy of the parameters is held).
-                    ctx.undo.capture(step, self._params, ctx.optimizer, list(ctx.model.buffers()))
+                    ctx.undo.capture(step, self._params, ctx.optimizer, ctx.undo_buffers)
                     rec.before_params = ctx.undo.params
                 for i, pg in enumerate(ctx.optimizer.param_groups):
                     self._stats[S.LR.format(i)] = float(pg["lr"])
