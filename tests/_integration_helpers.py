@@ -1,6 +1,7 @@
-"""Comparisons the framework-integration tests share (Lightning, transformers)."""
+"""Helpers the framework-integration and distributed tests share."""
 
 import torch
+import torch.distributed as dist
 
 
 def same(a, b):
@@ -16,3 +17,12 @@ def same_state(a, b):
 
 def monitor_hooks(opt):
     return list(opt._optimizer_step_pre_hooks.values()) + list(opt._optimizer_step_post_hooks.values())
+
+
+def leave_process_group():
+    # A barrier first: gloo's worker threads free a finished collective's tensors under the GIL,
+    # and a process group destroyed while one of them still does (the DDP reducer drops the last
+    # reference from Python, holding the GIL, and joins those threads) deadlocks inside torch.
+    # Waiting in a barrier releases the GIL until the earlier collectives are freed.
+    dist.barrier()
+    dist.destroy_process_group()

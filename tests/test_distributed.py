@@ -6,6 +6,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _integration_helpers import leave_process_group as _leave
 from torch import nn
 
 import sfmonitor
@@ -49,7 +50,7 @@ def _worker(rank, world, port, out_dir):
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
     mon.detach()
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_every_rank_takes_the_same_decision_in_the_same_step(tmp_path):
@@ -91,7 +92,7 @@ def _overflow_worker(rank, world, port, out_dir):
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
     mon.detach()
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_one_rank_overflowing_makes_every_rank_rescue_alike(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _integration_helpers import leave_process_group as _leave
 from torch import nn
 
 import sfmonitor
@@ -110,7 +111,7 @@ def _norms_worker(rank, port, out):
         stats.append(mon.stats)
     mon.detach()
     torch.save({"stats": stats, "params": _full_params(model)}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 def _reference(run_dir, steps):
@@ -192,7 +193,7 @@ def _nan_worker(rank, port, out):
         },
         os.path.join(out, f"rank{rank}.pt"),
     )
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_both_and_names_the_rank(tmp_path):
@@ -252,7 +253,7 @@ def _rollback_worker(rank, port, out):
         },
         os.path.join(out, f"rank{rank}.pt"),
     )
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_rollback_restores_every_ranks_shards(tmp_path):
@@ -308,7 +309,7 @@ def _checkpoint_worker(rank, port, out):
     events = [(e.step, e.kind, e.actions, e.data) for e in mon.events]
     mon.detach()
     torch.save({"events": events, "starts": starts}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 def _checkpoints(events):
@@ -393,7 +394,7 @@ def _eval_worker(rank, port, out, mode):
         decisions.append([(e.kind, e.actions, e.data.get("value")) for e in new])
     mon.detach()
     torch.save({"decisions": decisions, "params": _full_params(model)}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
@@ -419,7 +420,7 @@ def _mismatch_worker(rank, port, out):
         err = str(e)
     mon.detach()
     torch.save({"error": err}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_different_metric_names_on_the_ranks_are_an_error_on_every_rank(tmp_path):
@@ -459,7 +460,7 @@ def _scaler_worker(rank, port, out, monitored):
     if mon:
         mon.detach()
     torch.save({"moved": moved, "scale": scaler.get_scale(), "events": events}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_a_scaler_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_path):
@@ -509,7 +510,7 @@ def _clip_worker(rank, port, out):
     A.grad_noise(ctx, sfmonitor.Decision("grad_noise", sfmonitor.Finding("plateau", "test"), {}))
     noise = [p.grad.to_local() - b for p, b in zip(model.parameters(), local_before)]
     torch.save({"clipped": clipped, "noise": noise}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_clip_measures_and_scales_every_shard_and_noise_differs_per_shard(tmp_path):
@@ -558,7 +559,7 @@ def _undo_worker(rank, port, out):
     events = [(e.step, e.kind, e.actions, e.data.get("ranks"), e.data.get("action_results", {})) for e in mon.events]
     mon.detach()
     torch.save({"events": events, "starts": starts, "after": after}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_undo_puts_every_ranks_shards_back_one_step(tmp_path):
@@ -597,7 +598,7 @@ def _stale_optimizer_worker(rank, port, out):
     except sfmonitor.ConfigError as e:
         err = str(e)
     torch.save({"error": err}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_an_optimizer_built_before_fully_shard_is_a_config_error(tmp_path):
@@ -621,7 +622,7 @@ def _slice_worker(rank, port, out):
     scale_slice_(layer.weight, 0, 2, 4, 0.5)  # rows 2..5: across both shards
     scale_slice_(layer.weight, 1, 1, 2, 3.0)  # columns 1..2 of every row
     torch.save({"before": before, "plain": plain, "after": _full(layer.weight)}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    _leave()
 
 
 def test_scale_slice_reaches_every_shard(tmp_path):
