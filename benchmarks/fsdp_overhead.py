@@ -112,6 +112,7 @@ def worker(rank, port, args, out):
                 mo.detach()
     if rank == 0:
         torch.save({"medians": medians, "n_params": n_params}, out)
+    dist.barrier()  # (destroying a gloo group while its threads free tensors can deadlock)
     dist.destroy_process_group()
 
 

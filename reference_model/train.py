@@ -595,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
         out = {k: v for k, v in result.items() if k != "history"}
         print(json.dumps(out), flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # a barrier first: destroying a gloo group while its threads still free a finished
+        # collective's tensors (which needs the GIL this thread holds) can deadlock inside torch
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0
 
