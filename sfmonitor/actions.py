@@ -68,6 +68,7 @@ from .events import (
 from .registry import ACTIONS, register_action
 from .schema import Section, SectionTable, option
 from .undo import UndoState
+from .userclip import USER_CLIPPED
 
 __all__ = [
     "ActionContext",
@@ -392,6 +393,23 @@ def _unitwise_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.float(), dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
+def _total_norm_target(
+    config: ClipConfig, mode: str, cause_data: Mapping[str, Any] | None
+) -> tuple[float, dict[str, Any]] | None:
+    """The total-norm threshold of ``global`` and ``zclip`` (ZClip's EMA mean + z sigma, or
+    ``max_grad_norm`` without detector statistics) and the settings used; None for the other modes."""
+    if mode == "zclip":
+        data = cause_data or {}
+        if "mean_log" in data and "sigma_log" in data:
+            target = math.exp(float(data["mean_log"]) + config.zclip_z * float(data["sigma_log"]))
+            return target, {"mode": mode, "max_norm": target, "zclip_z": config.zclip_z}
+        target = config.max_grad_norm
+        return target, {"mode": "global", "max_norm": target, "note": "no detector statistics: global clip"}
+    if mode == "global":
+        return config.max_grad_norm, {"mode": mode, "max_norm": config.max_grad_norm}
+    return None
+
+
 def clip_gradients(
     groups: dict[str, list[nn.Parameter]],
     config: ClipConfig,
@@ -410,19 +428,9 @@ def clip_gradients(
     if not before:
         return {}, {}, {"mode": mode}
     used: dict[str, Any] = {"mode": mode}
-    if mode == "zclip":
-        data = cause_data or {}
-        if "mean_log" in data and "sigma_log" in data:
-            target = math.exp(float(data["mean_log"]) + config.zclip_z * float(data["sigma_log"]))
-            used.update(max_norm=target, zclip_z=config.zclip_z)
-        else:
-            target = config.max_grad_norm
-            used.update(mode="global", max_norm=target, note="no detector statistics: global clip")
-        mode = "global"
-    else:
-        target = config.max_grad_norm
-    if mode == "global":
-        used.setdefault("max_norm", target)
+    bound = _total_norm_target(config, mode, cause_data)
+    if bound is not None:
+        target, used = bound
         total = _total(before)
         coef = torch.clamp(target / (total + CLIP_EPS), max=1.0)
         for ts in grads.values():
@@ -455,13 +463,59 @@ def clip_gradients(
     return before, after, used
 
 
+# torch's clip leaves the norm at max_norm * total / (total + 1e-6), and the fp32 norms of the
+# clipped gradients round by a few ulps (~1e-7 relative): a norm within 1e-5 of the threshold is
+# the user's clip at the same threshold, not a gradient left above it.
+USER_CLIP_RTOL = 1e-5
+
+
+def _user_clip_holds(
+    ctx: ActionContext, decision: Decision, groups: dict[str, list[nn.Parameter]]
+) -> dict[str, Any] | None:
+    """The clip never clips twice: when the user's own clip before ``optimizer.step()`` (this
+    step's ``grad_clip/user``, userclip.py) already bounded the total norm at or below this clip's
+    threshold, the facts of a clip that changed nothing; else None (clip)."""
+    if not ctx.stats.get(USER_CLIPPED):
+        return None
+    bound = _total_norm_target(
+        ctx.config.clip, decision.params.get("mode") or ctx.config.clip.mode, decision.cause.data
+    )
+    if bound is None:  # per_modality / agc: per-group and unit-wise rules, not the user's total norm
+        return None
+    target, used = bound
+    norms = _group_norms({g: [p.grad for p in ps if p.grad is not None] for g, ps in groups.items() if ps})
+    if not norms:
+        return None
+    total = float(_total(norms))  # one host read (an action's, not every step's)
+    if not total <= target * (1 + USER_CLIP_RTOL):
+        return None
+    return {
+        **used,
+        "clipped": False,
+        "applied": False,  # the budget counts only actions that changed something
+        "reason": (
+            f"the user's clip before optimizer.step() already bounded the total gradient norm "
+            f"({total:.6g}) at or below the threshold ({target:.6g})"
+        ),
+        "norm_before": total,
+        "user_clipped": True,
+    }
+
+
 @register_action(CLIP, order=70, config=ClipConfig)
 def clip(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
-    """Clip this step's gradients (mode from ``decision.params['mode']`` or the config)."""
+    """Clip this step's gradients (mode from ``decision.params['mode']`` or the config). It never
+    clips twice: after the user's own clip bounded the total norm at or below its threshold it
+    changes nothing and says so (``clipped: False`` and the reason)."""
     groups = ctx.params_with_grad()
+    held = _user_clip_holds(ctx, decision, groups)
+    if held is not None:
+        return held
     before, after, used = clip_gradients(groups, ctx.config.clip, decision.params.get("mode"), decision.cause.data)
+    if ctx.stats.get(USER_CLIPPED):
+        used["user_clipped"] = True  # the user's clip left the total norm above this threshold
     if not before:
-        return {**used, "clipped": False, "reason": "no gradients"}
+        return {**used, "clipped": False, "applied": False, "reason": "no gradients"}
     names = list(before)
     values = torch.stack(
         [before[g] for g in names] + [_total(before)] + [after[g] for g in names] + [_total(after)]

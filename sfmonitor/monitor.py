@@ -90,6 +90,7 @@ from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
 from .summary import RUN_FILE, SUMMARY_FILE, format_summary, run_metadata, run_summary, write_json
 from .undo import UndoState, update_norms
+from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
 
 _RUN_COUNTER = itertools.count()
@@ -338,6 +339,12 @@ class Monitor:
         self._policy = Policy(self.config.policy)
         self._watch = ActivationWatch(self.config.watch)
         self._recorder = BatchRecorder()
+        # The user's own clip before optimizer.step(): its gradients measured before it (userclip.py).
+        self._user_clip = UserClip(
+            lambda: self._record.step if self._record.phase is Phase.OPEN else None,
+            lambda: self._params,
+            lambda: grads_scaled(self.scaler, self.optimizer),
+        )
         self._bundles = BundleTracker(self.config.bundle)
         self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
@@ -508,6 +515,8 @@ class Monitor:
         self._recorder.attach(model)
         self._undo.append(self._watch.detach)
         self._undo.append(self._recorder.detach)
+        self._user_clip.join()
+        self._undo.append(self._user_clip.leave)
         self._undo.append(lambda: A.remove_precision_fallback(self._ctx))
         if self._pending_ctx:  # load_state_dict() was called before attach()
             self.load_state_dict({**self.state_dict(), **self._pending_ctx})
@@ -1180,7 +1189,9 @@ class Monitor:
         out: dict[str, Any] = {}
         out.update(rec.losses.tensors(self.config.stats.loss_ratio_pairs))
         present = [(i, g) for i, g in enumerate(grads) if g is not None]
-        grad_norms = S.norms(self._layout.local(g for _, g in present))  # FSDP2: local shards
+        measured = S.norms(self._layout.local(g for _, g in present))  # FSDP2: local shards
+        # The user clipped before optimizer.step(): the norms as backward left them (userclip.py).
+        grad_norms, user_clipped = self._user_clip.take(rec.step, present, measured)
         key = tuple(i for i, _ in present)  # which parameters have gradients: stable across steps
         if key not in self._index_cache:  # group index tensors are built once, not copied per step
             self._index_cache[key] = self._layout.index(key, self._param_group, grad_norms.device)
@@ -1188,6 +1199,9 @@ class Monitor:
         out[S.GRAD_NORM_TOTAL] = per_group.square().sum().sqrt()
         for gi, g in enumerate(self._group_names):
             out[S.GRAD_NORM.format(g)] = per_group[gi]
+        if user_clipped:
+            after = S.group_norms(measured, self._index_cache[key], len(self._group_names))
+            out.update(self._user_clip.stats(out[S.GRAD_NORM_TOTAL], after.square().sum().sqrt()))
         params = self._layout.detached(self._params)  # FSDP2: the local shards
         param_norms = S.norms(params)
         per_group_p = S.group_norms(param_norms, self._param_group_t, len(self._group_names))
@@ -1207,6 +1221,8 @@ class Monitor:
                 out[S.AMP_FOUND_INF] = sum(v.to(next(iter(found.values())).device) for v in found.values())
         # Which gradients / parameters are non-finite: first index, count (resolved at the read).
         bad_grad = ~torch.isfinite(grad_norms)
+        if user_clipped:  # name the gradient the clip spread a NaN from; catch one that came after it
+            bad_grad = torch.where(bad_grad.any(), bad_grad, ~torch.isfinite(measured))
         out[S.GRAD_FIRST_NONFINITE] = self._index_cache[key].param_of(S.first_true(bad_grad))  # a parameter index
         out[S.GRAD_NONFINITE_COUNT] = bad_grad.sum()
         bad_param = ~torch.isfinite(param_norms)
