@@ -51,7 +51,7 @@ from .errors import ConfigError
 from .events import Decision, Finding
 from .registry import register_action, register_kind
 from .schema import Section, option
-from .sharding import scale_slice_
+from .sharding import is_sharded, scale_slice_
 
 __all__ = [
     "ATTENTION_LOGIT_GROWTH",
@@ -73,6 +73,10 @@ QK_CLIP = "qk_clip"
 
 # Maxima: one rank's growing head must not be diluted by the others.
 S.REDUCTIONS[ATTN_LOGIT_MAX_PREFIX] = S.Reduce.MAX
+
+# The activation watch of each attached model (``watch.ActivationWatch.attach``): qk_clip asks it
+# for the logits the updated weights give on the sampled step's own input.
+WATCHES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 # Names of query / key / fused projections (lower case), checked on direct children.
 Q_NAMES = ("q", "wq", "w_q", "q_proj", "query", "to_q", "q_lin", "linear_q", "q_linear", "query_proj")
@@ -498,8 +502,15 @@ def _update_will_be_skipped(ctx: Any) -> bool:
 @register_action(QK_CLIP, order=45, per_finding=True)
 def qk_clip(ctx: Any, decision: Decision) -> dict[str, Any]:
     """QK-Clip (Kimi K2): after this step's update, every head of the finding's module whose max
-    logit passed tau gets its W_q rows and W_k rows rescaled so that its logits shrink by
-    gamma = tau / max (sqrt(gamma) each); other heads and the rest of the model are untouched."""
+    logit passes the cap gets its W_q rows and W_k rows rescaled so that its logits shrink by
+    gamma = cap / max (sqrt(gamma) each); other heads and the rest of the model are untouched.
+
+    The max is the one the *updated* weights give: the activation watch re-runs the module on the
+    sampled step's own input after the update (exact for that batch); the logits of the forward
+    that ran before the update are only a fallback (no watch, a sharded FSDP2 module). One AdamW
+    step at a high LR can multiply the logits several-fold: a clip sized from the old logits
+    leaves the next forward far over tau (docs/benchmarks.md, LR sweep). The cap is tau less the
+    headroom the watch has seen the next batch need (``ActivationWatch.clip_target``)."""
     data = decision.cause.data
     att = data.get("attention", data)  # an activation_overflow finding carries its module's logits
     module = att.get("module") or decision.cause.where
@@ -511,6 +522,34 @@ def qk_clip(ctx: Any, decision: Decision) -> dict[str, Any]:
         return {"applied": False, "module": module, "reason": "the finding carries no per-head max logits"}
     spec = QKSpec.from_dict(spec_d)
     head_max = [float(m) for m in head_max]
+    held = bool(att.get("held"))
+    cap = float(att.get("clip_target", tau))
+    facts = _clip_facts(spec, module, head_max, float(tau), cap)
+    factors = facts.pop("_factors", None)
+    if _update_will_be_skipped(ctx):
+        # The weights stay as they are: the logits just measured are the ones to clip.
+        if factors is not None:
+            apply_qk_clip(ctx.model, spec, *factors)
+            facts.update(applied=True, when="now: this step's update does not land")
+            watch = WATCHES.get(ctx.model)
+            if watch is not None:
+                watch.clipped(module, min(max(head_max), cap), True, now=True)
+        return facts
+    if factors is None and not held:
+        return facts  # nothing over the cap (applied False, with the reason)
+    watch = WATCHES.get(ctx.model)
+    sharded = any(is_sharded(p) for n, p in ctx.model.named_parameters() if n in (spec.q_weight, spec.k_weight))
+    facts.pop("reason", None)
+    facts.update(applied=True, when="after this step's update", measured="pending")
+    _after_update(
+        ctx, lambda: _clip_after_update(ctx.model, spec, module, head_max, float(tau), cap, facts, watch, sharded)
+    )
+    return facts
+
+
+def _clip_facts(spec: QKSpec, module: str, head_max: list[float], tau: float, cap: float) -> dict[str, Any]:
+    """What a clip of ``head_max`` down to ``cap`` does to ``spec``'s heads (the scales under the
+    private key ``_factors``, absent when no head is clipped)."""
     H = len(head_max)
     q_rows = spec.q_rows[1] - spec.q_rows[0]
     if H > 1 and (q_rows % H or (spec.heads is not None and spec.heads != H)):
@@ -522,12 +561,12 @@ def qk_clip(ctx: Any, decision: Decision) -> dict[str, Any]:
         kv = H if k_rows % H == 0 else 1
         if kv == 1 and H > 1:
             head_max, H = [max(head_max)], 1
-    gammas, q_scale, k_scale = qk_clip_factors(head_max, float(tau), kv)
+    gammas, q_scale, k_scale = qk_clip_factors(head_max, cap, kv)
     clipped = [h for h, g in enumerate(gammas) if g < 1.0]
     unsized = [h for h, m in enumerate(head_max) if not math.isfinite(m)]
     facts: dict[str, Any] = {
         "module": module,
-        "tau": float(tau),
+        "tau": tau,
         "max_logit": max(head_max),
         "heads_clipped": clipped,
         "gamma": [round(g, 6) for g in gammas],
@@ -536,18 +575,55 @@ def qk_clip(ctx: Any, decision: Decision) -> dict[str, Any]:
         "q_weight": spec.q_weight,
         "k_weight": spec.k_weight,
     }
+    if cap != tau:
+        facts["clip_target"] = cap
     if unsized:
         facts["unsized_heads"] = unsized  # non-finite max: no exact value to size a clip from
-    if not clipped:
-        facts.update(applied=False, reason=f"no head's finite max logit is above tau={float(tau):g}")
-        return facts
-    if _update_will_be_skipped(ctx):
-        apply_qk_clip(ctx.model, spec, q_scale, k_scale)
-        facts.update(applied=True, when="now: this step's update does not land")
-        return facts
-    _after_update(ctx, lambda: apply_qk_clip(ctx.model, spec, q_scale, k_scale))
-    facts.update(applied=True, when="after this step's update")
+    if clipped:
+        facts["_factors"] = (q_scale, k_scale)
+    else:
+        facts.update(applied=False, reason=f"no head's finite max logit is above {cap:g}")
     return facts
+
+
+def _clip_after_update(
+    model: nn.Module,
+    spec: QKSpec,
+    module: str,
+    head_max: list[float],
+    tau: float,
+    cap: float,
+    facts: dict[str, Any],
+    watch: Any,
+    sharded: bool,
+) -> None:
+    """Run right after the update: size the clip from the logits the updated weights give on the
+    sampled step's input (one host read, on steps with a clip only), or from the logits measured
+    before the update when they cannot be recomputed; tell the watch what is left."""
+    after = None
+    if watch is not None and not sharded:
+        after = watch.remeasure(module)
+    if after is not None and len(after) == len(head_max):
+        new = _clip_facts(spec, module, after, tau, cap)
+        facts.update(new, measured="after the update, on this step's input", max_logit_before_update=max(head_max))
+        for key in ("applied", "reason"):
+            if key not in new:
+                facts.pop(key, None)
+        facts.setdefault("applied", True)
+    else:
+        new = _clip_facts(spec, module, head_max, tau, cap)
+        facts.update(new, measured="before the update (not recomputable after it)")
+        if "_factors" in new:
+            facts["applied"] = True
+            facts.pop("reason", None)
+        after = head_max
+    factors = facts.pop("_factors", None)
+    if factors is not None:
+        apply_qk_clip(model, spec, *factors)
+    if watch is not None:
+        gammas = facts["gamma"]
+        left = [m * g for m, g in zip(after, gammas)] if len(gammas) == len(after) else [min(max(after), cap)]
+        watch.clipped(module, max(left), max(after) > cap)
 
 
 # Clips waiting for their optimizer's step to land, and the one post-hook per optimizer that
@@ -598,6 +674,9 @@ def finding(
     top = max(head_max)
     over = [h for h, m in enumerate(head_max) if not (m <= tau)]
     heads = f"head{'s' if len(over) > 1 else ''} {', '.join(map(str, over))}" if len(head_max) > 1 else "its logits"
+    what = f"max logit {top:.4g} passed tau={tau:g} ({heads})"
+    if not over:  # a held module (a clip was needed lately): its logits are checked after the update
+        what = f"max logit {top:.4g} (tau={tau:g}), held after a clip: checked again after the update"
     data: dict[str, Any] = {
         "module": module,
         "max_logit": top,
@@ -611,7 +690,7 @@ def finding(
         data["projection_reason"] = spec_reason
     return Finding(
         ATTENTION_LOGIT_GROWTH,
-        f"step {step}: attention module {module!r}: max logit {top:.4g} passed tau={tau:g} ({heads})",
+        f"step {step}: attention module {module!r}: {what}",
         data,
         where=module,
     )

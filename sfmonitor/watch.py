@@ -12,7 +12,18 @@ per head (``attention.py``). Values stay 0-d tensors until the monitor's single 
   most ``forecast_warn_steps`` steps away, i.e. *before* it overflows, naming the module; and the
   first module, in forward order, whose output or inline intermediate is inf/NaN;
 * ``attention_logit_growth``: an attention module whose max logit passed ``attention.tau`` (the
-  ``qk_clip`` action answers it).
+  ``qk_clip`` action answers it), and, for ``HOLD_STEPS`` steps after a clip that was needed, a
+  *held* module on every step whatever its logit: the clip is sized after the update.
+
+QK-Clip after the update (``remeasure``): on a sampled step the watch keeps each clippable
+attention module's forward input until the update has landed (only for modules with a finding:
+the rest are let go in ``findings``); ``qk_clip`` then re-runs the module on it with the updated
+weights (eval mode, no grad, the random state put back; the watch records the logits, nothing else
+changes) and clips from those exact values. The clip aims at ``clip_target``: tau divided by the
+largest ratio seen recently between a held module's max logit at a step and what the clip left at
+the step before -- what the next batch and the other parameters' update add. While a clip was
+needed in the last ``HOLD_STEPS`` steps (the growth regime), every clippable attention module is
+sampled every step, and each one within ``MAX_HEADROOM`` of tau is held too.
 
 Sampling is a forecast, not only a stride: every watched maximum keeps its growth rate (per step,
 from its last two samples), and the next sample comes sooner as the extrapolated value nears its
@@ -88,6 +99,15 @@ ACT_ABSMAX_PREFIX = "act_absmax/"
 # An index, internal and per rank (stats.REDUCTIONS: LOCAL): never in monitor.stats.
 FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
 _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
+# A module clipped because its logits after the update were over the cap is held this many steps:
+# sampled every step and clipped after every update that takes it over the cap again. (One AdamW
+# step at a high LR can multiply the logits several-fold: the logit before an update says little
+# about the logit after it; docs/benchmarks.md, LR sweep.)
+HOLD_STEPS = 50
+# Headroom ratios (next step's max / what the clip left) kept per held module, and the largest
+# headroom used (the cap never goes under tau / MAX_HEADROOM).
+HEADROOM_SAMPLES = 8
+MAX_HEADROOM = 4.0
 
 # Default module selection: attention-like modules by name or class, and every nn.Linear.
 DEFAULT_NAME_PATTERNS = ["*attn*", "*attention*", "*fusion*"]
@@ -266,6 +286,17 @@ class _AttnInfo:
     reason: str
 
 
+@dataclass
+class _Hold:
+    """A clipped module: held until ``until``; ``left`` is its max logit after the last clip (at
+    step ``left_step``); ``ratios`` the recent headroom ratios it showed."""
+
+    until: int
+    left: float | None = None
+    left_step: int = -1
+    ratios: list[float] | None = None
+
+
 class _Trend:
     """The last samples (step, value) of one watched maximum and its growth rate per step."""
 
@@ -363,6 +394,14 @@ class ActivationWatch:
         self._attn_dtypes: dict[str, torch.dtype] = {}  # dtype of the logits behind attn_logit_max/<m>
         self._attn_heads: dict[str, int] = {}  # heads behind attn_logit_max/<m> of the last pending()
         self._order: list[str] = []  # module names behind act_first_nonfinite
+        self._modules: dict[str, nn.Module] = {}  # clippable attention modules
+        self._inputs: dict[str, tuple[int, tuple, dict]] = {}  # this step's (step, args, kwargs)
+        self._last_inputs: dict[str, tuple[int, tuple, dict]] = {}  # the previous step's, for qk_clip
+        self._held: dict[str, _Hold] = {}
+        self._remeasuring = False
+        self._model: nn.Module | None = None
+        self._regime_until = -1  # the last step of the growth regime (a clip was needed lately)
+        self._ratios: list[float] = []  # the model's recent headroom ratios (any held module)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def select(self, model: nn.Module) -> list[str]:
@@ -387,7 +426,7 @@ class ActivationWatch:
         if not self.config.enabled:
             return self
         self.module_names = self.select(model)
-        self.attention, self._mha = {}, set()
+        self.attention, self._mha, self._modules = {}, set(), {}
         for name in self.module_names:
             mod = model.get_submodule(name)
             self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
@@ -399,6 +438,11 @@ class ActivationWatch:
                 if isinstance(mod, nn.MultiheadAttention):
                     self._mha.add(name)
                     self._handles.append(mod.register_forward_pre_hook(self._make_mha_pre(name), with_kwargs=True))
+                if spec is not None:
+                    self._modules[name] = mod
+                    self._handles.append(mod.register_forward_pre_hook(self._make_keep(name), with_kwargs=True))
+        AT.WATCHES[model] = self
+        self._model = model
         self.reset(0)
         return self
 
@@ -410,6 +454,11 @@ class ActivationWatch:
         self._exit_mode()
         self._records.clear()
         self._attn.clear()
+        self._inputs, self._last_inputs, self._modules = {}, {}, {}
+        model = getattr(self, "_model", None)
+        if model is not None and AT.WATCHES.get(model) is self:
+            del AT.WATCHES[model]
+        self._model = None
 
     @property
     def attached(self) -> bool:
@@ -422,6 +471,8 @@ class ActivationWatch:
         self._step = self._step + 1 if step is None else int(step)
         full = self._force or self._step % self.config.stride == 0
         due = {m for m, at in self._plan.items() if at <= self._step}
+        if self._step <= self._regime_until:  # the growth regime: every clippable module, every step
+            due |= set(self._modules)
         self._sampled = full or bool(due)
         # A step sampled for the forecast alone records only the modules it was asked for (the
         # exact logits of an nn.MultiheadAttention over long sequences are not free).
@@ -430,6 +481,8 @@ class ActivationWatch:
         self._records = {}
         self._attn = {}
         self._seq = 0
+        # Kept until the update of the step they come from has landed (qk_clip runs after it).
+        self._last_inputs, self._inputs = self._inputs, {}
 
     def sample_next(self) -> None:
         """Make the next step sampled whatever the stride (e.g. after a non-finite loss)."""
@@ -441,7 +494,17 @@ class ActivationWatch:
 
     # ---- hooks -----------------------------------------------------------------------------
     def _active(self) -> bool:
-        return self._sampled and (torch.is_grad_enabled() or not self.config.grad_only)
+        return self._remeasuring or (self._sampled and (torch.is_grad_enabled() or not self.config.grad_only))
+
+    def _make_keep(self, name: str) -> Callable:
+        def keep(module, args, kwargs):
+            if self._remeasuring or not self._active() or not self._wanted(name):
+                return None
+            # The last call of the step is kept (references, no copy): qk_clip re-runs it.
+            self._inputs[name] = (self._step, _detached(args), _detached(kwargs))
+            return None
+
+        return keep
 
     def _make_pre(self, name: str) -> Callable:
         def pre(module, args):
@@ -740,14 +803,102 @@ class ActivationWatch:
             )
         if self._attn_cfg.enabled:
             tau = self._attn_cfg.tau
+            regime = step <= self._regime_until
             for name, info in self.attention.items():
                 heads = self._head_values(name, stats)
-                if heads is None or not any(finite(m) and m > tau for m in heads):
+                hold = self._held.get(name)
+                if hold is not None and step > hold.until and not regime:
+                    del self._held[name]
+                    hold = None
+                if heads is None:
                     continue
+                if hold is not None and hold.left is not None and hold.left_step == step - 1 and hold.left > 0:
+                    # The same weights as the clip left them: what this batch (and the other
+                    # parameters' update) adds to the max logit.
+                    ratio = max(heads) / hold.left
+                    hold.ratios = [*(hold.ratios or [])[-(HEADROOM_SAMPLES - 1) :], ratio]
+                    self._ratios = [*self._ratios[-(HEADROOM_SAMPLES - 1) :], ratio]
+                over = any(finite(m) and m > tau for m in heads)
+                # In the growth regime a module within reach of tau is held too: the next update
+                # can take it over (its logits are checked after it).
+                near = regime and max(heads) >= tau / MAX_HEADROOM
+                if info.spec is None and not over:
+                    continue
+                if not over and not near and (hold is None or step > hold.until):
+                    continue
+                if hold is None:
+                    hold = self._held[name] = _Hold(step)
                 limit = dtype_limit(self._attn_dtypes.get(name, torch.float32))
                 fc = self._trends.get(ATTN_LOGIT_MAX_PREFIX + name, _Trend()).forecast(limit)
-                out.append(AT.finding(step, name, heads, tau, info.spec, info.reason, {"limit": limit, **fc}))
+                extra: dict[str, Any] = {"limit": limit, **fc, "clip_target": self.clip_target(name)}
+                if hold is not None:
+                    extra["held"] = True
+                    self._plan[name] = step + 1  # a held module is sampled every step
+                out.append(AT.finding(step, name, heads, tau, info.spec, info.reason, extra))
+        # Inputs are kept for the modules qk_clip may re-run after the update, only.
+        wanted = {f.where for f in out}
+        self._inputs = {n: v for n, v in self._inputs.items() if n in wanted}
         return out
+
+    # ---- QK-Clip after the update ---------------------------------------------------------
+    def clip_target(self, name: str) -> float:
+        """The cap qk_clip brings ``name``'s max logit to: tau divided by the largest headroom
+        ratio its recent steps showed (1 while none is known; at most MAX_HEADROOM)."""
+        hold = self._held.get(name)
+        # A module without a ratio of its own yet takes the model's recent ones.
+        ratios = (hold.ratios if hold is not None else None) or self._ratios or [1.0]
+        return self._attn_cfg.tau / min(MAX_HEADROOM, max(1.0, *ratios))
+
+    def remeasure(self, name: str) -> list[float] | None:
+        """The max logit per head that ``name`` gives now (after the update) on the input of its
+        last sampled forward, or None (no input kept). Exact for that input: the module's own
+        forward runs again (eval mode: no dropout, no running statistics; no grad; the random
+        state put back), measured as on a sampled step. One host read."""
+        kept = self._last_inputs.pop(name, None) or self._inputs.pop(name, None)
+        module = self._modules.get(name)
+        if kept is None or module is None:
+            return None
+        _, args, kwargs = kept
+        saved = (self._sampled, self._due, self._stack, self._mode, self._attn, self._records, self._seq)
+        modes = [(m, m.training) for m in module.modules()]
+        devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+        self._sampled, self._due, self._stack, self._mode = True, {name}, [], None
+        self._attn, self._records, self._remeasuring = {}, {}, True
+        try:
+            module.eval()
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                module(*args, **kwargs)
+            rec = self._attn.get(name)
+            heads = rec.heads.tolist() if rec is not None else None
+        finally:
+            self._exit_mode()
+            for m, training in modes:
+                m.training = training
+            self._remeasuring = False
+            self._sampled, self._due, self._stack, self._mode, self._attn, self._records, self._seq = saved
+        return heads
+
+    def clipped(self, name: str, left: float, needed: bool, now: bool = False) -> None:
+        """qk_clip's report: ``left`` is the max logit the module has now on the measured input;
+        ``needed`` whether it was over the cap (that holds the module). Called after the update
+        (the monitor has opened the next step), or ``now`` when the update does not land."""
+        step = self._step if now else self._step - 1
+        hold = self._held.get(name)
+        if needed:
+            hold = self._held[name] = _Hold(step + HOLD_STEPS, ratios=hold.ratios if hold is not None else None)
+            self._regime_until = max(self._regime_until, step + HOLD_STEPS)
+        if hold is not None:
+            hold.left, hold.left_step = left, step
+            # The next step is already open (no forward has run): sample this module, and in the
+            # growth regime every clippable one.
+            due = set(self._modules) if self._step <= self._regime_until else {name}
+            self._plan[name] = step + 1
+            if now:
+                return
+            if not self._sampled:
+                self._sampled, self._due = True, due
+            elif self._due is not None:
+                self._due |= due
 
     # ---- forecast --------------------------------------------------------------------------
     def _limits(self, stats: dict[str, float]) -> dict[str, list[float]]:
@@ -793,6 +944,12 @@ class ActivationWatch:
             "streak": dict(self._streak),
             "plan": dict(self._plan),
             "trends": {k: [list(s) for s in t.samples] for k, t in self._trends.items()},
+            "regime_until": self._regime_until,
+            "ratios": list(self._ratios),
+            "held": {
+                m: {"until": h.until, "left": h.left, "left_step": h.left_step, "ratios": list(h.ratios or [])}
+                for m, h in self._held.items()
+            },
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -803,6 +960,23 @@ class ActivationWatch:
             str(k): _Trend([(int(s), float(v)) for s, v in samples])
             for k, samples in dict(sd.get("trends", {})).items()
         }
+        self._regime_until = int(sd.get("regime_until", -1))
+        self._ratios = [float(r) for r in sd.get("ratios", [])]
+        self._held = {
+            str(m): _Hold(int(h["until"]), h.get("left"), int(h.get("left_step", -1)), list(h.get("ratios") or []))
+            for m, h in dict(sd.get("held", {})).items()
+        }
+
+
+def _detached(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with its tensors detached (tuples, lists, dicts a few levels deep)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if depth < 4 and isinstance(obj, (tuple, list)):
+        return type(obj)(_detached(o, depth + 1) for o in obj) if not hasattr(obj, "_fields") else obj
+    if depth < 4 and isinstance(obj, dict):
+        return {k: _detached(v, depth + 1) for k, v in obj.items()}
+    return obj
 
 
 def _last_rung(kind: str) -> int | None:
