@@ -223,7 +223,7 @@ def run(
         if not math.isfinite(value) and diverged_at is None:
             diverged_at = step
         if mon is not None:
-            if first_clip is None and any("qk_clip" in e.actions for e in mon.events):
+            if first_clip is None and any(_clipped(e) for e in mon.events):
                 first_clip = step
                 for b in model.blocks:  # from here on: the peak after the first clip
                     b.attn.peak = torch.full((), -math.inf)
@@ -248,8 +248,9 @@ def run(
             events[e.kind] = events.get(e.kind, 0) + 1
             for a in e.actions:
                 actions[a] = actions.get(a, 0) + 1
-        clips = [e for e in mon.events if "qk_clip" in e.actions]
+        clips = [e for e in mon.events if _clipped(e)]
         maxima = [e.data.get("max_logit") for e in clips]
+        actions["qk_clip_applied"] = len(clips)
         row.update(
             events=events,
             actions=actions,
@@ -261,6 +262,11 @@ def run(
             row["peak_logit"] = max(m for m in [*maxima, peak_after_clip] if m is not None)
         mon.detach()
     return row
+
+
+def _clipped(event) -> bool:
+    """An event whose qk_clip changed W_q/W_k (a held module's check can find nothing to clip)."""
+    return "qk_clip" in event.actions and bool(event.data.get("action_results", {}).get("qk_clip", {}).get("applied"))
 
 
 def sensitivity(rows: list[dict], arm: str) -> float | None:
@@ -281,7 +287,7 @@ def table(rows: list[dict]) -> str:
     by = {(r["arm"], r["lr"]): r for r in rows}
     out = [
         "| LR | bare: loss / peak logit | qk-layernorm: loss / peak logit | monitored: loss / peak logit | "
-        "gap closed | qk_clip actions (first at step) | monitored peak after first clip |",
+        "gap closed | qk_clips applied (first at step) | monitored peak after first clip |",
         "|---|---|---|---|---|---|---|",
     ]
     for lr in lrs:
@@ -298,7 +304,7 @@ def table(rows: list[dict]) -> str:
         clips = "-"
         after = "-"
         if m is not None:
-            n = m["actions"].get("qk_clip", 0)
+            n = m["actions"].get("qk_clip_applied", m["actions"].get("qk_clip", 0))
             clips = f"{n}" + (f" (step {m['first_clip_step']})" if m.get("first_clip_step") is not None else "")
             after = _f(m.get("peak_logit_after_first_clip"), ".4g")
         out.append(f"| {lr:g} | {' | '.join(cells)} | {gap} | {clips} | {after} |")
