@@ -41,7 +41,6 @@ from .events import (
     REWEIGHT,
     ROLLBACK,
     SKIP_STEP,
-    STOP,
     UNDO,
     UPDATE_RATIO_SPIKE,
     ConfigError,
@@ -95,11 +94,21 @@ class LossSpikeConfig(Section):
     components: bool = option(True, "also watch each component loss/<c> given to combine()")
     window: int = option(128, "rolling window in steps (OLMo-core stability monitor: 128 steps)", lo=8)
     z: float = option(6.0, "fire above median + z * sigma of log(loss) (OLMo-core: 6 sigma)", lo=0, lo_open=True)
-    warmup: int = option(25, "finite values collected before the first check (ZClip: 25 warm-up steps)", lo=2)
+    warmup: int = option(
+        25, "finite values collected before the tight test (ZClip: 25 warm-up steps); the prior judges before", lo=2
+    )
     min_sigma: float = option(
         0.01,
         "floor on sigma of log(loss): a jump under z*min_sigma (6%) is never a spike, however flat the curve",
         lo=0,
+    )
+    prior_after: int = option(3, "finite values after which the prior test judges, until the warm-up is over", lo=2)
+    prior_sigma: float = option(
+        0.1,
+        "floor on sigma of log(loss) during the warm-up: with z = 6, a loss 1.8x the median of the values "
+        "so far (a healthy early loss falls; a jump that size is a fault)",
+        lo=0,
+        lo_open=True,
     )
 
     def validate(self) -> None:
@@ -107,6 +116,11 @@ class LossSpikeConfig(Section):
             raise ConfigError(
                 f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
                 f"({self.window}); allowed: [2, window]"
+            )
+        if self.prior_after > self.warmup:
+            raise ConfigError(
+                f"{self._prefix}prior_after: {self.prior_after} exceeds {self._prefix}warmup "
+                f"({self.warmup}); allowed: [2, warmup]"
             )
 
 
@@ -125,8 +139,25 @@ class GradSpikeConfig(Section):
         lo=0,
         lo_open=True,
     )
-    warmup: int = option(25, "finite values averaged before the first check (ZClip: 25 warm-up steps)", lo=2)
+    warmup: int = option(
+        25, "finite values averaged before the EMA test (ZClip: 25 warm-up steps); the prior judges before", lo=2
+    )
     min_sigma: float = option(0.01, "floor on the EMA sigma of log(grad norm): a 6% move is never a spike", lo=0)
+    prior_after: int = option(3, "finite values after which the prior test judges, until the warm-up is over", lo=2)
+    prior_sigma: float = option(
+        0.5,
+        "floor on sigma of log(grad norm) during the warm-up: with z = 6, a norm 20x the mean (in log) of the "
+        "values so far (early gradient norms move by several times in healthy runs)",
+        lo=0,
+        lo_open=True,
+    )
+
+    def validate(self) -> None:
+        if self.prior_after > self.warmup:
+            raise ConfigError(
+                f"{self._prefix}prior_after: {self.prior_after} exceeds {self._prefix}warmup "
+                f"({self.warmup}); allowed: [2, warmup]"
+            )
 
 
 @dataclass
@@ -137,8 +168,11 @@ class UpdateRatioSpikeConfig(Section):
     window: int = option(128, "rolling window in steps (as the loss window, OLMo-core: 128)", lo=8)
     factor: float = option(10.0, "fire above factor * rolling median (an order of magnitude)", lo=1, lo_open=True)
     ceiling: float = option(
-        1000.0,
-        "fire above this ratio whatever the history (the report: a ratio above 1000 marks a gradient explosion)",
+        1.0,
+        "fire above this ratio from the first step, whatever the history: one update larger than the group's "
+        "own weights. Healthy ratios are ~1e-3 (and ~lr / rms(weight) on Adam's first step: 0.05 for a GPT at its "
+        "usual LR); a GPT at 20x its LR starts at 1.0 and spikes a few steps later. Groups whose parameters "
+        "start at zero (LoRA B, zero-initialised biases) are exempt",
         lo=0,
         lo_open=True,
     )
@@ -352,9 +386,10 @@ class LossSpike(_Windowed):
         out = []
         for key, value, x in _positive_logs(stats, self._keys(stats)):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
-            if len(w) >= cfg.warmup:
+            if len(w) >= cfg.prior_after:
                 med, mad = _median_mad(list(w))
-                sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma)
+                # during the warm-up the prior's wider floor: a few values say little about the noise
+                sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma if len(w) >= cfg.warmup else cfg.prior_sigma)
                 z = (x - med) / sigma
                 if z > cfg.z:
                     limit = med + cfg.z * sigma
@@ -410,6 +445,13 @@ class GradSpike(Detector):
         for key, value, x in _positive_logs(stats, self._keys(stats)):
             if key not in self.ema:
                 warm = self.warm.setdefault(key, [])
+                if len(warm) >= cfg.prior_after:  # the prior: the mean so far, a wide sigma floor
+                    mean = sum(warm) / len(warm)
+                    sigma = max(math.sqrt(sum((v - mean) ** 2 for v in warm) / len(warm)), cfg.prior_sigma)
+                    finding = self._finding(step, key, value, x, mean, sigma, "the mean of its first values")
+                    if finding is not None:
+                        out.append(finding)
+                        x = mean + cfg.z * sigma  # clamped, as after the warm-up
                 warm.append(x)
                 if len(warm) >= cfg.warmup:
                     mean = sum(warm) / len(warm)
@@ -419,35 +461,42 @@ class GradSpike(Detector):
                 continue
             mean, var = self.ema[key]
             sigma = max(math.sqrt(var), cfg.min_sigma)
-            z = (x - mean) / sigma
-            if z > cfg.z:
-                limit = mean + cfg.z * sigma
-                out.append(
-                    Finding(
-                        kind=self.kind,
-                        where=key[len(GRAD_NORM_PREFIX) :],
-                        message=(
-                            f"{key} = {_fmt(value)} is {z:.1f} sigma above its EMA {_fmt(math.exp(mean))} "
-                            f"(threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"
-                        ),
-                        data={
-                            "key": key,
-                            "value": value,
-                            "ema_mean": math.exp(mean),
-                            "threshold_value": math.exp(limit),
-                            "z": z,
-                            "z_threshold": cfg.z,
-                            "mean_log": mean,
-                            "sigma_log": sigma,
-                            "step": step,
-                        },
-                    )
-                )
-                x = limit
+            finding = self._finding(step, key, value, x, mean, sigma, "its EMA")
+            if finding is not None:
+                out.append(finding)
+                x = mean + cfg.z * sigma
             mean = cfg.alpha * mean + (1 - cfg.alpha) * x
             var = cfg.alpha * var + (1 - cfg.alpha) * (x - mean) ** 2
             self.ema[key] = [mean, var]
         return out
+
+    def _finding(
+        self, step: int, key: str, value: float, x: float, mean: float, sigma: float, against: str
+    ) -> Finding | None:
+        cfg = self.config
+        z = (x - mean) / sigma
+        if z <= cfg.z:
+            return None
+        limit = mean + cfg.z * sigma
+        return Finding(
+            kind=self.kind,
+            where=key[len(GRAD_NORM_PREFIX) :],
+            message=(
+                f"{key} = {_fmt(value)} is {z:.1f} sigma above {against} {_fmt(math.exp(mean))} "
+                f"(threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"
+            ),
+            data={
+                "key": key,
+                "value": value,
+                "ema_mean": math.exp(mean),
+                "threshold_value": math.exp(limit),
+                "z": z,
+                "z_threshold": cfg.z,
+                "mean_log": mean,
+                "sigma_log": sigma,
+                "step": step,
+            },
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"ema": {k: list(v) for k, v in self.ema.items()}, "warm": {k: list(v) for k, v in self.warm.items()}}
@@ -477,19 +526,26 @@ class UpdateRatioSpike(_Windowed):
 
     def __init__(self, config: UpdateRatioSpikeConfig | None = None):
         super().__init__(config or UpdateRatioSpikeConfig())
+        self.zero_init: set[str] = set()  # groups first seen with all parameters at zero: no ceiling
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
         for key, value in stats.items():
-            if not key.startswith(UPDATE_RATIO_PREFIX) or not S.finite(value) or value <= 0:
+            if not key.startswith(UPDATE_RATIO_PREFIX):
+                continue
+            group = key[len(UPDATE_RATIO_PREFIX) :]
+            if key not in self.windows and stats.get(S.PARAM_NORM.format(group)) == 0.0:
+                # A group that starts at zero (LoRA B, biases) grows from nothing: its ratio is ~1/k
+                # at step k, healthy. Only the relative test, once its history exists, judges it.
+                self.zero_init.add(key)
+            if not S.finite(value) or value <= 0:
                 continue
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
             rel_limit = cfg.factor * med if med is not None else math.inf
-            limit = min(rel_limit, cfg.ceiling)
+            limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
-                group = key[len(UPDATE_RATIO_PREFIX) :]
                 why = (
                     f"{cfg.factor:g} x its rolling median {_fmt(med or 0.0)}"
                     if rel_limit <= cfg.ceiling
@@ -518,6 +574,13 @@ class UpdateRatioSpike(_Windowed):
                 continue
             w.append(value)
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "zero_init": sorted(self.zero_init)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.zero_init = {str(k) for k in state.get("zero_init", [])}
 
 
 class _RatioImbalance(Detector):
@@ -689,11 +752,15 @@ class AccuracyCollapse(Detector):
 
 
 # The report's improved early stopping: the detector places its findings on the ladder itself.
-@register_detector("plateau", config=PlateauConfig, kinds={PLATEAU: [(1, [LR_DROP]), (2, [STOP])]})
+# Events only by default: a validation metric that stops improving is no fault (a small validation
+# set, overfitting a short run), and lowering the LR or stopping is the user's training recipe, not
+# a rescue. The report's recipe is one setting away (policy.ladders.plateau; docs/policy.md).
+@register_detector("plateau", config=PlateauConfig, kinds={PLATEAU: [(1, []), (2, [])]})
 class Plateau(Detector):
     """No improvement of the eval metric for ``patience`` validations (finding with
     ``data["occurrence"] = 1``), then for ``grace`` more (``occurrence = 2``). The policy uses the
-    occurrence as the ladder position (default: 1 -> lr_drop, 2 -> stop)."""
+    occurrence as the ladder position (default: events only; the report's early stopping:
+    1 -> lr_drop, 2 -> stop, set in ``policy.ladders.plateau``)."""
 
     kind = PLATEAU
 

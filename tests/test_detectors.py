@@ -184,10 +184,10 @@ def test_update_ratio_spike_after_update_relative_and_ceiling():
     f = fired[0][1]
     assert f.kind == UPDATE_RATIO_SPIKE and f.before_update is False and f.data["step"] == 9000
     assert f.data["value"] > 10 * f.data["median"]
-    # the absolute ceiling fires even during warm-up
+    # the absolute ceiling fires from the first step, during the warm-up
     det2 = D.UpdateRatioSpike()
-    out = det2.check(0, {"update_ratio/text": 2000.0})
-    assert out and out[0].data["threshold_value"] == 1000.0 and "ceiling" in out[0].message
+    out = det2.check(0, {"update_ratio/text": 1.5, "param_norm/text": 3.0})
+    assert out and out[0].data["threshold_value"] == 1.0 and "ceiling" in out[0].message
     # NaN never enters
     det2.check(1, {"update_ratio/text": float("nan")})
     assert list(det2.windows.get("update_ratio/text", [])) == []
@@ -318,3 +318,42 @@ def test_build_detectors_respects_enabled_and_all_state_is_plain():
                 },
             )
     json.dumps([d.state_dict() for d in dets])  # plain numbers, lists, dicts
+
+
+def test_update_ratio_ceiling_spares_groups_that_start_at_zero():
+    # LoRA B / zero-initialised biases: ratio 1/k at step k while they grow from nothing
+    det = D.UpdateRatioSpike()
+    fired = []
+    for k in range(40):
+        norm = 0.0 if k == 0 else 0.01 * k
+        st = {"update_ratio/lora_b": (float("inf") if k == 0 else 1.0 / k), "param_norm/lora_b": norm}
+        st.update({"update_ratio/w": 0.01, "param_norm/w": 5.0})
+        fired += det.check(k, st)
+    assert fired == []
+    # ... and the exemption survives a resume
+    again = D.UpdateRatioSpike()
+    again.load_state_dict(det.state_dict())
+    assert again.zero_init == {"update_ratio/lora_b"}
+    # a group that does not start at zero is judged by the ceiling at once
+    assert det.check(40, {"update_ratio/w": 1.2, "param_norm/w": 5.0})
+
+
+def test_loss_spike_prior_judges_from_the_third_step():
+    det = D.LossSpike()
+    # a falling early loss (as training starts) is healthy: no finding
+    assert [f for s, v in enumerate([4.4, 3.9, 3.2, 3.0, 3.2, 3.5, 3.2]) for f in det.check(s, {"loss/total": v})] == []
+    # a 10^4 x loss inside the warm-up (step 7 of 25) is a spike
+    out = det.check(7, {"loss/total": 3.2e4})
+    assert out and out[0].kind == LOSS_SPIKE and out[0].data["sigma_log"] == pytest.approx(0.1)
+    # but not before prior_after values exist
+    fresh = D.LossSpike()
+    assert fresh.check(0, {"loss/total": 1.0}) == [] and fresh.check(1, {"loss/total": 1e4}) == []
+
+
+def test_grad_spike_prior_judges_inside_the_warm_up():
+    det = D.GradSpike()
+    healthy = [1.0, 3.0, 2.0, 5.0, 4.0, 2.5]  # early norms that move by several times: no finding
+    assert [f for s, v in enumerate(healthy) for f in det.check(s, {"grad_norm/total": v})] == []
+    out = det.check(6, {"grad_norm/total": 1e4})
+    assert out and out[0].kind == GRAD_SPIKE and "mean of its first values" in out[0].message
+    assert det.warm["grad_norm/total"][-1] < math.log(1e4)  # clamped: the spike does not enter

@@ -186,7 +186,12 @@ def test_detach_on_exception(tmp_path):
 
 
 def test_plateau_sets_trainer_should_stop(tmp_path):
-    cfg = {**QUIET, "detectors": {"plateau": {"patience": 1, "grace": 1}}}
+    early_stopping = {"rungs": [{"after": 1, "actions": ["lr_drop"]}, {"after": 2, "actions": ["stop"]}]}
+    cfg = {
+        **QUIET,
+        "detectors": {"plateau": {"patience": 1, "grace": 1}},
+        "policy": {"ladders": {"plateau": early_stopping}},
+    }
     cb = SFMonitorCallback(run_dir=tmp_path, config=cfg)
     t = trainer([cb], max_epochs=10, val=True)
     t.fit(Tiny(val_losses=[1.0] * 10), loader(2), loader(1))
@@ -198,7 +203,12 @@ def test_plateau_sets_trainer_should_stop(tmp_path):
 
 
 def test_eval_metric_mapping(tmp_path):
-    cfg = {**QUIET, "detectors": {"plateau": {"metric": "my_loss", "patience": 1, "grace": 1}}}
+    early_stopping = {"rungs": [{"after": 1, "actions": ["lr_drop"]}, {"after": 2, "actions": ["stop"]}]}
+    cfg = {
+        **QUIET,
+        "detectors": {"plateau": {"metric": "my_loss", "patience": 1, "grace": 1}},
+        "policy": {"ladders": {"plateau": early_stopping}},
+    }
     cb = SFMonitorCallback(run_dir=tmp_path, config=cfg, eval_metrics={"val_loss": "my_loss"})
     t = trainer([cb], max_epochs=10, val=True)
     t.fit(Tiny(val_losses=[3.0, 2.0, 1.0, 1.0, 1.0, 1.0]), loader(2), loader(1))

@@ -170,7 +170,12 @@ def test_losses_through_compute_loss(tmp_path):
 
 
 def test_plateau_sets_should_training_stop(tmp_path):
-    cfg = {**QUIET, "detectors": {"plateau": {"patience": 1, "grace": 1}}}
+    early_stopping = {"rungs": [{"after": 1, "actions": ["lr_drop"]}, {"after": 2, "actions": ["stop"]}]}
+    cfg = {
+        **QUIET,
+        "detectors": {"plateau": {"patience": 1, "grace": 1}},
+        "policy": {"ladders": {"plateau": early_stopping}},
+    }
     cb = SFMonitorTrainerCallback(run_dir=tmp_path / "run", config=cfg)
     # learning rate 0: nothing learns, so the eval loss stays the same
     t = make_trainer(tmp_path, tiny_gpt2(), [cb], steps=20, eval_steps=1, learning_rate=0.0)

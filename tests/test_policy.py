@@ -62,7 +62,7 @@ def test_default_ladders_of_every_kind():
         "loss_scale_floor": [],
         "activation_overflow": [],
         "accuracy_collapse": ["rollback", "lr_drop"],
-        "plateau": ["lr_drop"],
+        "plateau": [],  # events only: the report's early stopping is opt-in
         "nonfinite_param": ["undo"],
         "bad_batch": ["skip_step"],
         "loss_spike": ["skip_step"],
@@ -79,8 +79,15 @@ def test_activation_overflow_persistent_falls_back_to_fp32():
     assert acts(p.decide(250, [F("activation_overflow")])) == ["precision_fallback"]  # third: the last resort
 
 
+def test_plateau_is_events_only_by_default():
+    p = Policy()  # a stalled validation metric is no fault: the report's early stopping is opt-in
+    assert acts(p.decide(64, [F("plateau", occurrence=1)])) == []
+    assert acts(p.decide(192, [F("plateau", occurrence=2)])) == []
+
+
 def test_plateau_uses_detector_occurrence():
-    p = Policy()
+    rungs = [{"after": 1, "actions": ["lr_drop"]}, {"after": 2, "actions": ["stop"]}]
+    p = Policy(PolicyConfig.from_dict({"ladders": {"plateau": {"rungs": rungs}}}))
     assert acts(p.decide(64, [F("plateau", occurrence=1)])) == ["lr_drop"]
     assert acts(p.decide(192, [F("plateau", occurrence=2)])) == ["stop"]
     assert acts(p.decide(900, [F("plateau", occurrence=1)])) == ["lr_drop"]  # after a reset

@@ -304,16 +304,23 @@ def test_eval_collapse_and_plateau_reach_the_policy(tmp_path):
     ev = mon.observe_eval({"accuracy": 0.9, "loss": 1.1}, chance=0.5)
     mon.detach()
 
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
-    mon.observe_eval({"accuracy": 0.9, "loss": 0.9}, chance=0.5)
-    kinds = []
-    for _ in range(5):  # no improvement on 0.9: three validations -> LR drop, two more -> stop
-        kinds += [(e.kind, e.actions) for e in mon.observe_eval({"accuracy": 0.8, "loss": 0.95}, chance=0.5)]
-    assert kinds == [("plateau", ["lr_drop"]), ("plateau", ["stop"])]
-    assert mon.should_stop and opt.param_groups[0]["lr"] == 0.01
-    mon.detach()
+    def stalled(config):
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=config)
+        mon.observe_eval({"accuracy": 0.9, "loss": 0.9}, chance=0.5)
+        kinds = []
+        for _ in range(5):  # no improvement on 0.9: three validations -> LR drop, two more -> stop
+            kinds += [(e.kind, e.actions) for e in mon.observe_eval({"accuracy": 0.8, "loss": 0.95}, chance=0.5)]
+        mon.detach()
+        return kinds, mon.should_stop, opt.param_groups[0]["lr"]
+
+    # at defaults a plateau is told (two events), and changes nothing
+    assert stalled(QUIET) == ([("plateau", []), ("plateau", [])], False, 0.01)
+    # the report's early stopping, opted in: LR drop, then a graceful stop
+    rungs = [{"after": 1, "actions": ["lr_drop"]}, {"after": 2, "actions": ["stop"]}]
+    report = {**QUIET, "policy": {"ladders": {"plateau": {"rungs": rungs}}}}
+    assert stalled(report) == ([("plateau", ["lr_drop"]), ("plateau", ["stop"])], True, 0.01)
 
 
 class Attention(nn.Module):
