@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import inspect
 import json
@@ -369,14 +370,13 @@ def train(
     if monitor:
         import sfmonitor  # lazy: the bare trainer needs nothing of the plugin
 
-        mon = sfmonitor.attach(
-            model,
-            opt,
-            scaler=scaler,
-            run_dir=run_dir,
-            sinks=sinks,
-            config=monitor_config if monitor_config is not None else config_path("monitor"),
+        mcfg_monitor = copy.deepcopy(  # (the caller's own config object stays as given)
+            sfmonitor.MonitorConfig.from_any(monitor_config if monitor_config is not None else config_path("monitor"))
         )
+        collapse = mcfg_monitor.detectors.accuracy_collapse
+        if collapse.samples is None:  # Top-1 is measured on the whole validation set
+            collapse.samples = len(val_set)
+        mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=run_dir, sinks=sinks, config=mcfg_monitor)
         # `sfmonitor replay BUNDLE` rebuilds this model from its anomaly bundles.
         mon.set_model_factory("reference_model.model:build_model", cfg=mcfg.to_dict())
         if monitor_state is not None:  # resume: windows, rescued LR scale and weights, budget

@@ -240,6 +240,14 @@ class AccuracyCollapseConfig(Section):
         lo_open=True,
     )
     collapse_margin: float = option(0.02, "'at chance': accuracy <= chance + this", lo=0)
+    samples: int | None = option(
+        None,
+        "examples each accuracy is measured on (the validation set's size). With it, 'clearly above "
+        "chance' also needs `z` binomial standard errors of chance: on a small validation set a lucky "
+        "reading is no climb, and the unlucky one after it no collapse (None: the margins alone)",
+        lo=1,
+    )
+    z: float = option(3.0, "standard errors that 'clearly above chance' needs when `samples` is given", lo=0)
 
     def validate(self) -> None:
         if self.collapse_margin >= self.above_margin:
@@ -721,7 +729,10 @@ class AccuracyCollapse(Detector):
         else:
             acc_for_test = acc
             self.best = acc if self.best is None else max(self.best, acc)
-        if acc_for_test >= chance + cfg.above_margin:
+        above = cfg.above_margin
+        if cfg.samples is not None and 0.0 < chance < 1.0:
+            above = max(above, cfg.z * math.sqrt(chance * (1.0 - chance) / cfg.samples))
+        if acc_for_test >= chance + above:
             self.armed = True
             return []
         if self.armed and acc_for_test <= chance + cfg.collapse_margin:

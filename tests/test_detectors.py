@@ -357,3 +357,19 @@ def test_grad_spike_prior_judges_inside_the_warm_up():
     out = det.check(6, {"grad_norm/total": 1e4})
     assert out and out[0].kind == GRAD_SPIKE and "mean of its first values" in out[0].message
     assert det.warm["grad_norm/total"][-1] < math.log(1e4)  # clamped: the spike does not enter
+
+
+def test_accuracy_collapse_with_samples_needs_a_climb_beyond_the_noise():
+    # 16 validation examples, chance 0.1: 4/16 right is a lucky reading, not a climb; the 1/16
+    # after it is then no collapse. Three standard errors of chance: 0.1 + 3 * 0.075 = 0.325.
+    noisy = [0.25, 0.0625, 0.1875, 0.0625, 0.3125, 0.0]
+    det = D.AccuracyCollapse(D.AccuracyCollapseConfig(samples=16))
+    assert [f for i, a in enumerate(noisy) for f in det.observe_eval(i, {"accuracy": a}, chance=0.1)] == []
+    assert not det.armed
+    # without the sample count the same readings are taken for a collapse
+    plain = D.AccuracyCollapse()
+    assert [f for i, a in enumerate(noisy) for f in plain.observe_eval(i, {"accuracy": a}, chance=0.1)]
+    # a real climb and collapse is still found
+    det.observe_eval(6, {"accuracy": 0.5}, chance=0.1)
+    out = det.observe_eval(7, {"accuracy": 0.0625}, chance=0.1)
+    assert out and out[0].kind == ACCURACY_COLLAPSE
