@@ -590,3 +590,75 @@ def test_two_modules_clipped_in_one_step(tmp_path):
         if QK_CLIP in e.actions and e.data["action_results"][QK_CLIP]["applied"]:
             steps.setdefault(e.step, set()).add(e.data["module"])
     assert any(len(mods) == 2 for mods in steps.values())
+
+
+def _train_peaks(lr, steps, tau=None, layers=2, batch=(16, 16), tmp_path=None):
+    """Train TinyLM; the max logit of every training forward (same weights, same batch), and the
+    step of the first qk_clip that changed W_q/W_k (None: none, or no monitor)."""
+    torch.manual_seed(0)
+    model = TinyLM(layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    mon = None
+    if tau is not None:
+        cfg = {"console": False, "watch": {"attention": {"tau": tau}}}
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg)
+    g = torch.Generator().manual_seed(1)
+    peaks, first = [], None
+    for step in range(steps):
+        idx = torch.randint(0, 11, batch, generator=g)
+        logits = model(idx)
+        with torch.no_grad():
+            h, m = model.emb(idx), []
+            for b in model.blocks:
+                m.append(max(_per_head(b.attn.logits(h))))
+                h = b(h)
+        peaks.append(max(m))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, 11), idx[:, 1:].reshape(-1))
+        (mon.combine({"lm": loss}) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if mon is not None and first is None:
+            if any(e.data.get("action_results", {}).get(QK_CLIP, {}).get("applied") for e in mon.events):
+                first = step
+    if mon is not None:
+        mon.detach()
+    return peaks, first, mon
+
+
+def test_max_logit_stays_under_tau_after_the_first_clip(tmp_path):
+    """The clip is sized from the logits the updated weights give (not those of the forward before
+    the update, which one high-LR AdamW step multiplies), every held module is checked after every
+    update, with headroom for the next batch: no training forward after the first clip is over tau."""
+    tau = 8.0
+    bare, _, _ = _train_peaks(0.1, 60)
+    assert max(bare) > 1.4 * tau
+    peaks, first, mon = _train_peaks(0.1, 60, tau, tmp_path=tmp_path)
+    assert first is not None and first < 30
+    assert max(peaks[first + 1 :]) <= tau
+    results = [e.data["action_results"][QK_CLIP] for e in mon.events if QK_CLIP in e.actions]
+    measured = [r for r in results if r.get("applied")]
+    assert measured and all(r["measured"] == "after the update, on this step's input" for r in measured)
+    assert any(e.data.get("held") for e in mon.events if e.kind == ATTENTION_LOGIT_GROWTH)
+
+
+def test_remeasure_gives_the_updated_weights_logits_on_the_kept_input(tmp_path):
+    """ActivationWatch.remeasure: the max logit per head the module gives *now* on the input of its
+    last sampled forward, exact; nothing else changes (training mode, other parameters)."""
+    torch.manual_seed(3)
+    model = Block(HandAttention())
+    watch = ActivationWatch(WatchConfig(stride=1, attention=AttentionConfig(tau=0.01))).attach(model)
+    x = torch.randn(2, 6, 16)
+    watch.reset(0)
+    model(x).sum().backward()
+    stats = {k: float(v) for k, v in watch.pending().items()}
+    assert [f.kind for f in watch.findings(0, stats)].count(ATTENTION_LOGIT_GROWTH) == 1
+    with torch.no_grad():
+        model.attn.wq.weight.mul_(3)  # "the update"
+    ref = copy.deepcopy(model.state_dict())
+    watch.reset(1)  # the monitor opens the next step before qk_clip runs
+    after = watch.remeasure("attn")
+    assert after == pytest.approx(_per_head(model.attn.logits(x).detach()), rel=1e-6)
+    assert model.training and model.attn.training
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+    assert watch.remeasure("attn") is None  # the kept input is let go once used
+    watch.detach()
