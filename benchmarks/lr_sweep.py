@@ -250,7 +250,8 @@ def run(
                 actions[a] = actions.get(a, 0) + 1
         clips = [e for e in mon.events if _clipped(e)]
         maxima = [e.data.get("max_logit") for e in clips]
-        actions["qk_clip_applied"] = len(clips)
+        if clips:
+            actions["qk_clip_applied"] = len(clips)
         row.update(
             events=events,
             actions=actions,
@@ -304,7 +305,7 @@ def table(rows: list[dict]) -> str:
         clips = "-"
         after = "-"
         if m is not None:
-            n = m["actions"].get("qk_clip_applied", m["actions"].get("qk_clip", 0))
+            n = m["actions"].get("qk_clip_applied", 0)
             clips = f"{n}" + (f" (step {m['first_clip_step']})" if m.get("first_clip_step") is not None else "")
             after = _f(m.get("peak_logit_after_first_clip"), ".4g")
         out.append(f"| {lr:g} | {' | '.join(cells)} | {gap} | {clips} | {after} |")

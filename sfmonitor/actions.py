@@ -218,6 +218,12 @@ class RollbackConfig(Section):
         DEFAULT_SNAPSHOT_EVERY, "optimizer steps between CPU snapshots (50: a rollback loses at most 50 steps)", lo=1
     )
     keep: int = option(DEFAULT_SNAPSHOT_KEEP, "snapshots kept in memory", lo=1)
+    max_host_mb: float = option(
+        2048.0,
+        "host memory (MiB) all snapshots together may hold (model, optimizer state, scaler); the oldest "
+        "go first, and a snapshot larger than this is not taken (rollback then has none). Reported at attach",
+        lo=0,
+    )
     skip_batches: int = option(
         4,
         "batches monitor.batches() drops after a rollback (PaLM skipped "

@@ -48,6 +48,7 @@ __all__ = [
     "remove_stale_temporaries",
     "restore_state",
     "save_checkpoint",
+    "tree_nbytes",
 ]
 
 DEFAULT_SNAPSHOT_EVERY = 50  # a rollback loses at most 50 steps
@@ -334,22 +335,49 @@ def restore_state(
 # --------------------------------------------------------------------------------------------
 
 
+def tree_nbytes(value: Any) -> int:
+    """Bytes of the tensors in a state tree (dicts, lists, tuples, tensors, ``LocalShard``)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, LocalShard):
+        return tree_nbytes(value.data)
+    if isinstance(value, Mapping):
+        return sum(tree_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tree_nbytes(v) for v in value)
+    return 0
+
+
 class SnapshotRing:
-    """The last ``keep`` CPU snapshots, one every ``every`` optimizer steps.
+    """The last ``keep`` CPU snapshots, one every ``every`` optimizer steps, holding at most
+    ``max_bytes`` of tensors in all (the oldest go first; a snapshot larger than the whole budget
+    is not kept, and ``too_big`` says how large it was).
 
     ``maybe_take(label, ...)`` snapshots when ``every`` steps passed since the newest snapshot;
     ``latest_before(step)`` is the newest snapshot with ``label <= step``; ``discard_after(label)``
     drops newer ones (after a rollback they belong to the abandoned trajectory).
     """
 
-    def __init__(self, every: int = DEFAULT_SNAPSHOT_EVERY, keep: int = DEFAULT_SNAPSHOT_KEEP):
+    def __init__(
+        self, every: int = DEFAULT_SNAPSHOT_EVERY, keep: int = DEFAULT_SNAPSHOT_KEEP, max_bytes: int | None = None
+    ):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"SnapshotRing.every must be an integer >= 1, got {every!r}")
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"SnapshotRing.keep must be an integer >= 1, got {keep!r}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"SnapshotRing.max_bytes must be >= 0 or None, got {max_bytes!r}")
         self.every = every
         self.keep = keep
+        self.max_bytes = max_bytes
+        self.too_big: int | None = None  # bytes of the last snapshot the budget could not hold
         self._ring: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=keep)
+        self._sizes: dict[int, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensors the snapshots hold now."""
+        return sum(self._sizes.get(id(state), 0) for _, state in self._ring)
 
     def __len__(self) -> int:
         return len(self._ring)
@@ -369,7 +397,20 @@ class SnapshotRing:
         """Snapshot now under ``label`` (replaces an existing snapshot with the same label)."""
         if self._ring and self._ring[-1][0] >= label:
             self.discard_after(label - 1)
-        self._ring.append((int(label), capture_state(model, optimizer, scaler, extra)))
+        if self.max_bytes is not None and self.too_big is not None and self.too_big > self.max_bytes:
+            return  # one snapshot is larger than the whole budget: none is taken (nor copied)
+        state = capture_state(model, optimizer, scaler, extra)
+        size = tree_nbytes(state)
+        if self.max_bytes is not None:
+            if size > self.max_bytes:
+                self.too_big = size
+                return
+            while self._ring and self.nbytes + size > self.max_bytes:
+                self._sizes.pop(id(self._ring.popleft()[1]), None)  # the oldest go first
+        if len(self._ring) == self.keep:
+            self._sizes.pop(id(self._ring[0][1]), None)
+        self._ring.append((int(label), state))
+        self._sizes[id(state)] = size
 
     def maybe_take(
         self,
@@ -397,7 +438,8 @@ class SnapshotRing:
     def discard_after(self, label: int) -> None:
         """Drop every snapshot with a label greater than ``label``."""
         while self._ring and self._ring[-1][0] > label:
-            self._ring.pop()
+            self._sizes.pop(id(self._ring.pop()[1]), None)
 
     def clear(self) -> None:
         self._ring.clear()
+        self._sizes.clear()

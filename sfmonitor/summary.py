@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from .events import Event, jsonable
+from .sharding import local
 
-__all__ = ["format_summary", "run_metadata", "run_summary", "write_json"]
+__all__ = ["format_memory", "format_summary", "memory_plan", "run_metadata", "run_summary", "write_json"]
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
@@ -44,6 +45,79 @@ def run_metadata(
         "groups": list(groups),
         "config": dict(config),
     }
+
+
+# Optimizer state per parameter element, in parameter-sized tensors, for the optimizers whose state
+# is still empty at attach (torch creates it at the first step): Adam's two moments, SGD's momentum.
+_STATE_COPIES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "Adadelta": 2}
+
+
+def _state_copies(optimizer: torch.optim.Optimizer) -> float | None:
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return float(any(g.get("momentum", 0) for g in optimizer.param_groups))
+    if name == "RMSprop":
+        g = optimizer.param_groups[0] if optimizer.param_groups else {}
+        return 1.0 + bool(g.get("momentum", 0)) + bool(g.get("centered", False))
+    copies = _STATE_COPIES.get(name)
+    return None if copies is None else float(copies)
+
+
+def memory_plan(
+    params: Iterable[torch.Tensor],
+    buffers: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    undo: bool,
+    snapshot_keep: int,
+    snapshot_budget_bytes: int,
+) -> dict[str, Any]:
+    """What the monitor will hold, in bytes: the exact-undo copy (device memory: parameters,
+    optimizer state, buffers) and the rollback snapshots (host memory, bounded by the budget).
+    The optimizer's state is measured when it exists, else estimated from its class (``None``
+    when unknown)."""
+    params, buffers = list(params), list(buffers)
+    p_bytes = sum(p.numel() * p.element_size() for p in params)
+    b_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    live = [local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    if live:
+        s_bytes: int | None = sum(t.numel() * t.element_size() for t in live)
+        estimated = False
+    else:
+        copies = _state_copies(optimizer)
+        s_bytes = None if copies is None else int(copies * p_bytes)
+        estimated = True
+    one = p_bytes + b_bytes + (s_bytes or 0)
+    return {
+        "parameter_bytes": p_bytes,
+        "buffer_bytes": b_bytes,
+        "optimizer_state_bytes": s_bytes,
+        "optimizer_state_estimated": estimated,
+        "undo_device_bytes": one if undo else 0,
+        "snapshot_bytes": one,
+        "snapshots_kept": min(snapshot_keep, snapshot_budget_bytes // one) if one else snapshot_keep,
+        "snapshot_host_bytes": min(snapshot_keep * one, snapshot_budget_bytes),
+        "snapshot_budget_bytes": snapshot_budget_bytes,
+    }
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def format_memory(plan: Mapping[str, Any]) -> str:
+    """One console line: what the monitor holds besides the run itself."""
+    state = _mib(plan["optimizer_state_bytes"]) + (" est." if plan["optimizer_state_estimated"] else "")
+    undo = (
+        f"exact undo {_mib(plan['undo_device_bytes'])} beside the parameters (one copy of parameters "
+        f"{_mib(plan['parameter_bytes'])} + optimizer state {state})"
+        if plan["undo_device_bytes"]
+        else "exact undo off"
+    )
+    return (
+        f"[sfmonitor] memory: {undo}; rollback snapshots in host memory: {plan['snapshots_kept']} x "
+        f"{_mib(plan['snapshot_bytes'])} = {_mib(plan['snapshot_host_bytes'])} at most "
+        f"(budget actions.rollback.max_host_mb = {_mib(plan['snapshot_budget_bytes'])})"
+    )
 
 
 def run_summary(

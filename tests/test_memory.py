@@ -1,0 +1,93 @@
+"""What the monitor holds: the exact-undo copy and the rollback snapshots, bounded and reported."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import sfmonitor
+from sfmonitor.checkpoint import SnapshotRing, capture_state, tree_nbytes
+
+QUIET = {"console": False}
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+
+
+def _train(mon, model, opt, steps):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_snapshot_ring_keeps_within_its_byte_budget_oldest_first():
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters())
+    one = tree_nbytes(capture_state(model))  # parameters, buffers, RNG states
+    ring = SnapshotRing(every=1, keep=5, max_bytes=int(2.5 * one))
+    for label in range(4):
+        ring.take(label, model)
+    assert ring.labels == [2, 3] and ring.nbytes <= ring.max_bytes and ring.too_big is None
+    ring.discard_after(2)
+    assert ring.labels == [2] and ring.nbytes == pytest.approx(one, rel=0.01)
+    # a snapshot larger than the whole budget is not taken, and says how large it was
+    small = SnapshotRing(every=1, keep=3, max_bytes=one // 2)
+    small.take(0, model, opt)
+    assert len(small) == 0 and small.too_big is not None and small.too_big >= one
+    with pytest.raises(ValueError, match="max_bytes"):
+        SnapshotRing(max_bytes=-1)
+
+
+def test_attach_reports_what_the_monitor_holds(tmp_path, capsys):
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters())
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": True})
+    p_bytes = sum(p.numel() * 4 for p in model.parameters())
+    b_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    plan = mon.memory
+    assert plan["parameter_bytes"] == p_bytes and plan["buffer_bytes"] == b_bytes
+    # AdamW's state does not exist before the first step: estimated as its two moments
+    assert plan["optimizer_state_estimated"] and plan["optimizer_state_bytes"] == 2 * p_bytes
+    assert plan["undo_device_bytes"] == 3 * p_bytes + b_bytes
+    assert plan["snapshots_kept"] == 3 and plan["snapshot_budget_bytes"] == 2048 * 2**20
+    assert json.loads((tmp_path / "run.json").read_text())["memory"] == plan
+    assert "[sfmonitor] memory: exact undo" in capsys.readouterr().err
+    _train(mon, model, opt, 2)
+    mon.detach()
+    # after a step the state is measured, not estimated: the same bytes here
+    mon2 = sfmonitor.attach(model, opt, run_dir=tmp_path / "b", sinks=[], config=QUIET)
+    assert not mon2.memory["optimizer_state_estimated"]
+    assert mon2.memory["optimizer_state_bytes"] == 2 * p_bytes + 4 * len(list(model.parameters()))  # + steps
+    mon2.detach()
+    # the lean profile holds no undo copy
+    cfg = {**QUIET, "actions": {"undo": {"enabled": False}}}
+    mon3 = sfmonitor.attach(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), run_dir=tmp_path / "c", config=cfg)
+    assert mon3.memory["undo_device_bytes"] == 0 and mon3.memory["optimizer_state_bytes"] == 0
+    mon3.detach()
+
+
+def test_a_budget_too_small_for_one_snapshot_warns_once_and_keeps_none(tmp_path):
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters())
+    cfg = {**QUIET, "actions": {"rollback": {"max_host_mb": 0.001, "snapshot_every": 1}}}
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg)
+    assert mon.memory["snapshots_kept"] == 0 and mon.memory["snapshot_host_bytes"] <= 0.001 * 2**20
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(mon, model, opt, 4)
+    budget = [w for w in caught if "max_host_mb" in str(w.message)]
+    assert len(budget) == 1 and "no snapshot is kept" in str(budget[0].message)
+    assert mon.state_dict() is not None
+    mon.detach()
+
+
+def test_max_host_mb_is_validated():
+    with pytest.raises(sfmonitor.ConfigError, match="max_host_mb"):
+        sfmonitor.MonitorConfig.from_any({"actions": {"rollback": {"max_host_mb": -1}}})
