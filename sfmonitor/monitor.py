@@ -88,7 +88,16 @@ from .record import Outcome, Phase, StepRecord
 from .registry import KINDS, register_kind
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
-from .summary import RUN_FILE, SUMMARY_FILE, format_summary, run_metadata, run_summary, write_json
+from .summary import (
+    RUN_FILE,
+    SUMMARY_FILE,
+    format_memory,
+    format_summary,
+    memory_plan,
+    run_metadata,
+    run_summary,
+    write_json,
+)
 from .undo import UndoState, update_norms
 from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
@@ -324,6 +333,8 @@ class Monitor:
         self._base_weights: dict[str, float] = {}
         self._weights: dict[str, float] = {}  # current (possibly rescued) loss weights
         self._amp_skipped = 0  # steps the GradScaler skipped so far
+        self._warned_snapshot_budget = False
+        self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
         self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
@@ -500,7 +511,7 @@ class Monitor:
             groups=self.groups,
             loss_weights=self._weights,
             base_weights=self._base_weights,
-            snapshots=SnapshotRing(every=rb.snapshot_every, keep=rb.keep),
+            snapshots=SnapshotRing(every=rb.snapshot_every, keep=rb.keep, max_bytes=int(rb.max_host_mb * 2**20)),
             run_dir=self._ensure_run_dir() if self._writer or self._sharded else None,
             config=self.config.actions,
             monitor_state=self.state_dict,
@@ -526,9 +537,20 @@ class Monitor:
             sinks = []  # events stay in monitor.events on every rank
         self._router = SinkRouter(sinks)
         self._router.open(self._ensure_run_dir(), self.config.to_dict())
+        rb = self.config.actions.rollback
+        self.memory = memory_plan(
+            self._layout.local(self._params),
+            self._buffers,
+            optimizer,
+            self.config.actions.undo.enabled,
+            rb.keep,
+            int(rb.max_host_mb * 2**20),
+        )
         if self._writer:
             meta = run_metadata(self._params, self.groups, world_size(), self.config.to_dict())
-            self._write_json(RUN_FILE, meta)
+            self._write_json(RUN_FILE, {**meta, "memory": self.memory})
+            if self.config.console:
+                print(format_memory(self.memory), file=sys.stderr)
         return self
 
     def _write_json(self, name: str, data: Mapping[str, Any]) -> None:
@@ -942,6 +964,15 @@ class Monitor:
                 ctx.snapshots.maybe_take(
                     step, ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({"step": step})
                 )
+                if ctx.snapshots.too_big is not None and not self._warned_snapshot_budget:
+                    self._warned_snapshot_budget = True
+                    warnings.warn(
+                        f"sfmonitor: a snapshot of this run holds {ctx.snapshots.too_big / 2**20:.1f} MiB, over "
+                        f"actions.rollback.max_host_mb ({self.config.actions.rollback.max_host_mb:g} MiB): no "
+                        "snapshot is kept, so a rollback has nothing to go back to (raise the budget to allow it)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
 
         if self._bundle_next and self._writer:  # request_bundle(): this step, as it is now
             self._bundle_next = False
