@@ -382,3 +382,50 @@ def test_fsdp2_statistics_are_of_the_unclipped_gradients_over_every_shard(tmp_pa
         opt.zero_grad()
     for n, p in model.named_parameters():
         torch.testing.assert_close(r0["params"][n], p.detach(), rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# The HF Trainer clips (max_grad_norm, through accelerate) before on_pre_optimizer_step
+# --------------------------------------------------------------------------------------------
+
+
+def test_hf_trainer_statistics_are_its_own_unclipped_grad_norm(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from sfmonitor.integrations.transformers import SFMonitorTrainerCallback
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": t, "labels": t} for t in ids]
+    cb = SFMonitorTrainerCallback(run_dir=tmp_path / "run", config=quiet())
+    seen = []
+
+    class Logged(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "grad_norm" in logs:  # the Trainer's own: clip_grad_norm_'s pre-clip total
+                seen.append((float(logs["grad_norm"]), cb.monitor.stats))
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        max_grad_norm=0.05,
+        lr_scheduler_type="constant",
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="steps",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    transformers.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[cb, Logged()]).train()
+    assert len(seen) == 4
+    for grad_norm, stats in seen:
+        assert grad_norm > 0.1  # the clip to 0.05 engaged
+        assert stats["grad_norm/total"] == pytest.approx(grad_norm, rel=1e-4)
+        assert stats["grad_clip/user"] == 1.0
