@@ -158,7 +158,6 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
                 clip.after_clip(matched)
             _BUSY.active = False
 
-    clip_wrapper.__wrapped_by_sfmonitor__ = True  # type: ignore[attr-defined]
     return clip_wrapper
 
 
