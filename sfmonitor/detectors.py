@@ -22,6 +22,7 @@ Statistic keys read (listed in stats.py): ``loss/total``, ``loss/<c>``, ``grad_n
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -101,6 +102,9 @@ class LossSpikeConfig(Section):
         0.01,
         "floor on sigma of log(loss): a jump under z*min_sigma (6%) is never a spike, however flat the curve",
         lo=0,
+    )
+    recent: int = option(
+        16, "the level a loss is compared to: the median of this many latest values (a falling loss is followed)", lo=1
     )
     prior_after: int = option(3, "finite values after which the prior test judges, until the warm-up is over", lo=2)
     prior_sigma: float = option(
@@ -368,6 +372,19 @@ class _Windowed(Detector):
         }
 
 
+def _level_noise(values: list[float], recent: int) -> tuple[float, float]:
+    """The level a new value is compared to, the median of the last ``recent`` values, and the
+    noise around it: 1.4826 * MAD of the successive differences / sqrt(2), the sigma of one
+    value. Both follow a trend: the loss of a run that learns fast falls through the window, and
+    the window's own median and MAD would lag behind it and take the fall for noise."""
+    level = _median(values[-recent:])
+    diffs = [b - a for a, b in itertools.pairwise(values)]
+    if not diffs:
+        return level, 0.0
+    _, mad = _median_mad(diffs)
+    return level, MAD_TO_SIGMA * mad / math.sqrt(2.0)
+
+
 # A loss jump alone is most often the batch (a bad update shows as an update-ratio spike, undone
 # there): skip the step. Three jumps each within 10 steps of the last are trouble that builds up:
 # go back to the newest snapshot and lower the LR. A bad batch every N > 10 steps never escalates.
@@ -375,7 +392,9 @@ class _Windowed(Detector):
     "loss_spike", config=LossSpikeConfig, window=10, kinds={LOSS_SPIKE: [(1, [SKIP_STEP]), (3, [ROLLBACK, LR_DROP])]}
 )
 class LossSpike(_Windowed):
-    """log(loss) above median + z * max(1.4826 * MAD, min_sigma) of the last ``window`` finite values.
+    """log(loss) above level + z * max(noise, min_sigma): the level is the median of the last
+    ``recent`` finite values, the noise the robust sigma of successive differences over the last
+    ``window`` (see ``_level_noise``).
 
     Watches ``loss/total`` and, with ``components``, every ``loss/<c>``. Losses <= 0 are ignored
     (their log is undefined). One finding per key that spikes.
@@ -395,9 +414,9 @@ class LossSpike(_Windowed):
         for key, value, x in _positive_logs(stats, self._keys(stats)):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             if len(w) >= cfg.prior_after:
-                med, mad = _median_mad(list(w))
+                med, noise = _level_noise(list(w), cfg.recent)
                 # during the warm-up the prior's wider floor: a few values say little about the noise
-                sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma if len(w) >= cfg.warmup else cfg.prior_sigma)
+                sigma = max(noise, cfg.min_sigma if len(w) >= cfg.warmup else cfg.prior_sigma)
                 z = (x - med) / sigma
                 if z > cfg.z:
                     limit = med + cfg.z * sigma

@@ -56,6 +56,7 @@ from .events import (
     CLIP,
     GRAD_NOISE,
     LOSS_RATIO_IMBALANCE,
+    LOSS_SPIKE,
     LR_DROP,
     NONFINITE_GRAD,
     NONFINITE_LOSS,
@@ -334,6 +335,10 @@ class Monitor:
         self._weights: dict[str, float] = {}  # current (possibly rescued) loss weights
         self._amp_skipped = 0  # steps the GradScaler skipped so far
         self._warned_snapshot_budget = False
+        # loss spikes on an unchanged state (see _spikes_on_a_sound_state)
+        self._no_update_since_spike = False
+        self._last_update_sound = False
+        self._same_state_spikes = 0
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
@@ -948,8 +953,13 @@ class Monitor:
         findings = self._nonfinite_findings(rec, grad_index)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
-            findings += [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, prev_rec.stats)]
+            judged = [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, prev_rec.stats)]
+            findings += judged
+            if prev_rec.update_landed:  # was the update the state comes from judged, and sound?
+                measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
+                self._last_update_sound = measured and not judged
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
+        self._spikes_on_a_sound_state(findings)
         if self._watch.attached:
             watched = self._watch.findings(step, {**rec.stats, **rec.internal})
             if any(f.kind == BAD_BATCH for f in findings):  # a NaN input is no overflow
@@ -1277,6 +1287,30 @@ class Monitor:
             rec.before_norms = per_group_p
         return out, key
 
+    # Consecutive loss spikes on a state no update has changed since the first one (each was
+    # skipped) come from the batches when the update that made the state was measured and sound:
+    # skip them, however many come in a row (a stretch of corrupted labels), instead of escalating
+    # to a rollback of healthy weights and an LR cut. Past this many the state itself is suspected.
+    SAME_STATE_SPIKES = 32
+
+    def _spikes_on_a_sound_state(self, findings: list[Finding]) -> None:
+        spikes = [f for f in findings if f.kind == LOSS_SPIKE]
+        if not spikes:
+            return
+        if self._no_update_since_spike and self._last_update_sound:
+            self._same_state_spikes += 1
+            if self._same_state_spikes <= self.SAME_STATE_SPIKES:
+                for f in spikes:
+                    f.occurrence = 1
+                    f.data["same_state"] = {
+                        "spikes": self._same_state_spikes + 1,
+                        "why": "no update landed since the last loss spike, and the update that made this state "
+                        "was measured and normal: the batch, not the weights",
+                    }
+        else:
+            self._same_state_spikes = 0
+        self._no_update_since_spike = True
+
     def _nonfinite_findings(self, rec: StepRecord, grad_index: Sequence[int]) -> list[Finding]:
         v, i = rec.stats, rec.internal
         findings: list[Finding] = []
@@ -1357,6 +1391,8 @@ class Monitor:
         try:
             rec.put_back(self.optimizer)  # gradients hidden for a skip; the user's LR
             rec.phase = Phase.ABORTED if aborted else Phase.LANDED
+            if rec.update_landed:
+                self._no_update_since_spike = False
             if rec.scaler_skips and not aborted:
                 self._amp_skipped += 1
             if rec.before_params is not None and rec.before_norms is not None:

@@ -373,3 +373,15 @@ def test_accuracy_collapse_with_samples_needs_a_climb_beyond_the_noise():
     det.observe_eval(6, {"accuracy": 0.5}, chance=0.1)
     out = det.observe_eval(7, {"accuracy": 0.0625}, chance=0.1)
     assert out and out[0].kind == ACCURACY_COLLAPSE
+
+
+def test_loss_spike_follows_a_falling_loss():
+    # A run that learns fast: log-loss falls from 4.4 to 2.8 over 40 steps (noise 2%). The window's
+    # own median and MAD lag behind the fall and took it for noise: a 2x jump (corrupted labels)
+    # was 3.5 sigma. Against the recent level and the noise of successive differences it is a spike.
+    rng = np.random.default_rng(3)
+    det = D.LossSpike()
+    losses = [4.4 * (2.8 / 4.4) ** (s / 39) * math.exp(rng.normal(0, 0.02)) for s in range(40)]
+    assert [f for s, v in enumerate(losses) for f in det.check(s, {"loss/total": v})] == []
+    out = det.check(40, {"loss/total": 2 * losses[-1]})
+    assert out and out[0].data["z"] > 10

@@ -127,20 +127,50 @@ def test_a_loss_jump_is_skipped_and_three_close_together_roll_back(tmp_path):
         model, opt, run_dir=tmp_path, sinks=[], config=cfg(actions={"rollback": {"snapshot_every": 5}})
     )
     xs = data(40)
-    for i, x in enumerate(xs[:30]):
-        if i == 25:
-            before_25 = state(model, opt)  # the last healthy snapshot is taken as step 25 starts
+    for x in xs[:30]:
         step(model, opt, mon, x)
     before_30 = state(model, opt)
     step(model, opt, mon, xs[30], loss_add=1000.0)  # one loss jump: most often the batch
     assert acted(mon) == [(30, "loss_spike", ["skip_step"])]
     same_state(before_30, state(model, opt))  # skipped: nothing landed
-    step(model, opt, mon, xs[31], loss_add=1000.0)
-    step(model, opt, mon, xs[32], loss_add=1000.0)  # the third within 10 steps: trouble builds up
-    (ev,) = [e for e in mon.events if e.step == 32 and e.actions]  # loss/total and loss/fusion: one rollback
+    # jumps with healthy updates landing between them, each within 10 steps of the last: the
+    # weights themselves are suspect by the third
+    step(model, opt, mon, xs[31])
+    step(model, opt, mon, xs[32], loss_add=1000.0)
+    step(model, opt, mon, xs[33])
+    step(model, opt, mon, xs[34], loss_add=1000.0)
+    (ev,) = [e for e in mon.events if e.step == 34 and e.actions]  # loss/total and loss/fusion: one rollback
     assert ev.actions == ["rollback", "lr_drop"]
-    assert ev.data["action_results"]["rollback"]["restored_from"] == 25
-    same_state(before_25, state(model, opt))
+    # the newest snapshot: taken as step 31 started (the first healthy step 5 steps after step 25's)
+    assert ev.data["action_results"]["rollback"]["restored_from"] == 31
+    same_state(before_30, state(model, opt))  # step 30 was skipped: the same state
+    mon.detach()
+
+
+def test_loss_jumps_in_a_row_on_an_unchanged_sound_state_are_bad_batches(tmp_path):
+    # A stretch of corrupted batches: each jump is skipped, so no update lands between them, and
+    # the update that made the state was measured and normal: the batches are bad, not the
+    # weights. Skip every one; never roll back healthy weights or cut the LR for them.
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(
+        model, opt, run_dir=tmp_path, sinks=[], config=cfg(actions={"rollback": {"snapshot_every": 5}})
+    )
+    xs = data(50)
+    for x in xs[:30]:
+        step(model, opt, mon, x)
+    before = state(model, opt)
+    for x in xs[30:40]:
+        step(model, opt, mon, x, loss_add=1000.0)
+    acts = [(s, a) for s, _, a in acted(mon)]
+    assert acts == [(s, ["skip_step"]) for s in range(30, 40)]
+    same_state(before, state(model, opt))
+    assert opt.param_groups[0]["lr"] == 0.01 and mon.state_dict()["lr_scale"] == 1.0
+    same = [e.data["same_state"]["spikes"] for e in mon.events if e.step == 39 and "same_state" in e.data]
+    assert same and same[0] == 10
+    for x in xs[40:44]:  # the data is clean again: training goes on from the same weights
+        step(model, opt, mon, x)
+    assert [e for e in mon.events if e.step >= 40 and e.actions] == []
     mon.detach()
 
 
