@@ -366,6 +366,7 @@ class Monitor:
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
         self._own_seconds, self._own_steps = 0.0, 0  # the monitor's own time (summary.json)
         self._batch_loops = 0  # batches() generators running: a stop then ends them, no raise
+        self._steps_closed = 0  # optimizer steps ended (batches() tells a step's micro-batches by it)
         self._bundle_next = False  # request_bundle(): write one for the next step
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
         names = [d.name for d in self._detectors]
@@ -809,6 +810,8 @@ class Monitor:
             # ends at the stop; the emergency checkpoint holds the last healthy state
         """
         self._batch_loops += 1
+        closed = self._steps_closed
+        fed: list[Any] = []  # the batches yielded since the last optimizer step ended
         try:
             for batch in loader:
                 if self.should_stop:
@@ -816,12 +819,21 @@ class Monitor:
                 if self._ctx is not None and self._ctx.batches_to_skip > 0:
                     self._ctx.batches_to_skip -= 1
                     continue
-                yield batch
-                # An undo skipped the step this batch fed (its gradients came from the undone
-                # state): the batch is used again, from the restored state.
-                while self._ctx is not None and self._ctx.repeat_batch and not self.should_stop:
-                    self._ctx.repeat_batch = False
-                    yield batch
+                queue = [batch]
+                while queue and not self.should_stop:
+                    b = queue.pop(0)
+                    yield b
+                    fed.append(b)
+                    if self._steps_closed == closed:
+                        continue  # gradient accumulation: the step has more micro-batches
+                    closed = self._steps_closed
+                    step_batches, fed = fed, []
+                    # An undo skipped the step these batches fed (their gradients came from the
+                    # undone state): all of them (every micro-batch of an accumulated step) are
+                    # used again, from the restored state.
+                    if self._ctx is not None and self._ctx.repeat_batch:
+                        self._ctx.repeat_batch = False
+                        queue = step_batches + queue
         finally:
             self._batch_loops -= 1
 
@@ -1421,6 +1433,7 @@ class Monitor:
         finally:
             # The step counter counts skipped and aborted steps too.
             self.step = rec.step + 1
+            self._steps_closed += 1
             self._record = StepRecord(step=self.step)
             self._watch.reset(self.step)
             self._recorder.clear()

@@ -145,6 +145,37 @@ def test_a_landed_bad_update_is_undone_and_the_run_equals_its_twin_without_that_
     assert same_state(model, twin), "an exact undo loses one step and nothing else"
 
 
+def test_an_undone_accumulated_step_uses_every_micro_batch_again(tmp_path):
+    # Gradient accumulation (2 micro-batches a step) through monitor.batches(): step 15's update
+    # lands at 10^4 x the LR, step 16 sees it and undoes it; both of step 16's micro-batches feed
+    # the step again, so the run equals the twin that never took step 15: one step lost, not 1.5.
+    acc, steps = 2, 30
+    model, _ = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    for i, (x, y, _) in enumerate(mon.batches(data(n=steps * acc))):
+        for g in opt.param_groups:
+            g["lr"] = 0.02 * (1e4 if mon.step == 15 else 1.0)
+        (mon.combine(nn.functional.mse_loss(model(x), y)) / acc).backward()
+        if i % acc == acc - 1:
+            opt.step()
+            opt.zero_grad()
+    mon.detach()
+    acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acted == [(15, "update_ratio_spike", ["undo"])]
+    twin, _ = make()
+    topt = torch.optim.SGD(twin.parameters(), lr=0.02, momentum=0.9)
+    batches = data(n=steps * acc)
+    for i, (x, y, _) in enumerate(batches):
+        if i // acc == 15:
+            continue
+        (nn.functional.mse_loss(twin(x), y) / acc).backward()
+        if i % acc == acc - 1:
+            topt.step()
+            topt.zero_grad()
+    assert same_state(model, twin), "the undone step's micro-batches are all used again"
+
+
 def test_a_second_landed_spike_lowers_the_lr_which_then_climbs_back(tmp_path):
     cfg = {"actions": {"lr_drop": {"recover_after": 10, "recover_steps": 5}}}
     model, mon, _ = spiky_run(tmp_path, lr_at={30, 40}, config=cfg, steps=80)
