@@ -252,6 +252,9 @@ def run(
         maxima = [e.data.get("max_logit") for e in clips]
         if clips:
             actions["qk_clip_applied"] = len(clips)
+            before = sum(_clipped_before_forward(e) for e in clips)
+            if before:
+                actions["qk_clip_before_forward"] = before
         row.update(
             events=events,
             actions=actions,
@@ -266,8 +269,15 @@ def run(
 
 
 def _clipped(event) -> bool:
-    """An event whose qk_clip changed W_q/W_k (a held module's check can find nothing to clip)."""
-    return "qk_clip" in event.actions and bool(event.data.get("action_results", {}).get("qk_clip", {}).get("applied"))
+    """An event whose qk_clip changed W_q/W_k, after the update or (a held module) before the
+    step's forward; a held module's check can find nothing to clip."""
+    return "qk_clip" in event.actions and (
+        bool(event.data.get("action_results", {}).get("qk_clip", {}).get("applied")) or _clipped_before_forward(event)
+    )
+
+
+def _clipped_before_forward(event) -> bool:
+    return bool(event.data.get("clipped_before_forward"))
 
 
 def sensitivity(rows: list[dict], arm: str) -> float | None:

@@ -526,6 +526,9 @@ def qk_clip(ctx: Any, decision: Decision) -> dict[str, Any]:
     cap = float(att.get("clip_target", tau))
     facts = _clip_facts(spec, module, head_max, float(tau), cap)
     factors = facts.pop("_factors", None)
+    if att.get("clipped_before_forward"):
+        # The watch's check of this held module clipped it before this step's forward.
+        facts["clipped_before_forward"] = att["clipped_before_forward"]
     if _update_will_be_skipped(ctx):
         # The weights stay as they are: the logits just measured are the ones to clip.
         if factors is not None:
@@ -583,6 +586,21 @@ def _clip_facts(spec: QKSpec, module: str, head_max: list[float], tau: float, ca
         facts["_factors"] = (q_scale, k_scale)
     else:
         facts.update(applied=False, reason=f"no head's finite max logit is above {cap:g}")
+    return facts
+
+
+def clip_now(
+    model: nn.Module, spec: QKSpec, module: str, head_max: list[float], tau: float, cap: float
+) -> dict[str, Any] | None:
+    """Clip ``spec``'s heads whose max logit (``head_max``, exact, measured on the weights as they
+    are) passes ``cap``, now; what was done, or None when no head was over. The activation watch's
+    check of a held module before its forward (``ActivationWatch``)."""
+    facts = _clip_facts(spec, module, head_max, tau, cap)
+    factors = facts.pop("_factors", None)
+    if factors is None:
+        return None
+    apply_qk_clip(model, spec, *factors)
+    facts.update(applied=True, when="before this step's forward", measured="on this forward's input")
     return facts
 
 
@@ -677,6 +695,9 @@ def finding(
     what = f"max logit {top:.4g} passed tau={tau:g} ({heads})"
     if not over:  # a held module (a clip was needed lately): its logits are checked after the update
         what = f"max logit {top:.4g} (tau={tau:g}), held after a clip: checked again after the update"
+        pre = forecast.get("clipped_before_forward")
+        if pre:
+            what += f" (clipped from {pre['max_logit']:.4g} before this step's forward)"
     data: dict[str, Any] = {
         "module": module,
         "max_logit": top,

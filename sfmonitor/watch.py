@@ -25,6 +25,18 @@ the step before -- what the next batch and the other parameters' update add. Whi
 needed in the last ``HOLD_STEPS`` steps (the growth regime), every clippable attention module is
 sampled every step, and each one within ``MAX_HEADROOM`` of tau is held too.
 
+QK-Clip before the forward (``_check_before_forward``): the headroom is a guess about the next
+batch, and one batch alone can give a max logit 2-3x another's with the same weights
+(docs/benchmarks.md, LR sweep). So a module held after a clip qk_clip made, and in the growth
+regime every clippable module, is also checked before the step's first training forward: the
+module is run on that forward's own input (as ``remeasure`` does) and heads over tau are clipped
+(to tau less ``PRECHECK_MARGIN``) before the forward runs; that forward's logits are then under
+tau. The finding of the step carries what was clipped (``clipped_before_forward``). One module
+forward and one host read per such module and step, in the growth regime only: a healthy run
+never gets there (a watch whose findings no qk_clip answers never clips). Not with FSDP2-sharded
+projections nor across processes (each rank would clip from its own batch alone): there the clip
+after the update is all there is.
+
 Sampling is a forecast, not only a stride: every watched maximum keeps its growth rate (per step,
 from its last two samples), and the next sample comes sooner as the extrapolated value nears its
 limit (the dtype's max; for attention logits also tau): within ``steps_to_limit / forecast_safety``
@@ -70,6 +82,7 @@ from .attention import ATTN_LOGIT_MAX_PREFIX, QK_CLIP, AttentionConfig
 from .events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError, Finding
 from .registry import register_kind
 from .schema import Section, option
+from .sharding import is_sharded
 from .stats import ACT_FIRST_NONFINITE, finite
 
 # A first warning (|x| >= half the dtype's max, or the limit a few steps away at the current growth
@@ -108,6 +121,11 @@ HOLD_STEPS = 50
 # headroom used (the cap never goes under tau / MAX_HEADROOM).
 HEADROOM_SAMPLES = 8
 MAX_HEADROOM = 4.0
+# A held module is also checked *before* each step's first training forward, on that forward's own
+# input: the clip after the update is sized from the last batch, and the next batch alone can give
+# a max logit 2-3x higher with the same weights (docs/benchmarks.md, LR sweep). That check clips to
+# tau less this fraction (rescaling W_q and W_k rows is exact only to fp rounding).
+PRECHECK_MARGIN = 1e-3
 
 # Default module selection: attention-like modules by name or class, and every nn.Linear.
 DEFAULT_NAME_PATTERNS = ["*attn*", "*attention*", "*fusion*"]
@@ -402,6 +420,9 @@ class ActivationWatch:
         self._model: nn.Module | None = None
         self._regime_until = -1  # the last step of the growth regime (a clip was needed lately)
         self._ratios: list[float] = []  # the model's recent headroom ratios (any held module)
+        self._checked: set[str] = set()  # held modules checked before their forward this step
+        self._pre_clips: dict[str, dict[str, Any]] = {}  # what those checks clipped, this step
+        self._sharded: set[str] = set()  # clippable modules with FSDP2 (DTensor) projections
 
     # ---- lifecycle -------------------------------------------------------------------------
     def select(self, model: nn.Module) -> list[str]:
@@ -426,7 +447,7 @@ class ActivationWatch:
         if not self.config.enabled:
             return self
         self.module_names = self.select(model)
-        self.attention, self._mha, self._modules = {}, set(), {}
+        self.attention, self._mha, self._modules, self._sharded = {}, set(), {}, set()
         for name in self.module_names:
             mod = model.get_submodule(name)
             self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
@@ -441,6 +462,12 @@ class ActivationWatch:
                 if spec is not None:
                     self._modules[name] = mod
                     self._handles.append(mod.register_forward_pre_hook(self._make_keep(name), with_kwargs=True))
+                    # Before the watch's own pre-hooks: the check runs the module in a clean state.
+                    self._handles.append(
+                        mod.register_forward_pre_hook(self._make_check(name), with_kwargs=True, prepend=True)
+                    )
+                    if any(is_sharded(p) for p in mod.parameters()):
+                        self._sharded.add(name)
         AT.WATCHES[model] = self
         self._model = model
         self.reset(0)
@@ -481,6 +508,7 @@ class ActivationWatch:
         self._records = {}
         self._attn = {}
         self._seq = 0
+        self._checked, self._pre_clips = set(), {}
         # Kept until the update of the step they come from has landed (qk_clip runs after it).
         self._last_inputs, self._inputs = self._inputs, {}
 
@@ -505,6 +533,18 @@ class ActivationWatch:
             return None
 
         return keep
+
+    def _make_check(self, name: str) -> Callable:
+        def check(module, args, kwargs):
+            if self._remeasuring or self._busy or name in self._checked or not self._holding(name):
+                return None
+            if self._stack or self._mode is not None or not torch.is_grad_enabled():
+                return None  # inside another watched module's forward, or not a training forward
+            self._checked.add(name)  # the step's first forward only (accumulation, re-entrant calls)
+            self._check_before_forward(name, module, args, kwargs)
+            return None
+
+        return check
 
     def _make_pre(self, name: str) -> Callable:
         def pre(module, args):
@@ -812,10 +852,11 @@ class ActivationWatch:
                     hold = None
                 if heads is None:
                     continue
+                pre = self._pre_clips.get(name)
                 if hold is not None and hold.left is not None and hold.left_step == step - 1 and hold.left > 0:
                     # The same weights as the clip left them: what this batch (and the other
-                    # parameters' update) adds to the max logit.
-                    ratio = max(heads) / hold.left
+                    # parameters' update) adds to the max logit (before the check's clip, if any).
+                    ratio = (pre["max_logit"] if pre is not None else max(heads)) / hold.left
                     hold.ratios = [*(hold.ratios or [])[-(HEADROOM_SAMPLES - 1) :], ratio]
                     self._ratios = [*self._ratios[-(HEADROOM_SAMPLES - 1) :], ratio]
                 over = any(finite(m) and m > tau for m in heads)
@@ -834,6 +875,8 @@ class ActivationWatch:
                 if hold is not None:
                     extra["held"] = True
                     self._plan[name] = step + 1  # a held module is sampled every step
+                if pre is not None:
+                    extra["clipped_before_forward"] = pre
                 out.append(AT.finding(step, name, heads, tau, info.spec, info.reason, extra))
         # Inputs are kept for the modules qk_clip may re-run after the update, only.
         wanted = {f.where for f in out}
@@ -849,6 +892,37 @@ class ActivationWatch:
         ratios = (hold.ratios if hold is not None else None) or self._ratios or [1.0]
         return self._attn_cfg.tau / min(MAX_HEADROOM, max(1.0, *ratios))
 
+    def _holding(self, name: str) -> bool:
+        """Whether ``name`` is checked before its forward now: held after a clip qk_clip made, or
+        any clippable module in the growth regime (a clip was needed lately: another module can
+        cross tau in one update, before a sample has held it); only what qk_clip started (a watch
+        whose findings no qk_clip answers never clips); not with sharded projections (FSDP2: each rank holds
+        part of the rows) nor across processes (each rank would clip from its own batch alone)."""
+        hold = self._held.get(name)
+        # Held by qk_clip's report (left_step set), not only by this step's finding.
+        clipped = hold is not None and hold.left_step >= 0 and self._step <= hold.until
+        if self._step > self._regime_until and not clipped:
+            return False
+        if name in self._sharded or self._model is None:
+            return False
+        dist = torch.distributed
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+    def _check_before_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A held module's check before its training forward: its exact max logit per head on this
+        forward's own input with the weights as they are; heads over tau are clipped now, so this
+        forward's logits stay under tau. One module forward and one host read, on held steps only."""
+        info = self.attention.get(name)
+        if info is None or info.spec is None or self._model is None:
+            return
+        heads = self._measure(name, module, _detached(args), _detached(kwargs))
+        if not heads:
+            return
+        tau = self._attn_cfg.tau
+        facts = AT.clip_now(self._model, info.spec, name, heads, tau, tau * (1.0 - PRECHECK_MARGIN))
+        if facts is not None:
+            self._pre_clips[name] = facts
+
     def remeasure(self, name: str) -> list[float] | None:
         """The max logit per head that ``name`` gives now (after the update) on the input of its
         last sampled forward, or None (no input kept). Exact for that input: the module's own
@@ -859,6 +933,10 @@ class ActivationWatch:
         if kept is None or module is None:
             return None
         _, args, kwargs = kept
+        return self._measure(name, module, args, kwargs)
+
+    def _measure(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> list[float] | None:
+        """The max logit per head of ``module`` run on (args, kwargs) now (see ``remeasure``)."""
         saved = (self._sampled, self._due, self._stack, self._mode, self._attn, self._records, self._seq)
         modes = [(m, m.training) for m in module.modules()]
         devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})

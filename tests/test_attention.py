@@ -592,9 +592,10 @@ def test_two_modules_clipped_in_one_step(tmp_path):
     assert any(len(mods) == 2 for mods in steps.values())
 
 
-def _train_peaks(lr, steps, tau=None, layers=2, batch=(16, 16), tmp_path=None):
+def _train_peaks(lr, steps, tau=None, layers=2, batch=(16, 16), tmp_path=None, sizes=None):
     """Train TinyLM; the max logit of every training forward (same weights, same batch), and the
-    step of the first qk_clip that changed W_q/W_k (None: none, or no monitor)."""
+    step of the first qk_clip that changed W_q/W_k (None: none, or no monitor). ``sizes``: batch
+    sizes taken in turn (instead of batch[0])."""
     torch.manual_seed(0)
     model = TinyLM(layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -605,7 +606,8 @@ def _train_peaks(lr, steps, tau=None, layers=2, batch=(16, 16), tmp_path=None):
     g = torch.Generator().manual_seed(1)
     peaks, first = [], None
     for step in range(steps):
-        idx = torch.randint(0, 11, batch, generator=g)
+        shape = (sizes[step % len(sizes)], batch[1]) if sizes else batch
+        idx = torch.randint(0, 11, shape, generator=g)
         logits = model(idx)
         with torch.no_grad():
             h, m = model.emb(idx), []
@@ -639,6 +641,59 @@ def test_max_logit_stays_under_tau_after_the_first_clip(tmp_path):
     measured = [r for r in results if r.get("applied")]
     assert measured and all(r["measured"] == "after the update, on this step's input" for r in measured)
     assert any(e.data.get("held") for e in mon.events if e.kind == ATTENTION_LOGIT_GROWTH)
+
+
+def test_a_larger_batch_after_a_clip_stays_under_tau(tmp_path):
+    """Batches of 2 and 64 sequences in turn: with the same weights the 64-sequence batch's max
+    logit is well above the 2-sequence one's, so a clip sized after the update on the small batch
+    leaves the next forward over tau (13 for tau 8 without the check). A held module is checked
+    before its forward, on that forward's own input: no training forward after the first clip
+    passes tau."""
+    tau = 8.0
+    bare, _, _ = _train_peaks(0.1, 60, sizes=(2, 64))
+    assert max(bare) > 4 * tau
+    peaks, first, mon = _train_peaks(0.1, 60, tau, tmp_path=tmp_path, sizes=(2, 64))
+    assert first is not None and first < 30
+    assert max(peaks[first + 1 :]) <= tau
+    pre = [e.data["clipped_before_forward"] for e in mon.events if e.data.get("clipped_before_forward")]
+    assert pre and all(p["applied"] and p["max_logit"] > tau for p in pre)
+
+
+def test_a_held_module_is_clipped_before_a_forward_that_would_pass_tau():
+    """Only after qk_clip has reported a needed clip (a finding alone never clips): the module's
+    exact logits on the forward's own input, heads over tau clipped before the forward runs; only
+    W_q/W_k change; once per step (not a second forward, not a no-grad forward)."""
+    torch.manual_seed(3)
+    model = Block(HandAttention())
+    x = torch.randn(2, 6, 16)
+    tau = 2 * max(_per_head(model.attn.logits(x).detach()))
+    watch = ActivationWatch(WatchConfig(stride=1, attention=AttentionConfig(tau=tau))).attach(model)
+    ref = copy.deepcopy(model.state_dict())
+    watch.reset(0)
+    model(3 * x).sum().backward()  # logits x9: over tau, measured, nothing held yet
+    found = watch.findings(0, {k: float(v) for k, v in watch.pending().items()})
+    assert [f.kind for f in found] == [ATTENTION_LOGIT_GROWTH] and "clipped_before_forward" not in found[0].data
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+    watch.reset(1)
+    watch.clipped("attn", tau / 2, True)  # qk_clip's report after step 0's update: a clip was needed
+    over = _per_head(model.attn.logits(3 * x).detach())
+    model(3 * x).sum().backward()
+    stats = {k: float(v) for k, v in watch.pending().items()}
+    after = _per_head(model.attn.logits(3 * x).detach())
+    assert stats["attn_logit_max/attn"] <= tau and max(after) <= tau
+    pre = next(f for f in watch.findings(1, stats) if f.kind == ATTENTION_LOGIT_GROWTH).data["clipped_before_forward"]
+    assert pre["applied"] and pre["max_logit"] == pytest.approx(max(over), rel=1e-5)
+    assert pre["heads_clipped"] == [h for h, m in enumerate(over) if m > tau * (1 - 1e-3)]
+    assert [a == pytest.approx(m, rel=1e-6) for a, m in zip(after, over)] == [m <= tau * (1 - 1e-3) for m in over]
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, ref[k])}
+    assert changed and changed <= {"attn.wq.weight", "attn.wq.bias", "attn.wk.weight", "attn.wk.bias"}
+    ref = copy.deepcopy(model.state_dict())
+    model(5 * x)  # the step's second forward: not checked again
+    with torch.no_grad():
+        watch.reset(2)
+        model(5 * x)  # not a training forward
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
+    watch.detach()
 
 
 def test_remeasure_gives_the_updated_weights_logits_on_the_kept_input(tmp_path):
