@@ -703,7 +703,8 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         facts = rollback(ctx, decision)
         have = None if state is None else state.label
         return {**facts, "fallback": "rollback", "reason": f"no copy from before step {target}'s update ({have})"}
-    state.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers)
+    # the undone step's batch leaves no trace in the buffers either (BatchNorm statistics)
+    state.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers, before_forward=True)
     ctx.skip = True
     ctx.repeat_batch = True
     return {"restored": True, "undone_step": target, "steps_back": ctx.step - target, "skipped_step": ctx.step}

@@ -22,7 +22,6 @@ Statistic keys read (listed in stats.py): ``loss/total``, ``loss/<c>``, ``grad_n
 from __future__ import annotations
 
 import collections
-import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from .events import (
     CLIP,
     GRAD_RATIO_IMBALANCE,
     GRAD_SPIKE,
+    LOSS_COMPONENT_SPIKE,
     LOSS_RATIO_IMBALANCE,
     LOSS_SCALE_FLOOR,
     LOSS_SPIKE,
@@ -372,38 +372,38 @@ class _Windowed(Detector):
         }
 
 
-def _level_noise(values: list[float], recent: int) -> tuple[float, float]:
-    """The level a new value is compared to, the median of the last ``recent`` values, and the
-    noise around it: 1.4826 * MAD of the successive differences / sqrt(2), the sigma of one
-    value. Both follow a trend: the loss of a run that learns fast falls through the window, and
-    the window's own median and MAD would lag behind it and take the fall for noise."""
-    level = _median(values[-recent:])
-    diffs = [b - a for a, b in itertools.pairwise(values)]
-    if not diffs:
-        return level, 0.0
-    _, mad = _median_mad(diffs)
-    return level, MAD_TO_SIGMA * mad / math.sqrt(2.0)
-
-
 # A loss jump alone is most often the batch (a bad update shows as an update-ratio spike, undone
 # there): skip the step. Three jumps each within 10 steps of the last are trouble that builds up:
 # go back to the newest snapshot and lower the LR. A bad batch every N > 10 steps never escalates.
+# A jump of one component while the total holds is told, not acted on: components trade off
+# against each other (and the loss-ratio detector reweights them), so skipping steps or cutting
+# the LR for one of them costs more than it saves; policy.ladders.loss_component_spike opts in.
 @register_detector(
-    "loss_spike", config=LossSpikeConfig, window=10, kinds={LOSS_SPIKE: [(1, [SKIP_STEP]), (3, [ROLLBACK, LR_DROP])]}
+    "loss_spike",
+    config=LossSpikeConfig,
+    window=10,
+    kinds={LOSS_SPIKE: [(1, [SKIP_STEP]), (3, [ROLLBACK, LR_DROP])], LOSS_COMPONENT_SPIKE: [(1, [])]},
 )
 class LossSpike(_Windowed):
-    """log(loss) above level + z * max(noise, min_sigma): the level is the median of the last
-    ``recent`` finite values, the noise the robust sigma of successive differences over the last
-    ``window`` (see ``_level_noise``).
+    """log(loss) above its expected value + z * max(noise, min_sigma).
 
-    Watches ``loss/total`` and, with ``components``, every ``loss/<c>``. Losses <= 0 are ignored
-    (their log is undefined). One finding per key that spikes.
+    The expected value is the level, the median of the last ``recent`` finite values, corrected
+    by the median of the detector's own past errors (value minus the level it had then); the noise
+    is 1.4826 * MAD of those errors over the last ``window`` steps. Both follow a trend: the loss
+    of a run that learns fast falls through the window, and the window's own median and MAD would
+    lag behind it and take the fall for noise; a component that wanders is judged by how far it
+    usually wanders from its recent level.
+
+    Watches ``loss/total`` (kind ``loss_spike``) and, with ``components``, every ``loss/<c>``
+    (kind ``loss_component_spike``). Losses <= 0 are ignored (their log is undefined). One finding
+    per key that spikes.
     """
 
     kind = LOSS_SPIKE
 
     def __init__(self, config: LossSpikeConfig | None = None):
         super().__init__(config or LossSpikeConfig())
+        self.errors: dict[str, collections.deque[float]] = {}  # key -> value minus the level it had
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         return _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
@@ -413,38 +413,58 @@ class LossSpike(_Windowed):
         out = []
         for key, value, x in _positive_logs(stats, self._keys(stats)):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
-            if len(w) >= cfg.prior_after:
-                med, noise = _level_noise(list(w), cfg.recent)
-                # during the warm-up the prior's wider floor: a few values say little about the noise
-                sigma = max(noise, cfg.min_sigma if len(w) >= cfg.warmup else cfg.prior_sigma)
-                z = (x - med) / sigma
-                if z > cfg.z:
-                    limit = med + cfg.z * sigma
-                    w.append(limit)  # clamped: the spike cannot inflate the window
-                    where = key[len(LOSS_PREFIX) :]
-                    out.append(
-                        Finding(
-                            kind=self.kind,
-                            where=where,
-                            message=(
-                                f"{key} = {_fmt(value)} is {z:.1f} sigma above its rolling median "
-                                f"{_fmt(math.exp(med))} (threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"
-                            ),
-                            data={
-                                "key": key,
-                                "value": value,
-                                "median": math.exp(med),
-                                "threshold_value": math.exp(limit),
-                                "z": z,
-                                "z_threshold": cfg.z,
-                                "sigma_log": sigma,
-                                "step": step,
-                            },
-                        )
-                    )
-                    continue
-            w.append(x)
+            if len(w) < cfg.prior_after:
+                w.append(x)
+                continue
+            errors = self.errors.setdefault(key, collections.deque(maxlen=cfg.window))
+            level = _median(list(w)[-cfg.recent :])
+            bias, mad = _median_mad(list(errors)) if len(errors) >= 2 else (0.0, 0.0)
+            expected = level + bias
+            sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma)
+            if len(w) < cfg.warmup:
+                # The prior, while a few values say little about the noise: a wider floor, and half
+                # the widest swing seen so far (a MAD of a handful of errors can be near zero).
+                sigma = max(sigma, cfg.prior_sigma, 0.5 * max(abs(v - level) for v in w))
+            z = (x - expected) / sigma
+            if z <= cfg.z:
+                w.append(x)
+                errors.append(x - level)
+                continue
+            limit = expected + cfg.z * sigma
+            w.append(limit)  # clamped: the spike cannot inflate the window
+            errors.append(limit - level)
+            out.append(
+                Finding(
+                    kind=self.kind if key == LOSS_TOTAL else LOSS_COMPONENT_SPIKE,
+                    where=key[len(LOSS_PREFIX) :],
+                    message=(
+                        f"{key} = {_fmt(value)} is {z:.1f} sigma above its expected {_fmt(math.exp(expected))} "
+                        f"(threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"
+                    ),
+                    data={
+                        "key": key,
+                        "value": value,
+                        "median": math.exp(level),
+                        "expected": math.exp(expected),
+                        "threshold_value": math.exp(limit),
+                        "z": z,
+                        "z_threshold": cfg.z,
+                        "sigma_log": sigma,
+                        "step": step,
+                    },
+                )
+            )
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "errors": {k: list(e) for k, e in self.errors.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.errors = {
+            k: collections.deque((float(v) for v in e), maxlen=self.config.window)
+            for k, e in state.get("errors", {}).items()
+        }
 
 
 @register_detector("grad_spike", config=GradSpikeConfig, kinds={GRAD_SPIKE: [(1, [CLIP])]})

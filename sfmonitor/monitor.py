@@ -1102,9 +1102,11 @@ class Monitor:
             if rec is not None:
                 if ctx.skip:
                     rec.hide_grads(ctx.optimizer)
-                    if ctx.undo is not None and ctx.undo.label == step - 1:
+                    undone = any(o.results.get(UNDO, {}).get("restored") for o in outcomes)
+                    if ctx.undo is not None and ctx.undo.label == step - 1 and not undone:
                         # What this step's forward wrote into the buffers (BatchNorm statistics of
-                        # a NaN batch) goes too: a skipped batch is a batch never seen.
+                        # a NaN batch) goes too: a skipped batch is a batch never seen. (An undo
+                        # already put them back as they were before the undone step's forward.)
                         ctx.undo.restore_buffers(ctx.undo_buffers)
                 relaxed = A.relax_weights(ctx)
                 if relaxed.get("restored"):

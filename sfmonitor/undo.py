@@ -37,6 +37,10 @@ class UndoState:
         self.label: int | None = None
         self.params: list[torch.Tensor] = []
         self.buffers: list[torch.Tensor] = []  # the model's buffers (BatchNorm statistics...)
+        # The buffers of the capture before (label - 1): as they were before step `label`'s forward.
+        # An undo of that step's update puts these back, so its batch leaves no trace in them.
+        self.prev_buffers: list[torch.Tensor] = []
+        self.prev_label: int | None = None
         self._state: list[dict[str, Any] | None] = []  # per parameter: key -> buffer or value
 
     @property
@@ -44,6 +48,7 @@ class UndoState:
         tensors = (
             self.params
             + self.buffers
+            + self.prev_buffers
             + [v for st in self._state if st for v in st.values() if isinstance(v, torch.Tensor)]
         )
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -60,10 +65,14 @@ class UndoState:
         Taken after the step's forward: the buffers hold the running statistics up to this step's
         batch, which a later skip of the next step puts back."""
         live_buffers = [local(b) for b in buffers]
+        # two sets of buffers, alternating: this capture's, and the one before (reused, no allocation)
+        self.buffers, self.prev_buffers, self.prev_label = self.prev_buffers, self.buffers, self.label
         if len(self.buffers) != len(live_buffers) or any(
             a.shape != b.shape or a.dtype != b.dtype for a, b in zip(self.buffers, live_buffers)
         ):
             self.buffers = [torch.empty_like(b) for b in live_buffers]
+        if len(self.prev_buffers) != len(self.buffers):
+            self.prev_label = None
         live = [local(p.detach()) for p in params]
         if len(self.params) != len(live) or any(a.shape != b.shape for a, b in zip(self.params, live)):
             self.params = [torch.empty_like(t, memory_format=torch.preserve_format) for t in live]
@@ -98,10 +107,19 @@ class UndoState:
 
     @torch.no_grad()
     def restore(
-        self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, buffers: Sequence[torch.Tensor] = ()
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        buffers: Sequence[torch.Tensor] = (),
+        before_forward: bool = False,
     ) -> None:
-        """Put the copy back: parameters, optimizer state and buffers bit-identical to the capture."""
-        self.restore_buffers(buffers)
+        """Put the copy back: parameters, optimizer state and buffers bit-identical to the capture.
+        ``before_forward``: the buffers as they were before the captured step's forward (when the
+        capture before it is held), so the undone step's batch is as if never seen."""
+        if before_forward and self.label is not None and self.prev_label == self.label - 1 and buffers:
+            torch._foreach_copy_([local(b) for b in buffers], self.prev_buffers)
+        else:
+            self.restore_buffers(buffers)
         dst = [local(p.detach()) for p in params]
         src = list(self.params)
         for p, saved in zip(params, self._state):
@@ -119,6 +137,7 @@ class UndoState:
 
     def clear(self) -> None:
         self.label, self.params, self.buffers, self._state = None, [], [], []
+        self.prev_label, self.prev_buffers = None, []
 
 
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once

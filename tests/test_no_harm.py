@@ -176,6 +176,38 @@ def test_an_undone_accumulated_step_uses_every_micro_batch_again(tmp_path):
     assert same_state(model, twin), "the undone step's micro-batches are all used again"
 
 
+def test_an_undone_update_leaves_no_trace_in_batchnorm_statistics(tmp_path):
+    # With BatchNorm, the undone step's forward (and the forward that detected the damage, on the
+    # blown-up weights) wrote running statistics: the undo puts them back as they were before the
+    # undone step, so the run equals the twin that never took it, buffers included.
+    def bn_net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+    model = bn_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    for x, y, _ in mon.batches(data(n=40)):
+        for g in opt.param_groups:
+            g["lr"] = 0.02 * (1e4 if mon.step == 20 else 1.0)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    assert [(e.step, e.actions) for e in mon.events if e.actions] == [(20, ["undo"])]
+    twin = bn_net()
+    topt = torch.optim.SGD(twin.parameters(), lr=0.02, momentum=0.9)
+    for i, (x, y, _) in enumerate(data(n=40)):
+        if i == 20:
+            continue
+        nn.functional.mse_loss(twin(x), y).backward()
+        topt.step()
+        topt.zero_grad()
+    assert same_state(model, twin)
+    for (name, a), b in zip(model.named_buffers(), twin.buffers()):
+        assert torch.equal(a, b), name
+
+
 def test_a_second_landed_spike_lowers_the_lr_which_then_climbs_back(tmp_path):
     cfg = {"actions": {"lr_drop": {"recover_after": 10, "recover_steps": 5}}}
     model, mon, _ = spiky_run(tmp_path, lr_at={30, 40}, config=cfg, steps=80)
