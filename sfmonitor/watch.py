@@ -540,6 +540,8 @@ class ActivationWatch:
                 return None
             if self._stack or self._mode is not None or not torch.is_grad_enabled():
                 return None  # inside another watched module's forward, or not a training forward
+            if torch._C._current_graph_task_id() != -1:
+                return None  # a recomputation inside the backward (activation checkpointing)
             self._checked.add(name)  # the step's first forward only (accumulation, re-entrant calls)
             self._check_before_forward(name, module, args, kwargs)
             return None

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import sfmonitor
 from sfmonitor import attention as AT
@@ -692,6 +693,8 @@ def test_a_held_module_is_clipped_before_a_forward_that_would_pass_tau():
     with torch.no_grad():
         watch.reset(2)
         model(5 * x)  # not a training forward
+    watch.reset(3)  # reentrant checkpointing: a no-grad forward, then a recomputation in the backward
+    checkpoint(model, (5 * x).requires_grad_(), use_reentrant=True).sum().backward()
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
     watch.detach()
 
