@@ -209,6 +209,7 @@ def run(
     diverged_at = None
     train_losses = []
     first_clip = None
+    peak_to_first_clip = None  # training forwards up to and with the first clip's step
     peak_after_clip = -math.inf
     for step, (x, y) in enumerate(batches(train_ids, cfg, cfg.steps, seed=cfg.seed)):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -225,6 +226,7 @@ def run(
         if mon is not None:
             if first_clip is None and any(_clipped(e) for e in mon.events):
                 first_clip = step
+                peak_to_first_clip = model.peak_logit()
                 for b in model.blocks:  # from here on: the peak after the first clip
                     b.attn.peak = torch.full((), -math.inf)
             elif first_clip is not None:
@@ -249,7 +251,17 @@ def run(
             for a in e.actions:
                 actions[a] = actions.get(a, 0) + 1
         clips = [e for e in mon.events if _clipped(e)]
-        maxima = [e.data.get("max_logit") for e in clips]
+        # What the clips were sized from: after the update, on the step's input (no forward ran
+        # on those weights: they were clipped first), or a held module's check before its forward.
+        maxima = [
+            m
+            for e in clips
+            for m in (
+                e.data.get("action_results", {}).get("qk_clip", {}).get("max_logit"),
+                e.data.get("clipped_before_forward", {}).get("max_logit"),
+            )
+            if m is not None
+        ]
         if clips:
             actions["qk_clip_applied"] = len(clips)
             before = sum(_clipped_before_forward(e) for e in clips)
@@ -259,11 +271,13 @@ def run(
             events=events,
             actions=actions,
             first_clip_step=first_clip,
-            peak_logit_before_clip=max(maxima) if maxima else None,
+            peak_logit_clipped=max(maxima) if maxima else None,
+            peak_logit_to_first_clip=peak_to_first_clip,
             peak_logit_after_first_clip=peak_after_clip if first_clip is not None else None,
         )
-        if first_clip is not None:
-            row["peak_logit"] = max(m for m in [*maxima, peak_after_clip] if m is not None)
+        if first_clip is not None and peak_to_first_clip is not None:
+            # Training forwards only, as in the other arms.
+            row["peak_logit"] = max(peak_to_first_clip, peak_after_clip)
         mon.detach()
     return row
 
