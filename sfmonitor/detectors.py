@@ -87,6 +87,14 @@ MAD_TO_SIGMA = 1.4826  # sigma of a normal distribution = 1.4826 * median absolu
 # --------------------------------------------------------------------------------------------
 
 
+def _at_most(section: Section, name: str, limit: str) -> None:
+    """A config check: option ``name`` may not exceed option ``limit`` of the same section."""
+    value, bound = getattr(section, name), getattr(section, limit)
+    if value > bound:
+        p = section._prefix
+        raise ConfigError(f"{p}{name}: {value} exceeds {p}{limit} ({bound}); allowed: [2, {limit}]")
+
+
 @dataclass
 class LossSpikeConfig(Section):
     """Loss spike: log(loss) far above its robust rolling level (median and MAD of a window)."""
@@ -116,16 +124,8 @@ class LossSpikeConfig(Section):
     )
 
     def validate(self) -> None:
-        if self.warmup > self.window:
-            raise ConfigError(
-                f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
-                f"({self.window}); allowed: [2, window]"
-            )
-        if self.prior_after > self.warmup:
-            raise ConfigError(
-                f"{self._prefix}prior_after: {self.prior_after} exceeds {self._prefix}warmup "
-                f"({self.warmup}); allowed: [2, warmup]"
-            )
+        _at_most(self, "warmup", "window")
+        _at_most(self, "prior_after", "warmup")
 
 
 @dataclass
@@ -157,11 +157,7 @@ class GradSpikeConfig(Section):
     )
 
     def validate(self) -> None:
-        if self.prior_after > self.warmup:
-            raise ConfigError(
-                f"{self._prefix}prior_after: {self.prior_after} exceeds {self._prefix}warmup "
-                f"({self.warmup}); allowed: [2, warmup]"
-            )
+        _at_most(self, "prior_after", "warmup")
 
 
 @dataclass
@@ -183,11 +179,7 @@ class UpdateRatioSpikeConfig(Section):
     warmup: int = option(25, "values collected before the relative test (ZClip: 25 warm-up steps)", lo=2)
 
     def validate(self) -> None:
-        if self.warmup > self.window:
-            raise ConfigError(
-                f"{self._prefix}warmup: {self.warmup} exceeds {self._prefix}window "
-                f"({self.window}); allowed: [2, window]"
-            )
+        _at_most(self, "warmup", "window")
 
 
 @dataclass
