@@ -21,7 +21,8 @@ the rest are let go in ``findings``); ``qk_clip`` then re-runs the module on it 
 weights (eval mode, no grad, the random state put back; the watch records the logits, nothing else
 changes) and clips from those exact values. The clip aims at ``clip_target``: tau divided by the
 largest ratio seen recently between a held module's max logit at a step and what the clip left at
-the step before -- what the next batch and the other parameters' update add. While a clip was
+the step before -- what the next batch and the other parameters' update add -- and, after a clip
+(held, or the growth regime), at least ``MIN_HEADROOM`` under tau. While a clip was
 needed in the last ``HOLD_STEPS`` steps (the growth regime), every clippable attention module is
 sampled every step, and each one within ``MAX_HEADROOM`` of tau is held too.
 
@@ -118,8 +119,14 @@ _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
 # about the logit after it; docs/benchmarks.md, LR sweep.)
 HOLD_STEPS = 50
 # Headroom ratios (next step's max / what the clip left) kept per held module, and the largest
-# headroom used (the cap never goes under tau / MAX_HEADROOM).
+# headroom used (the cap never goes under tau / MAX_HEADROOM). The smallest, after a clip: the clip
+# after the update of a held module aims at least MIN_HEADROOM under tau, learned ratio or not --
+# in the LR sweep's GPT one batch's max logit was often 1.2-2.4x the previous one's with the same
+# weights, and a cap at tau left the check before the forward (below) to clip on ~10% of held
+# steps. The floor was chosen on that benchmark, one seed (docs/benchmarks.md, LR sweep: a floor
+# of 1 and a prior of 2 before any ratio is learned were tried).
 HEADROOM_SAMPLES = 8
+MIN_HEADROOM = 1.5
 MAX_HEADROOM = 4.0
 # A held module is also checked *before* each step's first training forward, on that forward's own
 # input: the clip after the update is sized from the last batch, and the next batch alone can give
@@ -888,11 +895,21 @@ class ActivationWatch:
     # ---- QK-Clip after the update ---------------------------------------------------------
     def clip_target(self, name: str) -> float:
         """The cap qk_clip brings ``name``'s max logit to: tau divided by the largest headroom
-        ratio its recent steps showed (1 while none is known; at most MAX_HEADROOM)."""
+        ratio its recent steps showed (1 while none is known; at most MAX_HEADROOM), and after a
+        clip (held, or the growth regime) at least MIN_HEADROOM. (A first clip is Kimi K2's: the
+        heads over tau to tau, the others untouched.)"""
         hold = self._held.get(name)
         # A module without a ratio of its own yet takes the model's recent ones.
         ratios = (hold.ratios if hold is not None else None) or self._ratios or [1.0]
-        return self._attn_cfg.tau / min(MAX_HEADROOM, max(1.0, *ratios))
+        floor = MIN_HEADROOM if self._after_clip(name) else 1.0
+        return self._attn_cfg.tau / min(MAX_HEADROOM, max(floor, *ratios))
+
+    def _after_clip(self, name: str) -> bool:
+        """Held after a clip qk_clip made (its report set ``left_step``: not only this step's
+        finding), or the growth regime (a clip was needed lately, in any module)."""
+        hold = self._held.get(name)
+        clipped = hold is not None and hold.left_step >= 0 and self._step <= hold.until
+        return clipped or self._step <= self._regime_until
 
     def _holding(self, name: str) -> bool:
         """Whether ``name`` is checked before its forward now: held after a clip qk_clip made, or
@@ -900,10 +917,7 @@ class ActivationWatch:
         cross tau in one update, before a sample has held it); only what qk_clip started (a watch
         whose findings no qk_clip answers never clips); not with sharded projections (FSDP2: each rank holds
         part of the rows) nor across processes (each rank would clip from its own batch alone)."""
-        hold = self._held.get(name)
-        # Held by qk_clip's report (left_step set), not only by this step's finding.
-        clipped = hold is not None and hold.left_step >= 0 and self._step <= hold.until
-        if self._step > self._regime_until and not clipped:
+        if not self._after_clip(name):
             return False
         if name in self._sharded or self._model is None:
             return False

@@ -699,6 +699,22 @@ def test_a_held_module_is_clipped_before_a_forward_that_would_pass_tau():
     watch.detach()
 
 
+def test_after_a_clip_the_clip_target_keeps_a_minimum_headroom():
+    """A first clip is Kimi K2's (to tau); once a clip was needed the clip after the update aims at
+    least MIN_HEADROOM under tau before any ratio is learned (the next batch alone can be 1.2-2.4x
+    over: docs/benchmarks.md, LR sweep), and at the largest learned ratio above it."""
+    model = Block(HandAttention())
+    watch = ActivationWatch(WatchConfig(stride=1, attention=AttentionConfig(tau=10.0))).attach(model)
+    watch.reset(0)
+    assert watch.clip_target("attn") == 10.0
+    watch.reset(1)
+    watch.clipped("attn", 10.0, True)
+    assert watch.clip_target("attn") == pytest.approx(10.0 / 1.5)
+    watch._held["attn"].ratios = [1.2, 2.0]
+    assert watch.clip_target("attn") == pytest.approx(5.0)
+    watch.detach()
+
+
 def test_remeasure_gives_the_updated_weights_logits_on_the_kept_input(tmp_path):
     """ActivationWatch.remeasure: the max logit per head the module gives *now* on the input of its
     last sampled forward, exact; nothing else changes (training mode, other parameters)."""
