@@ -27,7 +27,7 @@ needed in the last ``HOLD_STEPS`` steps (the growth regime), every clippable att
 sampled every step, and each one within ``MAX_HEADROOM`` of tau is held too.
 
 QK-Clip before the forward (``_check_before_forward``): the headroom is a guess about the next
-batch, and one batch alone can give a max logit 2-3x another's with the same weights
+batch, and one batch alone can give a max logit up to 2.4x another's with the same weights
 (docs/benchmarks.md, LR sweep). So a module held after a clip qk_clip made, and in the growth
 regime every clippable module, is also checked before the step's first training forward: the
 module is run on that forward's own input (as ``remeasure`` does) and heads over tau are clipped
@@ -130,8 +130,9 @@ MIN_HEADROOM = 1.5
 MAX_HEADROOM = 4.0
 # A held module is also checked *before* each step's first training forward, on that forward's own
 # input: the clip after the update is sized from the last batch, and the next batch alone can give
-# a max logit 2-3x higher with the same weights (docs/benchmarks.md, LR sweep). That check clips to
-# tau less this fraction (rescaling W_q and W_k rows is exact only to fp rounding).
+# a max logit up to 2.4x higher with the same weights (docs/benchmarks.md, LR sweep). That check clips to
+# tau less this fraction, or 4 eps of the logits' dtype when larger (bf16: 3%; rescaling W_q and
+# W_k rows is exact only to rounding).
 PRECHECK_MARGIN = 1e-3
 
 # Default module selection: attention-like modules by name or class, and every nn.Linear.
@@ -430,6 +431,7 @@ class ActivationWatch:
         self._checked: set[str] = set()  # held modules checked before their forward this step
         self._pre_clips: dict[str, dict[str, Any]] = {}  # what those checks clipped, this step
         self._sharded: set[str] = set()  # clippable modules with FSDP2 (DTensor) projections
+        self._measured_dtype: torch.dtype = torch.float32  # of the logits _measure last read
 
     # ---- lifecycle -------------------------------------------------------------------------
     def select(self, model: nn.Module) -> list[str]:
@@ -931,11 +933,22 @@ class ActivationWatch:
         info = self.attention.get(name)
         if info is None or info.spec is None or self._model is None:
             return
-        heads = self._measure(name, module, _detached(args), _detached(kwargs))
+        # Autocast caches its low-precision copy of a weight on first use: the check must not
+        # leave one of the weights before the clip for the forward to use.
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            heads = self._measure(name, module, _detached(args), _detached(kwargs))
+        finally:
+            torch.set_autocast_cache_enabled(cache)
         if not heads:
             return
         tau = self._attn_cfg.tau
-        facts = AT.clip_now(self._model, info.spec, name, heads, tau, tau * (1.0 - PRECHECK_MARGIN))
+        # The forward computes its logits in the same dtype (the check runs inside its autocast).
+        dtype = self._measured_dtype
+        eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+        margin = max(PRECHECK_MARGIN, 4 * eps)
+        facts = AT.clip_now(self._model, info.spec, name, heads, tau, tau * (1.0 - margin))
         if facts is not None:
             self._pre_clips[name] = facts
 
@@ -964,6 +977,7 @@ class ActivationWatch:
                 module(*args, **kwargs)
             rec = self._attn.get(name)
             heads = rec.heads.tolist() if rec is not None else None
+            self._measured_dtype = rec.dtype if rec is not None else torch.float32
         finally:
             self._exit_mode()
             for m, training in modes:

@@ -699,6 +699,25 @@ def test_a_held_module_is_clipped_before_a_forward_that_would_pass_tau():
     watch.detach()
 
 
+def test_the_check_before_the_forward_holds_under_bf16_autocast():
+    """Under autocast the check measures the logits in bf16, as the forward computes them: it must
+    not leave autocast's cached bf16 copy of the weights from before the clip for the forward to use,
+    and it clips with a margin of bf16's rounding (0.1% is not enough)."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        model = Block(HandAttention())
+        x = torch.randn(2, 6, 16)
+        tau = 2 * max(_per_head(model.attn.logits(x).detach()))
+        watch = ActivationWatch(WatchConfig(stride=1, attention=AttentionConfig(tau=tau))).attach(model)
+        watch.reset(1)
+        watch.clipped("attn", tau / 2, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(3 * x).float().sum().backward()
+        stats = {k: float(v) for k, v in watch.pending().items()}
+        assert stats["attn_logit_max/attn"] <= tau, seed
+        watch.detach()
+
+
 def test_after_a_clip_the_clip_target_keeps_a_minimum_headroom():
     """A first clip is Kimi K2's (to tau); once a clip was needed the clip after the update aims at
     least MIN_HEADROOM under tau before any ratio is learned (the next batch alone can be 1.2-2.4x
