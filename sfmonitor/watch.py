@@ -130,9 +130,9 @@ MIN_HEADROOM = 1.5
 MAX_HEADROOM = 4.0
 # A held module is also checked *before* each step's first training forward, on that forward's own
 # input: the clip after the update is sized from the last batch, and the next batch alone can give
-# a max logit up to 2.4x higher with the same weights (docs/benchmarks.md, LR sweep). That check clips to
-# tau less this fraction, or 4 eps of the logits' dtype when larger (bf16: 3%; rescaling W_q and
-# W_k rows is exact only to rounding).
+# a max logit up to 2.4x higher with the same weights (docs/benchmarks.md, LR sweep). That check
+# clips to tau less this fraction, or 4 eps of the logits' dtype when larger (bf16: 3%; rescaling
+# W_q and W_k rows is exact only to rounding).
 PRECHECK_MARGIN = 1e-3
 
 # Default module selection: attention-like modules by name or class, and every nn.Linear.
@@ -917,8 +917,9 @@ class ActivationWatch:
         """Whether ``name`` is checked before its forward now: held after a clip qk_clip made, or
         any clippable module in the growth regime (a clip was needed lately: another module can
         cross tau in one update, before a sample has held it); only what qk_clip started (a watch
-        whose findings no qk_clip answers never clips); not with sharded projections (FSDP2: each rank holds
-        part of the rows) nor across processes (each rank would clip from its own batch alone)."""
+        whose findings no qk_clip answers never clips); not with sharded projections (FSDP2: each
+        rank holds part of the rows) nor across processes (each rank would clip from its own batch
+        alone)."""
         if not self._after_clip(name):
             return False
         if name in self._sharded or self._model is None:
