@@ -571,7 +571,8 @@ def run_arm(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
         out["actions"] = dict(Counter(a for e in events for a in e.get("actions", [])))
         if out.get("micro_per_step"):
             # The reference trainer draws micro-batches through batches(): a rollback leaves out
-            # `batches_to_skip` of them, an undo yields one again; in optimizer steps here.
+            # `batches_to_skip` of them, an undo yields every micro-batch of its step again (one
+            # step); in optimizer steps here.
             done = [
                 (a, facts)
                 for e in events
@@ -580,7 +581,7 @@ def run_arm(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
             ]
             micro = out["micro_per_step"]
             out["left_out"] = sum(f.get("batches_to_skip", 0) for a, f in done if a == "rollback") / micro
-            out["repeated"] = sum(1 for a, f in done if a == "undo") / micro
+            out["repeated"] = float(sum(1 for a, f in done if a == "undo"))
         out["thrown_away"] = thrown_away(events, out["left_out"], out["repeated"])
     if not opts.root:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -324,6 +324,9 @@ class ActionContext:
     skip: bool = False  # set by skip_step / rollback: this step's update must not land
     batches_to_skip: int = 0  # set by rollback; consumed by monitor.batches()
     repeat_batch: bool = False  # set by undo: monitor.batches() yields this step's batch again
+    # set by undo: the GradScaler's scale and growth tracker from before the undone update, put
+    # back after this step's scaler.update() (which would count the undone update's overflow)
+    scaler_restore: list[torch.Tensor] | None = None
     undo: UndoState | None = None  # the state before the last update (the monitor keeps it current)
     undo_params: list[nn.Parameter] = field(default_factory=list)  # the parameters it holds, in order
     undo_buffers: list[torch.Tensor] = field(default_factory=list)  # the model's buffers it holds
@@ -705,6 +708,8 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         return {**facts, "fallback": "rollback", "reason": f"no copy from before step {target}'s update ({have})"}
     # the undone step's batch leaves no trace in the buffers either (BatchNorm statistics)
     state.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers, before_forward=True)
+    if state.scaler_state:  # (clones: the capture of this step overwrites the undo copy)
+        ctx.scaler_restore = [t.clone() for t in state.scaler_state]
     ctx.skip = True
     ctx.repeat_batch = True
     return {"restored": True, "undone_step": target, "steps_back": ctx.step - target, "skipped_step": ctx.step}

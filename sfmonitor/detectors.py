@@ -114,6 +114,11 @@ class LossSpikeConfig(Section):
     recent: int = option(
         16, "the level a loss is compared to: the median of this many latest values (a falling loss is followed)", lo=1
     )
+    beyond_window: bool = option(
+        True,
+        "a spike must also be further above its expected value than any loss of the window was (batch losses "
+        "have heavy tails: on a healthy CNN, hard batches reach 9.7 robust sigmas)",
+    )
     prior_after: int = option(3, "finite values after which the prior test judges, until the warm-up is over", lo=2)
     prior_sigma: float = option(
         0.1,
@@ -418,11 +423,14 @@ class LossSpike(_Windowed):
                 # the widest swing seen so far (a MAD of a handful of errors can be near zero).
                 sigma = max(sigma, cfg.prior_sigma, 0.5 * max(abs(v - level) for v in w))
             z = (x - expected) / sigma
-            if z <= cfg.z:
+            # Batch losses have heavy tails (a model's hard batches): a spike must also go further
+            # above its expected value than any loss of the window did.
+            record = max(errors, default=-math.inf) - bias if cfg.beyond_window else -math.inf
+            if z <= cfg.z or x - expected <= record:
                 w.append(x)
                 errors.append(x - level)
                 continue
-            limit = expected + cfg.z * sigma
+            limit = expected + max(cfg.z * sigma, record)
             w.append(limit)  # clamped: the spike cannot inflate the window
             errors.append(limit - level)
             out.append(

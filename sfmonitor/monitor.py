@@ -282,6 +282,13 @@ class _ScalerPatch:
         if saved is not None and self.scaler._scale is not None:
             self.scaler._scale.copy_(saved[0])
             self.scaler._growth_tracker.copy_(saved[1])
+        for m in self.monitors.values():  # an undo: the scaler as it was before the undone update
+            restore = m._ctx.scaler_restore if m._ctx is not None else None
+            if restore and self.scaler._scale is not None:
+                self.scaler._scale.copy_(restore[0])
+                self.scaler._growth_tracker.copy_(restore[1])
+            if m._ctx is not None:
+                m._ctx.scaler_restore = None
         floors = [m.config.actions.loss_scale for m in self.monitors.values()]
         floors = [f.min_loss_scale for f in floors if f.enforce_floor]
         if floors:
@@ -1140,7 +1147,7 @@ class Monitor:
                 if ctx.undo is not None and not ctx.stopped:
                     # The state this update starts from: an exact undo of it, and the update ratio's
                     # "before" (no other copy of the parameters is held).
-                    ctx.undo.capture(step, self._params, ctx.optimizer, ctx.undo_buffers)
+                    ctx.undo.capture(step, self._params, ctx.optimizer, ctx.undo_buffers, ctx.scaler)
                     rec.before_params = ctx.undo.params
                 for i, pg in enumerate(ctx.optimizer.param_groups):
                     self._stats[S.LR.format(i)] = float(pg["lr"])

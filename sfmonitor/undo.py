@@ -41,6 +41,9 @@ class UndoState:
         # An undo of that step's update puts these back, so its batch leaves no trace in them.
         self.prev_buffers: list[torch.Tensor] = []
         self.prev_label: int | None = None
+        # A GradScaler's scale and growth tracker at the capture: after an undo the scaler is put
+        # back too (its next update would otherwise count the undone step's overflow).
+        self.scaler_state: list[torch.Tensor] = []
         self._state: list[dict[str, Any] | None] = []  # per parameter: key -> buffer or value
 
     @property
@@ -60,8 +63,10 @@ class UndoState:
         params: Sequence[torch.Tensor],
         optimizer: torch.optim.Optimizer,
         buffers: Sequence[torch.Tensor] = (),
+        scaler: Any = None,
     ) -> None:
-        """Copy the parameters, their optimizer state and the model's buffers (one fused copy).
+        """Copy the parameters, their optimizer state, the model's buffers and a GradScaler's
+        scale and growth tracker (one fused copy).
         Taken after the step's forward: the buffers hold the running statistics up to this step's
         batch, which a later skip of the next step puts back."""
         live_buffers = [local(b) for b in buffers]
@@ -95,6 +100,18 @@ class UndoState:
                 else:
                     saved[key] = copy.deepcopy(value)
             self._state[i] = saved
+        live_scaler = (
+            []
+            if scaler is None or getattr(scaler, "_scale", None) is None
+            else [
+                scaler._scale,
+                scaler._growth_tracker,
+            ]
+        )
+        if len(self.scaler_state) != len(live_scaler):
+            self.scaler_state = [torch.empty_like(t) for t in live_scaler]
+        dst += self.scaler_state
+        src += live_scaler
         torch._foreach_copy_(dst, src)
         self.label = label
 
@@ -137,7 +154,7 @@ class UndoState:
 
     def clear(self) -> None:
         self.label, self.params, self.buffers, self._state = None, [], [], []
-        self.prev_label, self.prev_buffers = None, []
+        self.prev_label, self.prev_buffers, self.scaler_state = None, [], []
 
 
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once

@@ -208,6 +208,40 @@ def test_an_undone_update_leaves_no_trace_in_batchnorm_statistics(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_an_undo_under_a_gradscaler_puts_the_scaler_back_too(tmp_path):
+    # Step 20's update lands at 10^4 x the LR; step 21's forward on the blown-up weights overflows,
+    # and the scaler would halve its scale for it. The undo puts back the scaler's scale and growth
+    # tracker with the weights: the run equals the twin that never took step 20, scaler included.
+    def run(monitored):
+        model, _ = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=4)
+        mon = (
+            sfmonitor.attach(model, opt, scaler=scaler, run_dir=str(tmp_path / "m"), config=quiet())
+            if monitored
+            else None
+        )
+        batches = mon.batches(data(n=40)) if mon else [b for i, b in enumerate(data(n=40)) if i != 20]
+        for x, y, _ in batches:
+            for g in opt.param_groups:
+                g["lr"] = 0.02 * (1e4 if mon is not None and mon.step == 20 else 1.0)
+            loss = nn.functional.mse_loss(model(x), y)
+            scaler.scale(mon.combine(loss) if mon else loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if mon:
+            mon.detach()
+        return model, scaler, mon
+
+    model, scaler, mon = run(True)
+    twin, tscaler, _ = run(False)
+    assert [(e.step, e.actions) for e in mon.events if e.actions][:1] == [(20, ["undo"])]
+    assert same_state(model, twin)
+    assert scaler.get_scale() == tscaler.get_scale()
+    assert torch.equal(scaler._growth_tracker, tscaler._growth_tracker)
+
+
 def test_a_second_landed_spike_lowers_the_lr_which_then_climbs_back(tmp_path):
     cfg = {"actions": {"lr_drop": {"recover_after": 10, "recover_steps": 5}}}
     model, mon, _ = spiky_run(tmp_path, lr_at={30, 40}, config=cfg, steps=80)
