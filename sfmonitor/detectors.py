@@ -114,11 +114,6 @@ class LossSpikeConfig(Section):
     recent: int = option(
         16, "the level a loss is compared to: the median of this many latest values (a falling loss is followed)", lo=1
     )
-    beyond_window: bool = option(
-        True,
-        "a spike must also be further above its expected value than any loss of the window was (batch losses "
-        "have heavy tails: on a healthy CNN, hard batches reach 9.7 robust sigmas)",
-    )
     prior_after: int = option(3, "finite values after which the prior test judges, until the warm-up is over", lo=2)
     prior_sigma: float = option(
         0.1,
@@ -386,7 +381,8 @@ class LossSpike(_Windowed):
 
     The expected value is the level, the median of the last ``recent`` finite values, corrected
     by the median of the detector's own past errors (value minus the level it had then); the noise
-    is 1.4826 * MAD of those errors over the last ``window`` steps. Both follow a trend: the loss
+    is 1.4826 * MAD of those errors over the last ``window`` steps, or, where larger, their 95th
+    percentile / 1.96 (heavy tails). Both follow a trend: the loss
     of a run that learns fast falls through the window, and the window's own median and MAD would
     lag behind it and take the fall for noise; a component that wanders is judged by how far it
     usually wanders from its recent level.
@@ -422,17 +418,22 @@ class LossSpike(_Windowed):
                 # The prior, while a few values say little about the noise: a wider floor, and half
                 # the widest swing seen so far (a MAD of a handful of errors can be near zero).
                 sigma = max(sigma, cfg.prior_sigma, 0.5 * max(abs(v - level) for v in w))
+            if len(errors) >= cfg.warmup:
+                # Batch losses have heavy tails (a model's hard batches): sigma is also read from
+                # the tail, the 95th percentile of |error| / 1.96 (the same sigma for a normal
+                # distribution; larger where hard batches are common: a healthy CNN's reach 9.7
+                # MAD-sigmas).
+                dev = sorted(abs(e - bias) for e in errors)
+                sigma = max(sigma, dev[int(0.95 * (len(dev) - 1))] / 1.96)
             z = (x - expected) / sigma
-            # Batch losses have heavy tails (a model's hard batches): a spike must also go further
-            # above its expected value than any loss of the window did.
-            record = max(errors, default=-math.inf) - bias if cfg.beyond_window else -math.inf
-            if z <= cfg.z or x - expected <= record:
+            if z <= cfg.z:
                 w.append(x)
                 errors.append(x - level)
                 continue
-            limit = expected + max(cfg.z * sigma, record)
-            w.append(limit)  # clamped: the spike cannot inflate the window
-            errors.append(limit - level)
+            limit = expected + cfg.z * sigma
+            # Clamped into the level's window (a run that moves to a new level is followed, slowly);
+            # kept out of the errors, whose tail would otherwise grow with every spike.
+            w.append(limit)
             out.append(
                 Finding(
                     kind=self.kind if key == LOSS_TOTAL else LOSS_COMPONENT_SPIKE,

@@ -345,6 +345,7 @@ class Monitor:
         # loss spikes on an unchanged state (see _spikes_on_a_sound_state)
         self._no_update_since_spike = False
         self._last_update_sound = False
+        self._state_from_normal_loss = False
         self._same_state_spikes = 0
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
@@ -1308,28 +1309,28 @@ class Monitor:
             rec.before_norms = per_group_p
         return out, key
 
-    # Consecutive loss spikes on a state no update has changed since the first one (each was
-    # skipped) come from the batches when the update that made the state was measured and sound:
-    # skip them, however many come in a row (a stretch of corrupted labels), instead of escalating
-    # to a rollback of healthy weights and an LR cut. Past this many the state itself is suspected.
+    # A loss spike on a state that a sound step made is the batch's fault: the update that made the
+    # state was measured and normal-sized (no update-ratio finding), and the loss of the step that
+    # made it was normal (no loss spike there). Then it is skipped, however many come (a stretch of
+    # corrupted labels, a bad batch every few steps), instead of escalating to a rollback of healthy
+    # weights and an LR cut. Spikes in a row on one state (each skipped: nothing landed between)
+    # are capped: past this many, different batches all spiking on it say the state is the trouble.
     SAME_STATE_SPIKES = 32
 
     def _spikes_on_a_sound_state(self, findings: list[Finding]) -> None:
         spikes = [f for f in findings if f.kind == LOSS_SPIKE]
         if not spikes:
             return
-        if self._no_update_since_spike and self._last_update_sound:
-            self._same_state_spikes += 1
+        self._same_state_spikes = self._same_state_spikes + 1 if self._no_update_since_spike else 1
+        if self._last_update_sound and self._state_from_normal_loss:
             if self._same_state_spikes <= self.SAME_STATE_SPIKES:
                 for f in spikes:
                     f.occurrence = 1
-                    f.data["same_state"] = {
-                        "spikes": self._same_state_spikes + 1,
-                        "why": "no update landed since the last loss spike, and the update that made this state "
-                        "was measured and normal: the batch, not the weights",
+                    f.data["sound_state"] = {
+                        "spikes_on_this_state": self._same_state_spikes,
+                        "why": "the update that made this state was measured and normal, from a step whose "
+                        "loss was normal: the batch, not the weights",
                     }
-        else:
-            self._same_state_spikes = 0
         self._no_update_since_spike = True
 
     def _nonfinite_findings(self, rec: StepRecord, grad_index: Sequence[int]) -> list[Finding]:
@@ -1414,6 +1415,7 @@ class Monitor:
             rec.phase = Phase.ABORTED if aborted else Phase.LANDED
             if rec.update_landed:
                 self._no_update_since_spike = False
+                self._state_from_normal_loss = not any(f.kind == LOSS_SPIKE for f in rec.findings)
             if rec.scaler_skips and not aborted:
                 self._amp_skipped += 1
             if rec.before_params is not None and rec.before_norms is not None:
