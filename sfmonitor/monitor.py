@@ -109,6 +109,9 @@ DISABLE_ENV = "SFMONITOR_DISABLED"  # set to 1: attach() does nothing (one line 
 OTHER = "other"  # the group of parameters held by the root module or named by no group
 TOTAL = "total"  # grad_norm/total: no group may take this name
 NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, BAD_BATCH)
+# Findings about the batch itself: a skip for one of them is a batch never seen (its overflow is
+# not the loss scale's doing).
+BATCH_FAULT_KINDS = (BAD_BATCH, NONFINITE_LOSS, LOSS_SPIKE)
 ON_DEMAND = "on_demand"  # the kind of a bundle written because the user asked for one
 
 
@@ -274,9 +277,10 @@ class _ScalerPatch:
         return out
 
     def update(self, *args: Any, **kwargs: Any) -> Any:
-        # A bad batch (NaN in the inputs) says nothing about the loss scale: the scaler's found-inf
-        # would halve it, so its scale and growth tracker are kept as they were.
-        keep = self.scaler._scale is not None and any(m.last_step_was_bad_batch() for m in self.monitors.values())
+        # A batch the monitor skipped for itself (NaN in the inputs, a non-finite or spiking loss)
+        # says nothing about the loss scale: the scaler's found-inf would halve it, so its scale
+        # and growth tracker are kept as they were.
+        keep = self.scaler._scale is not None and any(m.last_step_skipped_its_batch() for m in self.monitors.values())
         saved = [t.clone() for t in (self.scaler._scale, self.scaler._growth_tracker)] if keep else None
         out = self.original_update(*args, **kwargs)
         if saved is not None and self.scaler._scale is not None:
@@ -753,11 +757,14 @@ class Monitor:
         )
         return total
 
-    def last_step_was_bad_batch(self) -> bool:
-        """Whether the step that just closed was skipped for a bad batch (the GradScaler patch
-        keeps the loss scale then)."""
+    def last_step_skipped_its_batch(self) -> bool:
+        """Whether the step that just closed was skipped for its batch: a NaN input, a non-finite
+        loss or a loss spike (the GradScaler patch keeps the loss scale then: the scale did not
+        make that overflow, the batch did)."""
         last = self._last
-        return last is not None and any(o.finding.kind == BAD_BATCH and SKIP_STEP in o.actions for o in last.outcomes)
+        return last is not None and any(
+            o.finding.kind in BATCH_FAULT_KINDS and SKIP_STEP in o.actions for o in last.outcomes
+        )
 
     def _open_record(self) -> StepRecord:
         """The record of the step in flight, ready for this step's inputs. A record left DECIDED

@@ -307,3 +307,34 @@ def test_a_bad_batch_under_a_grad_scaler_leaves_the_loss_scale_alone(tmp_path):
     twin, twin_scale = run(False, True)
     assert scale == twin_scale, "the scale must not be halved for a NaN that came with the data"
     assert same_state(model, twin)
+
+
+def test_a_loss_spike_under_a_grad_scaler_leaves_the_loss_scale_alone(tmp_path):
+    # Step 20's batch comes with a 10^4 x loss: its scaled gradients overflow and the scaler would
+    # halve its scale for it. The monitor skips that batch; the scale is not the cause, so it stays:
+    # the run equals the twin that never saw the batch, scale included.
+    def run(monitored):
+        model, opt = make()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**118, growth_interval=1000)
+        mon = None
+        if monitored:
+            mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=str(tmp_path / "mon"), config=quiet())
+        for i, (x, y, _) in enumerate(data(n=40)):
+            if i == 20 and not monitored:
+                continue
+            loss = nn.functional.mse_loss(model(x), y) * (1e4 if i == 20 else 1.0)
+            scaler.scale(mon.combine(loss) if mon else loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if mon:
+            mon.detach()
+        return model, scaler, mon
+
+    model, scaler, mon = run(True)
+    twin, tscaler, _ = run(False)
+    acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acted == [(20, "loss_spike", ["skip_step"])]
+    assert any(e.kind == "nonfinite_grad" and e.step == 20 for e in mon.events), "the spike must overflow"
+    assert scaler.get_scale() == tscaler.get_scale() == 2.0**118
+    assert same_state(model, twin)
