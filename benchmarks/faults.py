@@ -550,6 +550,15 @@ def thrown_away(events: list[dict[str, Any]], left_out: float, repeated: float) 
     return {"lost": lost, "undone": undone, "skipped": len(skipped), "left_out": left_out, "repeated": repeated}
 
 
+def acted(event: dict[str, Any]) -> list[str]:
+    """The actions of an event that changed training (a decided clip that found nothing to clip,
+    a fallback for a module already in fp32, are not counted: the budget does not count them either)."""
+    from sfmonitor.actions import changed_something
+
+    results = (event.get("data") or {}).get("action_results") or {}
+    return [a for a in event.get("actions", []) if changed_something(results.get(a) or {})]
+
+
 def run_arm(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
     """One run, in this process. Returns its measurements (and the monitor's, when monitored)."""
     torch.set_num_threads(1)
@@ -568,7 +577,7 @@ def run_arm(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:
         events = read_events(run_dir)
         out["events"] = events
         out["kinds"] = dict(Counter(e["kind"] for e in events))
-        out["actions"] = dict(Counter(a for e in events for a in e.get("actions", [])))
+        out["actions"] = dict(Counter(a for e in events for a in acted(e)))
         if out.get("micro_per_step"):
             # The reference trainer draws micro-batches through batches(): a rollback leaves out
             # `batches_to_skip` of them, an undo yields every micro-batch of its step again (one

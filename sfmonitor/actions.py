@@ -51,6 +51,7 @@ from .events import (
     CHECKPOINT,
     CLIP,
     GRAD_NOISE,
+    GRAD_SPIKE,
     LOSS_SPIKE,
     LR_DROP,
     NONFINITE_PARAM,
@@ -144,6 +145,15 @@ class ClipConfig(Section):
         {"text": "sqrt:10", "vision": "norm:5", ANY_GROUP: "norm:7"},
         "group -> rule; '*' covers every other group (the report: "
         "text min(1,10/sqrt|g|), vision min(1,5/|g|), other min(1,7/|g|))",
+    )
+    spare_adaptive: bool = option(
+        True,
+        "with an Adam-family optimizer (param groups with betas), clip a finite grad spike only when "
+        "it would at least double the second-moment estimate, (1 - beta2) * r^2 > 1 with r = norm / "
+        "the detector's EMA mean (beta2 0.999: r > 31.6); a smaller spike moves each weight at most "
+        "~(1 - beta1) / sqrt(1 - beta2) x lr and fades, so the clip would change a healthy run for "
+        "little (the update-ratio check after the step still undoes a bad update). False: ZClip, "
+        "every spike clipped",
     )
     agc_lambda: float = option(0.01, "AGC clipping factor (Brock et al. 2021, NFNets: 0.01)", lo=0, lo_open=True)
     agc_eps: float = option(1e-3, "AGC floor on unit parameter norms (Brock et al. 2021: 1e-3)", lo=0, lo_open=True)
@@ -511,13 +521,50 @@ def _user_clip_holds(
     }
 
 
+def _absorbed_by_adaptive(ctx: ActionContext, decision: Decision) -> dict[str, Any] | None:
+    """A finite grad spike an Adam-family optimizer absorbs (``clip.spare_adaptive``): the facts of
+    a clip that changed nothing, with the reason; else None (clip).
+
+    Adam's step per element is m_hat / sqrt(v_hat): a gradient r times its usual norm adds
+    (1 - beta1) r to the first moment and (1 - beta2) r^2 to the second, so the step it makes is
+    bounded (~(1 - beta1) / sqrt(1 - beta2), ~3x a usual step at the defaults) and it shrinks later
+    steps only while (1 - beta2) r^2 is comparable to 1. Below that the spike's harm is small and
+    a clip would move a healthy run off its course; above it (a 10^4 x loss) the clip protects the
+    second moment for the ~1 / (1 - beta2) steps it remembers."""
+    data = decision.cause.data
+    if not ctx.config.clip.spare_adaptive or decision.cause.kind != GRAD_SPIKE:
+        return None
+    try:
+        r = float(data["value"]) / float(data["ema_mean"])
+        beta2 = min(float(pg["betas"][1]) for pg in ctx.optimizer.param_groups)
+    except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError):
+        return None  # not a ZClip finding, or not an optimizer with a second moment
+    growth = beta2 + (1.0 - beta2) * r * r
+    if not math.isfinite(growth) or not 0.0 <= beta2 < 1.0 or (1.0 - beta2) * r * r > 1.0:
+        return None
+    return {
+        "clipped": False,
+        "applied": False,
+        "ratio_to_mean": r,
+        "beta2": beta2,
+        "second_moment_growth": growth,
+        "reason": (
+            f"the gradient is {r:.3g}x its mean: the optimizer's second moment (beta2 {beta2:g}) "
+            f"grows {growth:.3g}x, under the 2x that would call for a clip (actions.clip.spare_adaptive)"
+        ),
+    }
+
+
 @register_action(CLIP, order=70, config=ClipConfig)
 def clip(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Clip this step's gradients (mode from ``decision.params['mode']`` or the config). It never
     clips twice: after the user's own clip bounded the total norm at or below its threshold it
-    changes nothing and says so (``clipped: False`` and the reason)."""
+    changes nothing and says so (``clipped: False`` and the reason). Under an Adam-family optimizer
+    a spike too small to matter to it is left alone (``clip.spare_adaptive``), and says so."""
     groups = ctx.params_with_grad()
     held = _user_clip_holds(ctx, decision, groups)
+    if held is None:
+        held = _absorbed_by_adaptive(ctx, decision)
     if held is not None:
         return held
     before, after, used = clip_gradients(groups, ctx.config.clip, decision.params.get("mode"), decision.cause.data)

@@ -338,3 +338,59 @@ def test_a_loss_spike_under_a_grad_scaler_leaves_the_loss_scale_alone(tmp_path):
     assert any(e.kind == "nonfinite_grad" and e.step == 20 for e in mon.events), "the spike must overflow"
     assert scaler.get_scale() == tscaler.get_scale() == 2.0**118
     assert same_state(model, twin)
+
+
+def _grad_spike_run(tmp_path, factor, monitored, optimizer="adamw", config=None):
+    """40 steps; step 25's gradients (not its loss) come out ``factor`` x as large."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(**(config or {}))) if monitored else None
+    for i, (x, y, _) in enumerate(data(n=40)):
+        loss = nn.functional.mse_loss(model(x), y)
+        (mon.combine(loss) if mon else loss).backward()
+        if i == 25:
+            for p in model.parameters():
+                p.grad.mul_(factor)
+        opt.step()
+        opt.zero_grad()
+    if mon:
+        mon.detach()
+    return model, mon
+
+
+def test_a_grad_spike_adam_absorbs_is_reported_and_left_alone(tmp_path):
+    # ~10x the usual gradient: AdamW's second moment grows ~1.1x (beta2 0.999), its step stays
+    # bounded. The spike is an event; the clip changes nothing and says why: the run is the bare run.
+    model, mon = _grad_spike_run(tmp_path / "m", 10.0, True)
+    bare, _ = _grad_spike_run(None, 10.0, False)
+    spikes = [e for e in mon.events if e.kind == "grad_spike"]
+    assert [e.step for e in spikes] == [25]
+    facts = spikes[0].data["action_results"]["clip"]
+    assert facts["applied"] is False and facts["clipped"] is False
+    assert 5 < facts["ratio_to_mean"] < 15 and facts["second_moment_growth"] < 2
+    assert same_state(model, bare)
+    assert mon._policy.rescues_used == 0
+
+
+def test_a_grad_spike_that_would_swamp_adams_second_moment_is_clipped(tmp_path):
+    model, mon = _grad_spike_run(tmp_path / "m", 1e3, True)
+    bare, _ = _grad_spike_run(None, 1e3, False)
+    facts = next(e for e in mon.events if e.kind == "grad_spike").data["action_results"]["clip"]
+    assert "applied" not in facts and facts["norm_after"] < facts["norm_before"] / 100
+    assert not same_state(model, bare)
+
+
+def test_a_grad_spike_is_clipped_without_a_second_moment_or_when_asked(tmp_path):
+    for name, optimizer, cfg in (
+        ("sgd", "sgd", None),
+        ("zclip", "adamw", {"actions": {"clip": {"spare_adaptive": False}}}),
+    ):
+        model, mon = _grad_spike_run(tmp_path / name, 10.0, True, optimizer, cfg)
+        bare, _ = _grad_spike_run(None, 10.0, False, optimizer)
+        facts = next(e for e in mon.events if e.kind == "grad_spike").data["action_results"]["clip"]
+        assert facts["norm_after"] < facts["norm_before"], name
+        assert not same_state(model, bare), name
