@@ -44,9 +44,9 @@ VARIANTS = {  # name -> monitor config (None: bare training)
     "monitor, watch every step": {"watch": {"stride": 1}},
     "monitor, update ratio every 4 steps": {"stats": {"update_ratio_every": 4}},
     "monitor, undo off": {"actions": {"undo": {"enabled": False}}},
-    "monitor, lean (undo off, ratio every 4, watch off)": {
+    "monitor, lean (undo off, ratio on a 5% slice, watch off)": {
         "actions": {"undo": {"enabled": False}},
-        "stats": {"update_ratio_every": 4},
+        "stats": {"update_ratio_fraction": 0.05},
         "watch": {"enabled": False},
     },
 }

@@ -563,6 +563,7 @@ class Monitor:
             self.config.actions.undo.enabled,
             rb.keep,
             int(rb.max_host_mb * 2**20),
+            self.config.stats.update_ratio_fraction if self.config.stats.update_ratio_every else 0.0,
         )
         if self._writer:
             meta = run_metadata(self._params, self.groups, world_size(), self.config.to_dict())
@@ -1303,17 +1304,26 @@ class Monitor:
             out[S.INPUT_NONFINITE] = bad_inputs
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
-        if self.config.stats.update_ratio_every and rec.step % self.config.stats.update_ratio_every == 0:
+        every = self.config.stats.update_ratio_every
+        if every and rec.step % every == 0:
             rec.before_norms = per_group_p
             if self._live().undo is not None:
                 return out, key  # the undo copy, taken after the actions, is the "before"
-            # One buffer per parameter, allocated once and reused: copying into warm memory is
-            # several times cheaper than a fresh clone each step.
+            # Without it: a copy of what is measured, the whole parameters or a slice of each that
+            # moves every step (stats.update_ratio_fraction), in buffers allocated once and reused
+            # (copying into warm memory is several times cheaper than a fresh clone each step).
+            fraction = self.config.stats.update_ratio_fraction
+            live = S.rotating_slices(params, fraction, rec.step // every)
             if self._update_buf is None:
-                self._update_buf = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
-            torch._foreach_copy_(self._update_buf, params)
-            rec.before_params = self._update_buf
-            rec.before_norms = per_group_p
+                self._update_buf = [
+                    torch.empty_like(p, memory_format=torch.preserve_format)
+                    for p in S.rotating_slices(params, fraction, 0)  # the first window is the largest
+                ]
+            before = [b.view(-1)[: v.numel()].view(v.shape) for b, v in zip(self._update_buf, live)]
+            torch._foreach_copy_(before, live)
+            rec.before_params, rec.ratio_live = before, live
+            if fraction < 1.0:  # the ratio of the slices: ||delta slice|| / ||slice||
+                rec.before_norms = S.group_norms(S.norms(before), self._param_group_t, len(self._group_names))
         return out, key
 
     # A loss spike on a state that a sound step made is the batch's fault: the update that made the
@@ -1427,7 +1437,8 @@ class Monitor:
                 self._amp_skipped += 1
             if rec.before_params is not None and rec.before_norms is not None:
                 if rec.update_landed:
-                    now = self._layout.detached(self._params)  # FSDP2: the local shards
+                    # FSDP2: the local shards; a slice of each (stats.update_ratio_fraction): the same slice
+                    now = rec.ratio_live or self._layout.detached(self._params)
                     before = rec.before_params
                     if self._ctx is not None and before is getattr(self._ctx.undo, "params", None):
                         upd = update_norms(before, now, self._scratch)  # the undo copy stays intact
@@ -1440,7 +1451,7 @@ class Monitor:
                 else:
                     for g in self._group_names:
                         rec.after[S.UPDATE_RATIO.format(g)] = torch.zeros(())
-                rec.before_params = None
+                rec.before_params, rec.ratio_live = None, None
             if rec.stats or rec.internal:  # the pipeline read this step: it goes to the sinks
                 self._last = rec
                 if not rec.after:

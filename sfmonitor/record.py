@@ -99,6 +99,7 @@ class StepRecord:
     hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
     before_params: list[torch.Tensor] | None = None  # parameters before the update
+    ratio_live: list[torch.Tensor] | None = None  # views of the parameters the update ratio measures (slices)
     before_norms: torch.Tensor | None = None  # their norms per group
     after: dict[str, torch.Tensor | S.NormRatio] = field(default_factory=dict)  # update ratios, read next step
 

@@ -197,6 +197,23 @@ def update_norms_(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor])
     return norms(before)
 
 
+def rotating_slices(tensors: Sequence[torch.Tensor], fraction: float, turn: int) -> list[torch.Tensor]:
+    """Views of ``fraction`` of each tensor, the ``turn``-th of the windows that tile it (turn
+    after turn they cover every element): a contiguous tensor is cut flat into windows of
+    ceil(fraction * numel) elements, any other along its first dimension. ``fraction`` 1: the
+    tensors themselves."""
+    if fraction >= 1.0:
+        return list(tensors)
+    out = []
+    for t in tensors:
+        flat = t.view(-1) if t.is_contiguous() else (t if t.ndim else t.reshape(1))
+        n = flat.shape[0]
+        k = max(1, math.ceil(fraction * n))
+        i = turn % max(1, math.ceil(n / k))
+        out.append(flat[i * k : min(n, (i + 1) * k)])
+    return out
+
+
 def ratio(a: torch.Tensor, b: torch.Tensor, eps: float = RATIO_EPS) -> torch.Tensor:
     return (a + eps) / (b + eps)
 
@@ -354,9 +371,18 @@ class StatsConfig(Section):
 
     update_ratio_every: int = option(
         1,
-        "compute update_ratio/<group> every N optimizer steps "
-        "(0: never); costs one fp32 copy of the parameters on those steps",
+        "compute update_ratio/<group> every N optimizer steps (0: never); with the exact undo on it "
+        "reads the undo copy (no memory of its own), else it holds a copy of what it measures",
         lo=0,
+    )
+    update_ratio_fraction: float = option(
+        1.0,
+        "without the undo copy (actions.undo.enabled false), measure the update ratio on this fraction "
+        "of each parameter: a slice that moves every step, so the copy it holds is this fraction of "
+        "the parameter bytes (the lean profile: 0.05); 1: the whole parameters",
+        lo=0,
+        hi=1,
+        lo_open=True,
     )
     grad_ratio_every: int = option(
         100,

@@ -91,3 +91,48 @@ def test_a_budget_too_small_for_one_snapshot_warns_once_and_keeps_none(tmp_path)
 def test_max_host_mb_is_validated():
     with pytest.raises(sfmonitor.ConfigError, match="max_host_mb"):
         sfmonitor.MonitorConfig.from_any({"actions": {"rollback": {"max_host_mb": -1}}})
+
+
+def test_rotating_slices_cover_every_element_a_fraction_at_a_time():
+    from sfmonitor.stats import rotating_slices
+
+    tensors = [torch.arange(103.0), torch.arange(12.0).view(3, 4).t(), torch.tensor(5.0)]  # flat, strided, 0-d
+    seen = [set() for _ in tensors]
+    for turn in range(40):
+        for i, view in enumerate(rotating_slices(tensors, 0.05, turn)):
+            assert view.numel() <= [6, 3, 1][i]  # ceil(5% of 103); one row of the strided 4x3; the scalar
+            seen[i].update(view.reshape(-1).tolist())
+    assert [len(s) for s in seen] == [103, 12, 1]
+    assert rotating_slices(tensors, 1.0, 3) == tensors
+
+
+LEAN = {"actions": {"undo": {"enabled": False}}, "stats": {"update_ratio_fraction": 0.05}, "watch": {"enabled": False}}
+
+
+def test_the_lean_profile_holds_five_percent_and_still_sees_an_lr_spike_in_its_step(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "lean"), config={"console": False, **LEAN})
+    g = torch.Generator().manual_seed(1)
+    ratios = []
+    for step in range(40):
+        x, y = torch.randn(32, 64, generator=g), torch.randn(32, 4, generator=g)
+        for pg in opt.param_groups:
+            pg["lr"] = 1e-3 * (1e3 if step == 30 else 1.0)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        ratios.append(mon.stats.get("update_ratio/0"))
+    held = sum(t.numel() * t.element_size() for t in mon._update_buf or [])
+    mon.detach()
+    p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < held <= 0.05 * p_bytes + 4 * len(list(model.parameters())) * 256
+    assert mon.memory["undo_device_bytes"] == 0
+    assert mon.memory["update_ratio_device_bytes"] == pytest.approx(0.05 * p_bytes, rel=0.01)
+    # A slice's ratio tells the healthy scale (AdamW moves every weight by ~lr): ~lr / rms(w)...
+    healthy = [r for r in ratios[5:29] if r is not None]
+    assert healthy and all(1e-4 < r < 1e-1 for r in healthy)
+    # ...and the LR spike in the step it lands (seen at the next step's read).
+    spikes = [e for e in mon.events if e.kind == "update_ratio_spike"]
+    assert spikes and spikes[0].step == 30
