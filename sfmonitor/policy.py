@@ -9,7 +9,9 @@ detector, whose findings are validations apart) sets the streak itself; an ``urg
 (trouble already here) goes at least to the first rung that acts.
 
 Cooldowns. An action taken at step s is not taken again before step s + cooldown (in optimizer
-steps); suppressed actions are listed in ``Policy.suppressed`` after each ``decide``.
+steps), except for a finding about an update made after step s (an update made at the LR the drop
+lowered, still too large: the drop did not suffice); suppressed actions are listed in
+``Policy.suppressed`` after each ``decide``.
 
 Budget. Every step in which a budgeted action (registered with ``budgeted=True``: rollback,
 lr_drop, precision_fallback) is decided spends one rescue. Once ``budget`` rescues are spent, those
@@ -212,7 +214,10 @@ class Policy:
         for d in unique:
             cd = cfg.cooldowns.get(d.action, 0)
             last = self.last_taken.get(d.action)
-            if cd and last is not None and step - last < cd:
+            # A finding about an update made after the action was last taken is new evidence: the
+            # action did not suffice (an update at the lowered LR still too large), so no cooldown.
+            fresh = d.cause.step is not None and last is not None and d.cause.step > last
+            if cd and last is not None and step - last < cd and not fresh:
                 self.suppressed.append(
                     {"action": d.action, "kind": d.cause.kind, "reason": f"cooldown: taken at step {last}, {cd} steps"}
                 )

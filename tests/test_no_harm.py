@@ -258,7 +258,7 @@ def test_a_skipped_batch_leaves_no_trace_in_batchnorm_statistics(tmp_path):
     def make_cnn():
         torch.manual_seed(0)
         net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 1))
-        return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
 
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(8, 1, 8, 8, generator=g), torch.randn(8, 1, generator=g)) for _ in range(12)]
@@ -394,3 +394,50 @@ def test_a_grad_spike_is_clipped_without_a_second_moment_or_when_asked(tmp_path)
         facts = next(e for e in mon.events if e.kind == "grad_spike").data["action_results"]["clip"]
         assert facts["norm_after"] < facts["norm_before"], name
         assert not same_state(model, bare), name
+
+
+def _mlp_small_init(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    for p in model.parameters():  # GPT-style init: weights N(0, 0.02), biases zero
+        nn.init.normal_(p, std=0.02) if p.ndim > 1 else nn.init.zeros_(p)
+    return model
+
+
+def _teacher_data(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 1, generator=g)
+    out = []
+    for _ in range(n):
+        x = torch.randn(32, 16, generator=g)
+        out.append((x, torch.tanh(x @ w) + 0.05 * torch.randn(32, 1, generator=g)))
+    return out
+
+
+def _high_lr_run(tmp_path, lr, monitored, steps=150):
+    model = _mlp_small_init()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    for x, y in mon.batches(_teacher_data(steps)) if mon else _teacher_data(steps):
+        loss = nn.functional.mse_loss(model(x), y)
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    if mon:
+        mon.detach()
+    with torch.no_grad():
+        held_out = _teacher_data(20, seed=9)
+        return sum(float(nn.functional.mse_loss(model(x), y)) for x, y in held_out) / len(held_out), mon
+
+
+def test_a_bad_update_made_at_the_lowered_lr_lowers_it_again_without_waiting_for_the_cooldown(tmp_path):
+    # 100x a sane LR: the first update is ~5x the weights. Undo, then undo + LR drop (x0.2): the
+    # retried update, at 20x, is still larger than the weights. That is new evidence (an update made
+    # after the drop), so the next drop is not held back by lr_drop's cooldown (20 steps): without
+    # that, every retry is undone at the same LR, two steps at a time, until the cooldown ends.
+    _, mon = _high_lr_run(tmp_path, 0.1, True, steps=40)
+    acted = [(e.step, e.actions) for e in mon.events if e.actions and e.kind == "update_ratio_spike"]
+    drops = [s for s, a in acted if "lr_drop" in a]
+    undos = [s for s, a in acted if "undo" in a]
+    assert len(drops) >= 2 and drops[1] <= 6, acted
+    assert len(undos) <= 4, acted
