@@ -31,6 +31,14 @@ def data(n=60, seed=1, bad_every=0):
     return out
 
 
+def scaled_step(mon, scaler, opt, loss):
+    """One GradScaler step, through the monitor when there is one."""
+    scaler.scale(mon.combine(loss) if mon else loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
 def same_state(a, b):
     return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
@@ -225,11 +233,7 @@ def test_an_undo_under_a_gradscaler_puts_the_scaler_back_too(tmp_path):
         for x, y, _ in batches:
             for g in opt.param_groups:
                 g["lr"] = 0.02 * (1e4 if mon is not None and mon.step == 20 else 1.0)
-            loss = nn.functional.mse_loss(model(x), y)
-            scaler.scale(mon.combine(loss) if mon else loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            scaled_step(mon, scaler, opt, nn.functional.mse_loss(model(x), y))
         if mon:
             mon.detach()
         return model, scaler, mon
@@ -322,11 +326,7 @@ def test_a_loss_spike_under_a_grad_scaler_leaves_the_loss_scale_alone(tmp_path):
         for i, (x, y, _) in enumerate(data(n=40)):
             if i == 20 and not monitored:
                 continue
-            loss = nn.functional.mse_loss(model(x), y) * (1e4 if i == 20 else 1.0)
-            scaler.scale(mon.combine(loss) if mon else loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            scaled_step(mon, scaler, opt, nn.functional.mse_loss(model(x), y) * (1e4 if i == 20 else 1.0))
         if mon:
             mon.detach()
         return model, scaler, mon
