@@ -156,6 +156,42 @@ def test_sharded_norms_equal_the_unsharded_model_on_the_whole_batch(tmp_path):
         torch.testing.assert_close(r0["params"][n], p.detach(), rtol=1e-5, atol=1e-6)
 
 
+def _lean_worker(rank, port, out, fraction):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lean = {"actions": {"undo": {"enabled": False}}, "stats": {"update_ratio_fraction": fraction}}
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=["jsonl"], config=_quiet(**lean))
+    for batch in _batches(4):
+        x, y = _half(batch, rank)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    held = sum(t.numel() for t in mon._update_buf or [])
+    local = sum(p.to_local().numel() for p in model.parameters())
+    mon.detach()
+    torch.save({"held": held, "local": local}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_the_lean_update_ratio_under_fsdp2_equals_the_unsharded_one_or_holds_a_slice(tmp_path):
+    # Without the undo copy: on whole shards (fraction 1) the ratio over every rank's shard equals
+    # the unsharded model's; on a 20% slice each rank holds a fifth of its shard's elements and
+    # still gives a finite, positive ratio per group, the same on every rank (one read).
+    r0, r1 = _run(_lean_worker, tmp_path / "whole", 1.0)
+    _reference(str(tmp_path / "ref"), 4)
+    sharded, ref = _metrics(tmp_path / "whole" / "run"), _metrics(tmp_path / "ref")
+    for got, want in zip(sharded[:3], ref[:3]):
+        for g in GROUPS:
+            assert got[f"update_ratio/{g}"] == pytest.approx(want[f"update_ratio/{g}"], rel=1e-5)
+    r0, r1 = _run(_lean_worker, tmp_path / "slice", 0.2)
+    for r in (r0, r1):
+        assert 0 < r["held"] <= 0.2 * r["local"] + 10
+    for got in _metrics(tmp_path / "slice" / "run")[:3]:
+        for g in GROUPS:
+            assert 0 < got[f"update_ratio/{g}"] < 1
+
+
 # --------------------------------------------------------------------------------------------
 # a NaN on one rank: skip, name the rank, nothing lands
 # --------------------------------------------------------------------------------------------
