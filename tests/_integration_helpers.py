@@ -1,5 +1,8 @@
 """Helpers the framework-integration and distributed tests share."""
 
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -20,9 +23,18 @@ def monitor_hooks(opt):
 
 
 def leave_process_group():
+    """Leave the process group and end this spawned worker process (exit status 0)."""
     # A barrier first: gloo's worker threads free a finished collective's tensors under the GIL,
     # and a process group destroyed while one of them still does (the DDP reducer drops the last
     # reference from Python, holding the GIL, and joins those threads) deadlocks inside torch.
     # Waiting in a barrier releases the GIL until the earlier collectives are freed.
+    # Then the spawned worker ends here, without the interpreter's teardown: the process group
+    # lives on in what the worker still holds (an FSDP2 model's device mesh), and gloo's threads
+    # joined during finalization abort the process now and then ("terminate called without an
+    # active exception", SIGABRT; the mechanism is described in pytorch/pytorch#179291, not merged).
+    # Call it last, after saving results.
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
