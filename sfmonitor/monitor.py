@@ -1313,17 +1313,20 @@ class Monitor:
             # moves every step (stats.update_ratio_fraction), in buffers allocated once and reused
             # (copying into warm memory is several times cheaper than a fresh clone each step).
             fraction = self.config.stats.update_ratio_fraction
+            if fraction >= 1.0:
+                if self._update_buf is None:
+                    self._update_buf = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
+                torch._foreach_copy_(self._update_buf, params)
+                rec.before_params = self._update_buf
+                return out, key
             live = S.rotating_slices(params, fraction, rec.step // every)
-            if self._update_buf is None:
-                self._update_buf = [
-                    torch.empty_like(p, memory_format=torch.preserve_format)
-                    for p in S.rotating_slices(params, fraction, 0)  # the first window is the largest
-                ]
-            before = [b.view(-1)[: v.numel()].view(v.shape) for b, v in zip(self._update_buf, live)]
+            if self._update_buf is None:  # flat buffers as large as the first (largest) window
+                self._update_buf = [t.new_empty(t.numel()) for t in S.rotating_slices(params, fraction, 0)]
+            before = [b[: v.numel()].view(v.shape) for b, v in zip(self._update_buf, live)]
             torch._foreach_copy_(before, live)
             rec.before_params, rec.ratio_live = before, live
-            if fraction < 1.0:  # the ratio of the slices: ||delta slice|| / ||slice||
-                rec.before_norms = S.group_norms(S.norms(before), self._param_group_t, len(self._group_names))
+            # the ratio of the slices: ||delta slice|| / ||slice||
+            rec.before_norms = S.group_norms(S.norms(before), self._param_group_t, len(self._group_names))
         return out, key
 
     # A loss spike on a state that a sound step made is the batch's fault: the update that made the

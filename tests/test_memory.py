@@ -9,6 +9,7 @@ from torch import nn
 
 import sfmonitor
 from sfmonitor.checkpoint import SnapshotRing, capture_state, tree_nbytes
+from sfmonitor.summary import format_memory
 
 QUIET = {"console": False}
 
@@ -130,9 +131,32 @@ def test_the_lean_profile_holds_five_percent_and_still_sees_an_lr_spike_in_its_s
     assert 0 < held <= 0.05 * p_bytes + 4 * len(list(model.parameters())) * 256
     assert mon.memory["undo_device_bytes"] == 0
     assert mon.memory["update_ratio_device_bytes"] == pytest.approx(0.05 * p_bytes, rel=0.01)
+    assert "exact undo off, update ratio's copy" in format_memory(mon.memory)  # the attach line says so
     # A slice's ratio tells the healthy scale (AdamW moves every weight by ~lr): ~lr / rms(w)...
     healthy = [r for r in ratios[5:29] if r is not None]
     assert healthy and all(1e-4 < r < 1e-1 for r in healthy)
     # ...and the LR spike in the step it lands (seen at the next step's read).
     spikes = [e for e in mon.events if e.kind == "update_ratio_spike"]
     assert spikes and spikes[0].step == 30
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.2])
+def test_the_update_ratio_without_undo_measures_non_contiguous_parameters(tmp_path, fraction):
+    # A channels_last conv weight is not contiguous: its slices go along dim 0 into flat buffers.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 2)).to(
+        memory_format=torch.channels_last
+    )
+    assert not model[0].weight.is_contiguous()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    config = {"console": False, "actions": {"undo": {"enabled": False}}, "stats": {"update_ratio_fraction": fraction}}
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=config)
+    ratios = []
+    for _ in range(4):
+        x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+        mon.combine(model(x).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+        ratios.append(mon.stats.get("update_ratio/0"))
+    mon.detach()
+    assert all(r is not None and 0 < r < 1 for r in ratios[1:])
