@@ -539,8 +539,9 @@ def _absorbed_by_adaptive(ctx: ActionContext, decision: Decision) -> dict[str, A
         beta2 = min(float(pg["betas"][1]) for pg in ctx.optimizer.param_groups)
     except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError):
         return None  # not a ZClip finding, or not an optimizer with a second moment
-    growth = beta2 + (1.0 - beta2) * r * r
-    if not math.isfinite(growth) or not 0.0 <= beta2 < 1.0 or (1.0 - beta2) * r * r > 1.0:
+    added = (1.0 - beta2) * r * r  # what the spike adds to the second moment, in units of its level
+    growth = beta2 + added
+    if not math.isfinite(growth) or not 0.0 <= beta2 < 1.0 or added > 1.0:
         return None
     return {
         "clipped": False,
