@@ -169,8 +169,9 @@ def _lean_worker(rank, port, out, fraction):
         opt.zero_grad()
     held = sum(t.numel() for t in mon._update_buf or [])
     local = sum(p.to_local().numel() for p in model.parameters())
+    stats = mon.stats
     mon.detach()
-    torch.save({"held": held, "local": local}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save({"held": held, "local": local, "stats": stats}, os.path.join(out, f"rank{rank}.pt"))
     _leave()
 
 
@@ -178,7 +179,7 @@ def test_the_lean_update_ratio_under_fsdp2_equals_the_unsharded_one_or_holds_a_s
     # Without the undo copy: on whole shards (fraction 1) the ratio over every rank's shard equals
     # the unsharded model's; on a 20% slice each rank holds a fifth of its shard's elements and
     # still gives a finite, positive ratio per group, the same on every rank (one read).
-    r0, r1 = _run(_lean_worker, tmp_path / "whole", 1.0)
+    _run(_lean_worker, tmp_path / "whole", 1.0)
     _reference(str(tmp_path / "ref"), 4)
     sharded, ref = _metrics(tmp_path / "whole" / "run"), _metrics(tmp_path / "ref")
     for got, want in zip(sharded[:3], ref[:3]):
@@ -187,6 +188,7 @@ def test_the_lean_update_ratio_under_fsdp2_equals_the_unsharded_one_or_holds_a_s
     r0, r1 = _run(_lean_worker, tmp_path / "slice", 0.2)
     for r in (r0, r1):
         assert 0 < r["held"] <= 0.2 * r["local"] + 10
+    assert r0["stats"] == r1["stats"]
     for got in _metrics(tmp_path / "slice" / "run")[:3]:
         for g in GROUPS:
             assert 0 < got[f"update_ratio/{g}"] < 1

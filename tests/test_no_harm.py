@@ -262,7 +262,7 @@ def test_a_skipped_batch_leaves_no_trace_in_batchnorm_statistics(tmp_path):
     def make_cnn():
         torch.manual_seed(0)
         net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 1))
-        return net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(8, 1, 8, 8, generator=g), torch.randn(8, 1, generator=g)) for _ in range(12)]
