@@ -169,7 +169,9 @@ def update_norms(
     """Per-tensor ``||after - before||`` as one fp32 vector, leaving ``before`` intact (it is the
     undo copy). The differences go through a reused scratch buffer of at most ``limit`` elements
     per dtype (``scratch`` keeps it between calls: no allocation, no page faults after the first
-    step), a fused copy, subtract and norm per chunk of tensors that fit in it."""
+    step): per chunk of tensors that fit in it, each difference written there in one pass
+    (``torch.sub(..., out=)``: a third less memory traffic than a copy then a subtraction), then
+    one fused norm."""
     scratch = {} if scratch is None else scratch
     out: list[torch.Tensor | None] = [None] * len(before)
     by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -190,8 +192,8 @@ def update_norms(
                 for j in chunk:
                     views.append(buf[offset : offset + before[j].numel()].view(before[j].shape))
                     offset += before[j].numel()
-                torch._foreach_copy_(views, [after[j] for j in chunk])
-                torch._foreach_sub_(views, [before[j] for j in chunk])
+                for j, view in zip(chunk, views):  # one pass: read both, write the difference
+                    torch.sub(after[j], before[j], out=view)
                 for j, norm in zip(chunk, torch._foreach_norm(views, 2, dtype=torch.float32)):
                     out[j] = norm
                 chunk, used = [], 0
