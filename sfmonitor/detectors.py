@@ -123,6 +123,16 @@ class LossSpikeConfig(Section):
         lo_open=True,
     )
 
+    min_setback: float = option(
+        0.05,
+        "a jump must also give back at least this share of the progress the loss made since its start "
+        "(value - expected >= min_setback * (start - expected)): near a loss floor, where a converged "
+        "toy's loss jumps 10-20x from 0.01, a jump that small against the start is noise. 0: off; a "
+        "loss that has not fallen below its start is judged by z alone",
+        lo=0,
+        hi=1,
+    )
+
     def validate(self) -> None:
         _at_most(self, "warmup", "window")
         _at_most(self, "prior_after", "warmup")
@@ -387,6 +397,12 @@ class LossSpike(_Windowed):
     lag behind it and take the fall for noise; a component that wanders is judged by how far it
     usually wanders from its recent level.
 
+    A jump that passes the z test must also matter: give back at least ``min_setback`` of the
+    progress since the loss's start (the largest of its first ``prior_after`` values). Relative
+    noise grows as a loss nears its floor (a converged regression at 0.01 jumps to 0.2 and back):
+    such a jump is a z-outlier in log space but a few percent of what was learnt, and acting on it
+    would change a healthy run.
+
     Watches ``loss/total`` (kind ``loss_spike``) and, with ``components``, every ``loss/<c>``
     (kind ``loss_component_spike``). Losses <= 0 are ignored (their log is undefined). One finding
     per key that spikes.
@@ -397,6 +413,7 @@ class LossSpike(_Windowed):
     def __init__(self, config: LossSpikeConfig | None = None):
         super().__init__(config or LossSpikeConfig())
         self.errors: dict[str, collections.deque[float]] = {}  # key -> value minus the level it had
+        self.start: dict[str, float] = {}  # key -> log of the loss at its start (the largest first value)
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         return _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
@@ -409,6 +426,8 @@ class LossSpike(_Windowed):
             if len(w) < cfg.prior_after:
                 w.append(x)
                 continue
+            if key not in self.start:
+                self.start[key] = max(w)
             errors = self.errors.setdefault(key, collections.deque(maxlen=cfg.window))
             level = _median(list(w)[-cfg.recent :])
             bias, mad = _median_mad(list(errors)) if len(errors) >= 2 else (0.0, 0.0)
@@ -426,7 +445,8 @@ class LossSpike(_Windowed):
                 dev = sorted(abs(e - bias) for e in errors)
                 sigma = max(sigma, dev[int(0.95 * (len(dev) - 1))] / 1.96)
             z = (x - expected) / sigma
-            if z <= cfg.z:
+            start, now = math.exp(self.start[key]), math.exp(expected)
+            if z <= cfg.z or (start > now and value - now < cfg.min_setback * (start - now)):
                 w.append(x)
                 errors.append(x - level)
                 continue
@@ -458,7 +478,11 @@ class LossSpike(_Windowed):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "errors": {k: list(e) for k, e in self.errors.items()}}
+        return {
+            **super().state_dict(),
+            "errors": {k: list(e) for k, e in self.errors.items()},
+            "start": dict(self.start),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
@@ -466,6 +490,10 @@ class LossSpike(_Windowed):
             k: collections.deque((float(v) for v in e), maxlen=self.config.window)
             for k, e in state.get("errors", {}).items()
         }
+        if "start" in state:
+            self.start = {k: float(v) for k, v in state["start"].items()}
+        else:  # saved by a version that kept no start: the window's largest value stands in
+            self.start = {k: max(w) for k, w in self.windows.items() if len(w) >= self.config.prior_after}
 
 
 @register_detector("grad_spike", config=GradSpikeConfig, kinds={GRAD_SPIKE: [(1, [CLIP])]})

@@ -115,6 +115,26 @@ def test_loss_spike_warmup_then_state_round_trip_continues_identically():
     assert out_c == [x for x in out_a if x[0] >= 300] and [s for s, _ in out_c] == [450]
 
 
+def test_loss_spike_near_the_floor_must_give_back_part_of_the_progress_and_the_start_survives_a_resume():
+    """A loss that fell from 6 to 0.01: a 19x jump there is 3% of what was learnt (no spike); a
+    jump to 2 gives back a third of it (a spike). A resumed detector keeps the start, even when
+    its window no longer holds it."""
+    rng = np.random.default_rng(0)
+    vals = [6.0, 3.0, 1.5] + (0.01 * np.exp(rng.normal(0.0, 0.3, 200))).tolist()
+    cfg = D.LossSpikeConfig(window=16, warmup=8)
+    det = D.LossSpike(cfg)
+    assert [s for s, v in enumerate(vals) for _ in det.check(s, {"loss/total": v})] == []
+    resumed = D.LossSpike(cfg)
+    resumed.load_state_dict(copy.deepcopy(det.state_dict()))
+    for d in (det, resumed):
+        assert d.check(203, {"loss/total": 0.19}) == []  # 6+ sigma in log space, a 3% setback
+        assert d.check(204, {"loss/total": 2.0})  # a third of the progress: a spike
+    off = D.LossSpike(D.LossSpikeConfig(window=16, warmup=8, min_setback=0.0))
+    for s, v in enumerate(vals):
+        off.check(s, {"loss/total": v})
+    assert off.check(203, {"loss/total": 0.19})
+
+
 def test_loss_spike_config_validation():
     with pytest.raises(ConfigError, match="warmup"):
         D.LossSpikeConfig(window=16, warmup=32)

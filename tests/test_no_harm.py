@@ -3,6 +3,8 @@ more, and the rescue budget counts only rescues that changed something."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -441,3 +443,54 @@ def test_a_bad_update_made_at_the_lowered_lr_lowers_it_again_without_waiting_for
     undos = [s for s, a in acted if "undo" in a]
     assert len(drops) >= 2 and drops[1] <= 6, acted
     assert len(undos) <= 4, acted
+
+
+def _converging_regression(tmp_path, monitored, steps=200):
+    """A noise-free linear target: the loss falls from ~6 to ~1e-3, where Adam at a brisk LR
+    makes it jump 10-20x from one step to the next (relative noise near the floor)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    w = torch.tensor([[1.0], [2.0], [-1.0], [0.5]])
+    losses = []
+    for i in range(steps):
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(i))
+        loss = nn.functional.mse_loss(model(x)[:, :1], x @ w)
+        losses.append(loss.item())
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return model, losses, events
+
+
+def test_a_jump_near_the_loss_floor_that_gives_back_little_of_the_progress_is_no_spike(tmp_path):
+    bare, losses, _ = _converging_regression(tmp_path / "bare", False)
+    # the setting: a one-step jump of > 10x, from ~0.01, when the loss started at ~6
+    jumps = [b / a for a, b in itertools.pairwise(losses[100:])]
+    assert max(jumps) > 10 and max(losses[100:]) < 0.05 * losses[0]
+    model, _, events = _converging_regression(tmp_path / "mon", True)
+    assert [e.kind for e in events] == []
+    assert same_state(model, bare)
+
+
+def test_a_loss_spike_that_gives_back_much_of_the_progress_is_still_skipped(tmp_path):
+    """The same run with one batch whose targets are 10x off at step 120: its loss undoes far
+    more than 5% of the progress, and it is skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    w = torch.tensor([[1.0], [2.0], [-1.0], [0.5]])
+    for i in range(130):
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(i))
+        y = x @ w * (10.0 if i == 120 else 1.0)
+        mon.combine(nn.functional.mse_loss(model(x)[:, :1], y)).backward()
+        opt.step()
+        opt.zero_grad()
+    spikes = [e for e in mon.events if e.kind == "loss_spike"]
+    mon.detach()
+    assert [e.step for e in spikes] == [120] and spikes[0].actions == ["skip_step"]
