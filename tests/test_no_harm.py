@@ -494,3 +494,63 @@ def test_a_loss_spike_that_gives_back_much_of_the_progress_is_still_skipped(tmp_
     spikes = [e for e in mon.events if e.kind == "loss_spike"]
     mon.detach()
     assert [e.step for e in spikes] == [120] and spikes[0].actions == ["skip_step"]
+
+
+HEALTHY_SETUPS = {  # name -> (optimizer from the model, options of the loop)
+    "adam": (lambda m: torch.optim.Adam(m.parameters(), 1e-2), {}),
+    "adam, foreach off": (lambda m: torch.optim.Adam(m.parameters(), 1e-2, foreach=False), {}),
+    "adamw, fused": (lambda m: torch.optim.AdamW(m.parameters(), 1e-2, fused=True), {}),
+    "adam, tensor lr": (lambda m: torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-2)), {}),
+    "adam, amsgrad": (lambda m: torch.optim.Adam(m.parameters(), 1e-2, amsgrad=True), {}),
+    "nadam": (lambda m: torch.optim.NAdam(m.parameters(), 1e-2), {}),
+    "adamax": (lambda m: torch.optim.Adamax(m.parameters(), 1e-2), {}),
+    "adadelta": (lambda m: torch.optim.Adadelta(m.parameters()), {}),
+    "rmsprop, pytorch defaults": (lambda m: torch.optim.RMSprop(m.parameters()), {}),
+    "sgd, nesterov": (lambda m: torch.optim.SGD(m.parameters(), 0.1, momentum=0.9, nesterov=True), {}),
+    "two param groups": (
+        lambda m: torch.optim.Adam([{"params": m[0].parameters(), "lr": 1e-2}, {"params": m[2].parameters()}]),
+        {},
+    ),
+    "first layer frozen": (lambda m: torch.optim.Adam(m[2].parameters(), 1e-2), {"freeze": True}),
+    "onecycle schedule": (lambda m: torch.optim.AdamW(m.parameters(), 1e-2), {"onecycle": True}),
+    "4 micro-batches": (lambda m: torch.optim.Adam(m.parameters(), 1e-2), {"accum": 4}),
+    "bf16 autocast": (lambda m: torch.optim.Adam(m.parameters(), 1e-2), {"bf16": True}),
+}
+
+
+def _healthy_setup_run(tmp_path, name, monitored, steps=40):
+    build, opts = HEALTHY_SETUPS[name]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    if opts.get("freeze"):
+        model[0].requires_grad_(False)
+    opt = build(model)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 0.05, total_steps=steps) if opts.get("onecycle") else None
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    accum = opts.get("accum", 1)
+    for i in range(steps):
+        for k in range(accum):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i * accum + k))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(opts.get("bf16"))):
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), x[:, :4].sin()) / accum
+            (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+    events = [(e.step, e.kind) for e in mon.events] if mon else []
+    if mon:
+        mon.detach()
+    return model, events
+
+
+def test_healthy_runs_across_optimizers_and_loops_are_untouched(tmp_path):
+    """Every first-order optimizer PyTorch ships in the variants users pick (fused, foreach off, a
+    tensor LR, AMSGrad), frozen layers, param groups, a schedule, accumulation, bf16 autocast: the
+    monitored run ends bit-identical to the bare one, with no event."""
+    for name in HEALTHY_SETUPS:
+        bare, _ = _healthy_setup_run(tmp_path / "bare", name, False)
+        model, events = _healthy_setup_run(tmp_path / "mon", name, True)
+        assert events == [], name
+        assert same_state(model, bare), name
