@@ -306,8 +306,8 @@ class BatchRecorder:
         return torch.stack([c.to(counts[0].device) for c in counts]).sum()
 
     def _pre(self, module, args, kwargs):
-        if not torch.is_grad_enabled():
-            return None
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return None  # compiled: nothing is recorded (tracing this hook would break the graph)
         if not self.batches and self.capture_rng:
             self.rng_state = forward_rng_state()
         dev = next((t.device.type for _, t in _named_tensors([args, kwargs], "")), "cpu")

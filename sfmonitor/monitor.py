@@ -960,6 +960,7 @@ class Monitor:
         #    step's update ratios (measured after its update landed) ride along in the same read.
         tensors, grad_index = self._collect_tensors(rec, [p.grad for p in self._params])
         tensors.update(self._watch.pending())
+        self._watch.check_sight(trained=bool(grad_index))
         last = self._last if self._last is not None and self._last.after else None
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation

@@ -70,6 +70,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,13 @@ ACT_ABSMAX_PREFIX = "act_absmax/"
 # An index, internal and per rank (stats.REDUCTIONS: LOCAL): never in monitor.stats.
 FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
 _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
+# Fully sampled training steps in a row without a watched module's hook running before the watch
+# says it is blind (two: one step may legitimately run none, e.g. a frozen branch, a warm-up).
+BLIND_STEPS = 2
+# The watch's hooks return at once while dynamo traces (torch.compile): a hook that reads the
+# watch's state would add guards on it (a recompilation every step), and one that draws the RNG
+# state or enters a mode would break the graph (an error under fullgraph=True).
+_compiling = torch.compiler.is_compiling
 # A module clipped because its logits after the update were over the cap is held this many steps:
 # sampled every step and clipped after every update that takes it over the cap again. (One AdamW
 # step at a high LR can multiply the logits several-fold: the logit before an update says little
@@ -432,6 +440,8 @@ class ActivationWatch:
         self._pre_clips: dict[str, dict[str, Any]] = {}  # what those checks clipped, this step
         self._sharded: set[str] = set()  # clippable modules with FSDP2 (DTensor) projections
         self._measured_dtype: torch.dtype = torch.float32  # of the logits _measure last read
+        self._blind = 0  # fully sampled training steps in a row that ran no watched module
+        self.blind_warned = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def select(self, model: nn.Module) -> list[str]:
@@ -529,12 +539,38 @@ class ActivationWatch:
     def sampled(self) -> bool:
         return self._sampled
 
+    def check_sight(self, trained: bool) -> None:
+        """At a step's read: warn once when ``BLIND_STEPS`` fully sampled training steps in a row
+        ran none of the watched modules' hooks. Under torch.compile the hooks return at once while
+        dynamo traces (so that attaching changes nothing it compiles: no graph break, no guard on
+        the watch's state, ``fullgraph=True`` still compiles), and the watch sees nothing."""
+        if self.blind_warned or not self._sampled or self._due is not None or not self.module_names or not trained:
+            return
+        if self._records or self._attn:
+            self._blind = 0
+            return
+        self._blind += 1
+        if self._blind >= BLIND_STEPS:
+            self.blind_warned = True
+            warnings.warn(
+                f"sfmonitor: the activation watch saw none of its {len(self.module_names)} modules run in "
+                f"{BLIND_STEPS} sampled training steps. Forward hooks do not run inside torch.compile'd code "
+                "(nor TorchScript), so activation maxima and attention logits are not measured and QK-Clip "
+                "and precision_fallback cannot act; gradients, updates, losses and their rescues are "
+                "unaffected. To watch activations, train that model uncompiled (or set watch.enabled: false "
+                "to silence this)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
     # ---- hooks -----------------------------------------------------------------------------
     def _active(self) -> bool:
         return self._remeasuring or (self._sampled and (torch.is_grad_enabled() or not self.config.grad_only))
 
     def _make_keep(self, name: str) -> Callable:
         def keep(module, args, kwargs):
+            if _compiling():
+                return None
             if self._remeasuring or not self._active() or not self._wanted(name):
                 return None
             # The last call of the step is kept (references, no copy): qk_clip re-runs it.
@@ -545,6 +581,8 @@ class ActivationWatch:
 
     def _make_check(self, name: str) -> Callable:
         def check(module, args, kwargs):
+            if _compiling():
+                return None
             if self._remeasuring or self._busy or name in self._checked or not self._holding(name):
                 return None
             if self._stack or self._mode is not None or not torch.is_grad_enabled():
@@ -559,6 +597,8 @@ class ActivationWatch:
 
     def _make_pre(self, name: str) -> Callable:
         def pre(module, args):
+            if _compiling():
+                return None
             if not self._active():
                 return None
             if self._due is not None and name not in self._due and not self._stack:
@@ -573,6 +613,8 @@ class ActivationWatch:
 
     def _make_post(self, name: str) -> Callable:
         def post(module, args, output):
+            if _compiling():
+                return None
             if not self._stack or self._stack[-1] != name:
                 return None  # not pushed (unsampled step) or already cleaned up
             self._stack.pop()
@@ -586,6 +628,8 @@ class ActivationWatch:
 
     def _make_mha_pre(self, name: str) -> Callable:
         def pre(module, args, kwargs):
+            if _compiling():
+                return None
             if not self._active() or self._busy or not self._wanted(name):
                 return None
             self._busy = True

@@ -1,0 +1,106 @@
+"""A torch.compile'd model: the monitor's forward hooks must not change what dynamo compiles (no
+graph break, no recompilation, so ``fullgraph=True`` still compiles), the run stays bit-identical,
+and the watch, which cannot see inside compiled code, says so instead of watching nothing.
+
+The eager backend: dynamo traces the model and its hooks as it would for inductor (the guards,
+graph breaks and recompilations are dynamo's), without needing a C++ compiler."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sfmonitor
+
+
+class Attention(nn.Module):
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in self.qkv(x).split(D, -1))
+        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=20, d=16):
+        super().__init__()
+        self.emb, self.attn = nn.Embedding(vocab, d), Attention(d)
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        return self.head(self.ln(x + self.attn(x)))
+
+
+def train(monitored, tmp_path, steps=12, fullgraph=False):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"console": False, "watch": {"stride": 1}}
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=config) if monitored else None
+    compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
+            loss = F.cross_entropy(compiled(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+    graphs = counters["stats"]["unique_graphs"]
+    breaks = sum(counters["graph_break"].values())
+    stats = dict(mon.stats) if mon else {}
+    if mon:
+        mon.detach()
+    return model, graphs, breaks, [str(w.message) for w in caught], stats
+
+
+def test_a_compiled_model_compiles_as_without_the_monitor_and_trains_bit_identically(tmp_path):
+    bare, bare_graphs, bare_breaks, _, _ = train(False, tmp_path / "bare")
+    model, graphs, breaks, _, stats = train(True, tmp_path / "mon")
+    assert (graphs, breaks) == (bare_graphs, bare_breaks) == (1, 0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bare.parameters()))
+    assert "grad_norm/total" in stats and "loss/total" in stats  # the monitor still measures the step
+
+
+def test_fullgraph_compilation_still_works_with_the_monitor_attached(tmp_path):
+    train(True, tmp_path, steps=3, fullgraph=True)
+
+
+def test_the_watch_says_once_that_it_cannot_see_inside_compiled_code(tmp_path):
+    *_, messages, stats = train(True, tmp_path)
+    blind = [m for m in messages if "torch.compile" in m and "watch" in m]
+    assert len(blind) == 1, messages
+    assert not any(k.startswith(("act_absmax/", "attn_logit_max/")) for k in stats)
+
+
+def test_the_watch_still_sees_the_same_model_run_eagerly(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"console": False, "watch": {"stride": 1}}
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no blindness warning
+        for i in range(3):
+            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
+            mon.combine(F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())).backward()
+            opt.step()
+            opt.zero_grad()
+    assert "attn_logit_max/attn" in mon.stats
+    mon.detach()
+
+
+if not hasattr(torch, "compile"):  # pragma: no cover - every supported torch has it
+    pytest.skip("torch.compile is not available", allow_module_level=True)
