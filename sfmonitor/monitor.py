@@ -353,6 +353,7 @@ class Monitor:
         self._same_state_spikes = 0
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
+        self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
         self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
         self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
         self._driven_externally = False  # an integration calls before_update()/after_update()
@@ -467,7 +468,7 @@ class Monitor:
         self._layout = sharding.Layout(self._params)
         self._param_group_t = self._layout.index(range(len(self._params)), self._param_group, device)
         self._index_cache: dict[tuple[int, ...], S.TensorIndex] = {}
-        self._update_buf = None
+        self._update_buf, self._slices = None, None
         self._n_opt_params = sum(len(pg["params"]) for pg in optimizer.param_groups)
 
     @property
@@ -634,7 +635,7 @@ class Monitor:
             }
             self._should_stop = self.should_stop
         self._ctx = None
-        self._update_buf = None
+        self._update_buf, self._slices = None, None
         self._record = StepRecord(step=self.step)
         self._last = None
         self._params, self._index_cache, self.groups = [], {}, {}
@@ -1320,10 +1321,9 @@ class Monitor:
                 torch._foreach_copy_(self._update_buf, params)
                 rec.before_params = self._update_buf
                 return out, key
-            live = S.rotating_slices(params, fraction, rec.step // every)
-            if self._update_buf is None:  # flat buffers as large as the first (largest) window
-                self._update_buf = [t.new_empty(t.numel()) for t in S.rotating_slices(params, fraction, 0)]
-            before = [b[: v.numel()].view(v.shape) for b, v in zip(self._update_buf, live)]
+            if self._slices is None or self._slices.fraction != fraction:
+                self._slices = S.RotatingSlices(fraction)  # flat buffers as large as a window
+            live, before = self._slices.take(params, rec.step // every)
             torch._foreach_copy_(before, live)
             rec.before_params, rec.ratio_live = before, live
             # the ratio of the slices: ||delta slice|| / ||slice||

@@ -197,6 +197,14 @@ def update_norms_(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor])
     return norms(before)
 
 
+def _windows(t: torch.Tensor, fraction: float) -> tuple[torch.Tensor, int, int]:
+    """(the tensor cut along its first dimension or flat, window length, number of windows)."""
+    flat = t.view(-1) if t.is_contiguous() else (t if t.ndim else t.reshape(1))
+    n = flat.shape[0]
+    k = max(1, math.ceil(fraction * n))
+    return flat, k, max(1, math.ceil(n / k))
+
+
 def rotating_slices(tensors: Sequence[torch.Tensor], fraction: float, turn: int) -> list[torch.Tensor]:
     """Views of ``fraction`` of each tensor, the ``turn``-th of the windows that tile it (turn
     after turn they cover every element): a contiguous tensor is cut flat into windows of
@@ -206,12 +214,48 @@ def rotating_slices(tensors: Sequence[torch.Tensor], fraction: float, turn: int)
         return list(tensors)
     out = []
     for t in tensors:
-        flat = t.view(-1) if t.is_contiguous() else (t if t.ndim else t.reshape(1))
-        n = flat.shape[0]
-        k = max(1, math.ceil(fraction * n))
-        i = turn % max(1, math.ceil(n / k))
-        out.append(flat[i * k : min(n, (i + 1) * k)])
+        flat, k, count = _windows(t, fraction)
+        i = turn % count
+        out.append(flat[i * k : min(flat.shape[0], (i + 1) * k)])
     return out
+
+
+class RotatingSlices:
+    """``rotating_slices`` paired with reused flat buffers to copy them into, each window's two
+    views built once and kept (per tensor, at most 1 / fraction windows): building two views per
+    tensor every step costs more than the copy of a 5% slice itself. A tensor whose storage or
+    shape changed (``p.data = ...``) has its windows and buffer built again."""
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self.buffers: list[torch.Tensor] = []
+        # per tensor: (data_ptr, shape, number of windows, {window: (live view, buffer view)})
+        self._windows: list[tuple[int, tuple[int, ...], int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []
+
+    def take(self, tensors: Sequence[torch.Tensor], turn: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The ``turn``-th slices of ``tensors`` and, for each, a view of its buffer shaped alike."""
+        if len(self._windows) != len(tensors):
+            self.buffers, self._windows = [t.new_empty(0) for t in tensors], [(-1, (), 1, {})] * len(tensors)
+        live, into = [], []
+        for i, t in enumerate(tensors):
+            ptr, shape, count, views = self._windows[i]
+            if ptr != t.data_ptr() or shape != t.shape:
+                flat, k, count = _windows(t, self.fraction)
+                size = flat[:k].numel()  # the first window is the largest
+                buf = self.buffers[i]
+                if buf.numel() < size or buf.dtype != t.dtype or buf.device != t.device:
+                    self.buffers[i] = t.new_empty(size)
+                views = {}
+                self._windows[i] = (t.data_ptr(), tuple(t.shape), count, views)
+            w = turn % count
+            pair = views.get(w)
+            if pair is None:
+                flat, k, _ = _windows(t, self.fraction)
+                view = flat[w * k : min(flat.shape[0], (w + 1) * k)]
+                pair = views[w] = (view, self.buffers[i][: view.numel()].view(view.shape))
+            live.append(pair[0])
+            into.append(pair[1])
+        return live, into
 
 
 def ratio(a: torch.Tensor, b: torch.Tensor, eps: float = RATIO_EPS) -> torch.Tensor:

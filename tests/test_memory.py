@@ -107,6 +107,26 @@ def test_rotating_slices_cover_every_element_a_fraction_at_a_time():
     assert rotating_slices(tensors, 1.0, 3) == tensors
 
 
+def test_rotating_slices_kept_between_steps_are_the_same_views_and_follow_a_new_storage():
+    from sfmonitor.stats import RotatingSlices, rotating_slices
+
+    p = torch.nn.Parameter(torch.arange(103.0))
+    tensors = [p.detach(), torch.arange(12.0).view(3, 4).t(), torch.tensor(5.0)]
+    slices = RotatingSlices(0.05)
+    for turn in range(45):
+        live, into = slices.take(tensors, turn)
+        for got, want, buf in zip(live, rotating_slices(tensors, 0.05, turn), into):
+            assert got.data_ptr() == want.data_ptr() and got.shape == want.shape and buf.shape == want.shape
+        torch._foreach_copy_(into, live)
+        assert all(torch.equal(a, b) for a, b in zip(into, live))
+    assert [b.numel() for b in slices.buffers] == [6, 3, 1]  # one window each, allocated once
+    again, _ = slices.take(tensors, 7)
+    assert again[0] is slices.take(tensors, 7)[0][0]  # built once, then reused
+    p.data = torch.arange(400.0)  # the user swapped the storage: windows and buffer built again
+    live, into = slices.take([p.detach()] + tensors[1:], 0)
+    assert live[0].data_ptr() == p.data_ptr() and live[0].numel() == 20 and into[0].numel() == 20
+
+
 LEAN = {"actions": {"undo": {"enabled": False}}, "stats": {"update_ratio_fraction": 0.05}, "watch": {"enabled": False}}
 
 
@@ -125,7 +145,9 @@ def test_the_lean_profile_holds_five_percent_and_still_sees_an_lr_spike_in_its_s
         opt.step()
         opt.zero_grad()
         ratios.append(mon.stats.get("update_ratio/0"))
-    held = sum(t.numel() * t.element_size() for t in mon._update_buf or [])
+    held = sum(
+        t.numel() * t.element_size() for t in (mon._update_buf or []) + (mon._slices.buffers if mon._slices else [])
+    )
     mon.detach()
     p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert 0 < held <= 0.05 * p_bytes + 4 * len(list(model.parameters())) * 256
