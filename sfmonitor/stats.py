@@ -35,8 +35,9 @@ of the full parameters. docs/distributed.md has the whole story.
 from __future__ import annotations
 
 import enum
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -223,39 +224,45 @@ def rotating_slices(tensors: Sequence[torch.Tensor], fraction: float, turn: int)
 class RotatingSlices:
     """``rotating_slices`` paired with reused flat buffers to copy them into, each window's two
     views built once and kept (per tensor, at most 1 / fraction windows): building two views per
-    tensor every step costs more than the copy of a 5% slice itself. A tensor whose storage or
-    shape changed (``p.data = ...``) has its windows and buffer built again."""
+    tensor every step costs more than the copy of a 5% slice itself. When a tensor's storage
+    changed (``p.data = ...``) every window and buffer is built again."""
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
         self.buffers: list[torch.Tensor] = []
-        # per tensor: (data_ptr, shape, number of windows, {window: (live view, buffer view)})
-        self._windows: list[tuple[int, tuple[int, ...], int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._ptrs: list[int] = []  # the storages the windows were built on
+        # per tensor: (number of windows, {window: (live view, buffer view)})
+        self._windows: list[tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []
 
     def take(self, tensors: Sequence[torch.Tensor], turn: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The ``turn``-th slices of ``tensors`` and, for each, a view of its buffer shaped alike."""
-        if len(self._windows) != len(tensors):
-            self.buffers, self._windows = [t.new_empty(0) for t in tensors], [(-1, (), 1, {})] * len(tensors)
+        ptrs = [t.data_ptr() for t in tensors]
+        if ptrs != self._ptrs:
+            self._build(tensors, ptrs)
         live, into = [], []
-        for i, t in enumerate(tensors):
-            ptr, shape, count, views = self._windows[i]
-            if ptr != t.data_ptr() or shape != t.shape:
-                flat, k, count = _windows(t, self.fraction)
-                size = flat[:k].numel()  # the first window is the largest
-                buf = self.buffers[i]
-                if buf.numel() < size or buf.dtype != t.dtype or buf.device != t.device:
-                    self.buffers[i] = t.new_empty(size)
-                views = {}
-                self._windows[i] = (t.data_ptr(), tuple(t.shape), count, views)
+        for i, (count, views) in enumerate(self._windows):
             w = turn % count
             pair = views.get(w)
             if pair is None:
-                flat, k, _ = _windows(t, self.fraction)
+                flat, k, _ = _windows(tensors[i], self.fraction)
                 view = flat[w * k : min(flat.shape[0], (w + 1) * k)]
                 pair = views[w] = (view, self.buffers[i][: view.numel()].view(view.shape))
             live.append(pair[0])
             into.append(pair[1])
         return live, into
+
+    def _build(self, tensors: Sequence[torch.Tensor], ptrs: list[int]) -> None:
+        buffers: list[torch.Tensor] = []
+        windows: list[tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = []
+        for i, t in enumerate(tensors):
+            flat, k, count = _windows(t, self.fraction)
+            size = flat[:k].numel()  # the first window is the largest
+            buf = self.buffers[i] if i < len(self.buffers) else None
+            if buf is None or buf.numel() < size or buf.dtype != t.dtype or buf.device != t.device:
+                buf = t.new_empty(size)
+            buffers.append(buf)
+            windows.append((count, {}))
+        self.buffers, self._windows, self._ptrs = buffers, windows, ptrs
 
 
 def ratio(a: torch.Tensor, b: torch.Tensor, eps: float = RATIO_EPS) -> torch.Tensor:
@@ -372,6 +379,11 @@ def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
     from .integrations.distributed import world_size
 
     distributed = agree and world_size() > 1
+    if not distributed:
+        got, vectors = _local_vectors(named)
+        for vec, decode in vectors:
+            got.update(decode(vec.tolist()))  # the host synchronisation, once per device
+        return {k: got[k] for k in named}
     by_device: dict[torch.device, list[str]] = {}
     for k, v in named.items():
         by_device.setdefault(_device_of(v), []).append(k)
@@ -394,6 +406,56 @@ def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
                 out[k] = flat[at]
             at += n
     return {k: out[k] for k in named}
+
+
+@torch.no_grad()
+def _local_vectors(
+    named: Mapping[str, Value],
+) -> tuple[dict[str, Any], list[tuple[torch.Tensor, Callable[[list[float]], dict[str, Any]]]]]:
+    """``read_all`` in one process, before the read: the numbers as they are, and per device one
+    vector with a function that turns its list of floats into values. 0-d tensors are stacked per
+    device and dtype (one op for each, not two per value); the rest goes as ``_parts`` says."""
+    out: dict[str, Any] = {}
+    scalars: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    rest: dict[torch.device, list[str]] = {}
+    for k, v in named.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 0:
+            scalars.setdefault((v.device, v.dtype), []).append((k, v))
+        elif isinstance(v, (int, float)):
+            out[k] = float(v)
+        else:
+            rest.setdefault(_device_of(v), []).append(k)
+    vectors: list[tuple[torch.Tensor, Callable[[list[float]], dict[str, Any]]]] = []
+    for device in {d for d, _ in scalars} | set(rest):
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        keys: list[str] = []
+        parts: list[torch.Tensor] = []
+        for (d, _), kv in scalars.items():
+            if d == device:
+                keys += [k for k, _ in kv]
+                parts.append(torch.stack([v for _, v in kv]).to(dtype))
+        others = rest.get(device, [])
+        for k in others:
+            parts += _parts(named[k], dtype, device)
+        vectors.append((torch.cat(parts), functools.partial(_decode, named, keys, others)))
+    return out, vectors
+
+
+def _decode(named: Mapping[str, Value], keys: list[str], others: list[str], flat: list[float]) -> dict[str, Any]:
+    """The values of one device's vector from ``_local_vectors``: the stacked scalars first, then
+    the others in order."""
+    got: dict[str, Any] = dict(zip(keys, flat))
+    at = len(keys)
+    for k in others:
+        v = named[k]
+        if isinstance(v, NormRatio):
+            got[k], at = flat[at] / max(flat[at + 1], v.eps), at + 2
+        elif isinstance(v, Vector):
+            n = v.values.numel()
+            got[k], at = flat[at : at + n], at + n
+        else:
+            got[k], at = flat[at], at + 1
+    return got
 
 
 def finite(x: Any) -> TypeGuard[float]:

@@ -137,3 +137,43 @@ def test_read_all_reads_vectors_and_norm_ratios_in_one_read():
         }
     )
     assert out == {"a": 2.0, "v": [1.0, 0.0, 3.0], "r": 0.25, "z": 0.0, "n": 5.0}
+
+
+def test_read_all_in_one_process_keeps_every_value_its_order_and_dtype_and_reads_once(monkeypatch):
+    """0-d tensors of three dtypes, one needing grad, interleaved with numbers, a one-element 1-d
+    tensor, vectors and ratios: each value back as a float in the order given, one tolist()."""
+    from sfmonitor import stats as S
+
+    w = torch.tensor(3.0, requires_grad=True)
+    named = {
+        "f32": torch.tensor(1.5),
+        "n": 7,
+        "i64": torch.tensor(4),
+        "grad": w * 2,
+        "f64": torch.tensor(0.1, dtype=torch.float64),
+        "one": torch.tensor([6.0]),
+        "b": True,
+        "v": S.Vector(torch.tensor([1.0, 2.0])),
+        "r": S.NormRatio(torch.tensor(1.0), torch.tensor(8.0)),
+        "f32b": torch.tensor(-2.0),
+        "half": torch.tensor(65504.0, dtype=torch.float16),
+    }
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    out = S.read_all(named)
+    assert list(out) == list(named) and len(reads) == 1
+    assert out == {
+        "f32": 1.5,
+        "n": 7.0,
+        "i64": 4.0,
+        "grad": 6.0,
+        "f64": 0.1,
+        "one": 6.0,
+        "b": 1.0,
+        "v": [1.0, 2.0],
+        "r": 0.125,
+        "f32b": -2.0,
+        "half": 65504.0,
+    }
+    assert all(type(v) is float for k, v in out.items() if k != "v")
