@@ -70,15 +70,17 @@ class LossAccumulator:
         """``loss/*``, ``loss_weight/*`` and ``loss_ratio/*`` as 0-d tensors (nothing is read)."""
         if not self.count or self.total is None:
             return {}
-        out: dict[str, torch.Tensor | float] = {S.LOSS_TOTAL: self.total / self.count}
-        for k, v in self.sums.items():
+        n = self.count
+        means = {k: v if n == 1 else v / n for k, v in self.sums.items()}  # one micro-batch: no division
+        out: dict[str, torch.Tensor | float] = {S.LOSS_TOTAL: self.total if n == 1 else self.total / n}
+        for k, v in means.items():
             if k != "total":
-                out[S.LOSS.format(k)] = v / self.count
+                out[S.LOSS.format(k)] = v
         if len(self.sums) > 1:
             for k, w in self.weights.items():
                 out[S.LOSS_WEIGHT.format(k)] = w if isinstance(w, torch.Tensor) else float(w)
             for a, b in S.pair_keys(self.sums, pairs):
-                out[S.LOSS_RATIO.format(a, b)] = S.ratio(self.sums[a] / self.count, self.sums[b] / self.count)
+                out[S.LOSS_RATIO.format(a, b)] = S.ratio(means[a], means[b])
         return out
 
 

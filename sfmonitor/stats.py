@@ -182,12 +182,10 @@ def group_norms(per_tensor: torch.Tensor, index: TensorIndex | torch.Tensor, n_g
 
 def first_true(mask: torch.Tensor) -> torch.Tensor:
     """Index of the first True in a 1-d bool mask, or -1 when none, as a 0-d tensor (no sync)."""
-    n = mask.numel()
-    if n == 0:
+    if mask.numel() == 0:
         return torch.tensor(-1)
-    positions = torch.arange(n, device=mask.device)
-    first = torch.where(mask, positions, torch.full_like(positions, n)).min()
-    return torch.where(first == n, torch.full_like(first, -1), first)
+    first = mask.to(torch.uint8).argmax()  # the first maximum: the first True (0 when there is none)
+    return torch.where(mask[first], first, -1)
 
 
 def update_norms_(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> torch.Tensor:

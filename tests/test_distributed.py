@@ -3,6 +3,7 @@
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -177,3 +178,14 @@ def test_read_all_in_one_process_keeps_every_value_its_order_and_dtype_and_reads
         "half": 65504.0,
     }
     assert all(type(v) is float for k, v in out.items() if k != "v")
+
+
+@pytest.mark.parametrize(
+    ("mask", "first"),
+    [([], -1), ([False, False], -1), ([True], 0), ([False, True, True], 1), ([False] * 9 + [True], 9)],
+)
+def test_first_true_names_the_first_offender_or_minus_one(mask, first):
+    from sfmonitor import stats as S
+
+    got = S.first_true(torch.tensor(mask, dtype=torch.bool))
+    assert got.dim() == 0 and got.dtype == torch.int64 and got.item() == first
