@@ -5,6 +5,7 @@ so that machine noise hits both alike; the table shows the median step time of e
 ratio. The model is a small transformer classifier whose step takes ~50-150 ms on a 2-core CPU.
 
     python benchmarks/overhead.py [--steps 80] [--threads 1] [--batch 8 --seq 64 --d 256 --layers 3]
+    python benchmarks/overhead.py --variants defaults,undo-off,lean --steps 200   # fewer, longer
 
 Not a test: it prints a table. Latest results: docs/benchmarks.md.
 """
@@ -50,6 +51,7 @@ VARIANTS = {  # name -> monitor config (None: bare training)
         "watch": {"enabled": False},
     },
 }
+SHORT = dict(zip(["bare", "defaults", "watch-off", "watch-every-step", "ratio-every-4", "undo-off", "lean"], VARIANTS))
 
 
 def make(seed, config, run_dir, args):
@@ -80,7 +82,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--d", type=int, default=256, help="model width")
     ap.add_argument("--layers", type=int, default=3, help="transformer layers")
+    ap.add_argument("--variants", default=",".join(SHORT), help=f"comma list of {', '.join(SHORT)} (bare always runs)")
     args = ap.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(SHORT)
+    if unknown:
+        ap.error(f"--variants: unknown {sorted(unknown)}; expected some of {', '.join(SHORT)}")
+    chosen = {SHORT[k]: VARIANTS[SHORT[k]] for k in SHORT if k == "bare" or k in args.variants.split(",")}
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     batches = [
@@ -88,9 +95,9 @@ def main(argv=None) -> int:
         for _ in range(8)
     ]
     with tempfile.TemporaryDirectory() as run_dir:
-        runs = {name: make(0, cfg, f"{run_dir}/{i}", args) for i, (name, cfg) in enumerate(VARIANTS.items())}
-        times = {name: [] for name in VARIANTS}
-        names = list(VARIANTS)
+        runs = {name: make(0, cfg, f"{run_dir}/{i}", args) for i, (name, cfg) in enumerate(chosen.items())}
+        times: dict[str, list[float]] = {name: [] for name in chosen}
+        names = list(chosen)
         for i in range(args.steps + 5):
             b = batches[i % len(batches)]
             for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order
