@@ -25,8 +25,10 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _checkout  # this checkout's code, in the runs too
+
+ROOT = _checkout.ROOT
 
 from sfmonitor.registry import KINDS  # noqa: E402 - after the path
 from sfmonitor.sinks.jsonl import read_jsonl  # noqa: E402
@@ -43,7 +45,7 @@ def run(config: str, seed: int, root: str, sets: list[str]) -> dict:
     cfg_path = os.path.join(root, "watch_only.json")
     with open(cfg_path, "w", encoding="utf-8") as fh:
         json.dump(WATCH_ONLY, fh)
-    cmd = [sys.executable, "-m", "reference_model.train", "--config", config, "--seed", str(seed), "--monitor"]
+    cmd = _checkout.command("reference_model.train", "--config", config, "--seed", str(seed), "--monitor")
     cmd += ["--monitor-config", cfg_path, "--run-dir", run_dir, "--no-progress"]
     for s in sets:
         cmd += ["--set", s]

@@ -52,7 +52,6 @@ import platform
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,9 +64,10 @@ from typing import Any
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+import _checkout  # noqa: E402 - this checkout's sfmonitor, not an editable install's
+
+ROOT = _checkout.ROOT
 
 from fault_models import TASKS, Task  # noqa: E402 - after the path
 
@@ -986,17 +986,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 
 def code_state() -> str:
-    """The commit measured, and whether sfmonitor/ had changes not committed."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "sfmonitor", "reference_model"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (" + uncommitted changes in sfmonitor/ or reference_model/" if dirty else "")
+    """The commit measured, where, and whether sfmonitor/ had changes not committed."""
+    return _checkout.describe()
 
 
 def _states(start: str, end: str) -> str:

@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 
+import _checkout  # noqa: F401 - before sfmonitor: this checkout's code, not an editable install's
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -39,6 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _checkout  # this checkout's sfmonitor, not an editable install's
+
 ARMS = ("bare", "qk_layernorm", "monitored")
 DEFAULT_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 
@@ -406,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     split = int(0.9 * len(ids))
     data = (ids[:split], ids[split:], vocab)
     print(f"{len(ids)} characters of {os.path.dirname(os.__file__)}, vocabulary {vocab}; {cfg}", file=sys.stderr)
+    print(f"# sfmonitor at {_checkout.describe()}")
     rows = []
     for lr in lrs:
         for arm in arms:

@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 
+import _checkout  # before sfmonitor: this checkout's code, not an editable install's
 import torch
 from torch import nn
 
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     print(
         f"# monitor overhead ({platform.machine()}, {torch.get_num_threads()} thread(s), "
         f"torch {torch.__version__}, d={args.d} x {args.layers} layers, {n_params / 1e6:.2f}M params, "
-        f"batch {args.batch}x{args.seq}, {args.steps} interleaved steps each)"
+        f"batch {args.batch}x{args.seq}, {args.steps} interleaved steps each; sfmonitor at {_checkout.describe()})"
     )
     print("| variant | median step (ms) | median ratio | mean step (ms) | mean ratio |")
     print("|---|---|---|---|---|")

@@ -19,7 +19,10 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _checkout  # this checkout's code, in the runs too
+
+ROOT = _checkout.ROOT
 
 
 def run_one(
@@ -31,9 +34,7 @@ def run_one(
     epochs: int | None,
     monitor_config: str | None = None,
 ) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
+    cmd = _checkout.command(
         "reference_model.train",
         "--config",
         config,
@@ -41,7 +42,7 @@ def run_one(
         str(seed),
         "--monitor" if monitor else "--no-monitor",
         "--no-progress",
-    ]
+    )
     for s in sets:
         cmd += ["--set", s]
     if epochs:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)
-    print(f"config {args.config}, overrides {args.set or 'none'}\n")
+    print(f"config {args.config}, overrides {args.set or 'none'}; code: {_checkout.describe()}\n")
     print(table(results))
     return 0
 
