@@ -19,6 +19,7 @@ from sfmonitor.sinks import SinkRouter, make_sink
 from sfmonitor.sinks.wandb import TABLE_COLUMNS, WandbSink
 
 wandb = pytest.importorskip("wandb")
+from google.protobuf.message import DecodeError  # noqa: E402 - wandb brings protobuf
 from wandb.proto import wandb_internal_pb2 as pb  # noqa: E402
 
 
@@ -70,12 +71,15 @@ def _key(item) -> str:
 def parse_run(run_dir: str) -> dict:
     files = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(files) == 1, files
-    records = read_records(files[0])
-    for _ in range(50):  # the file is complete once the exit record is in (finish() waited)
+    records: list = []
+    for _ in range(100):  # the file is complete once the exit record is in (finish() waited)
+        try:
+            records = read_records(files[0])
+        except DecodeError:  # read while wandb was writing a record (a loaded machine): read again
+            records = []
         if any(r.WhichOneof("record_type") == "exit" for r in records):
             break
         time.sleep(0.1)
-        records = read_records(files[0])
     history, summary, alerts = [], {}, []
     for rec in records:
         kind = rec.WhichOneof("record_type")
