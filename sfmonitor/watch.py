@@ -440,6 +440,7 @@ class ActivationWatch:
         self._pre_clips: dict[str, dict[str, Any]] = {}  # what those checks clipped, this step
         self._sharded: set[str] = set()  # clippable modules with FSDP2 (DTensor) projections
         self._measured_dtype: torch.dtype = torch.float32  # of the logits _measure last read
+        self._name_of: dict[nn.Module, str] = {}  # watched module -> its name (the hooks look it up)
         self._blind = 0  # fully sampled training steps in a row that ran no watched module
         self.blind_warned = False
 
@@ -467,23 +468,29 @@ class ActivationWatch:
             return self
         self.module_names = self.select(model)
         self.attention, self._mha, self._modules, self._sharded = {}, set(), {}, set()
+        self._name_of = {model.get_submodule(name): name for name in self.module_names}
+        # A forward that raises inside a watched module skips that module's post-hook: the root's
+        # own post-hook, called always, cleans up (the stack, the inline mode). One hook on the
+        # root only: an always-called hook on every module makes dynamo guard on each one's hook id,
+        # and N identical blocks compiled one by one would each get their own graph.
+        self._handles.append(model.register_forward_hook(self._root_hook, always_call=True))
         for name in self.module_names:
             mod = model.get_submodule(name)
-            self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
-            self._handles.append(mod.register_forward_hook(self._make_post(name), always_call=True))
+            self._handles.append(mod.register_forward_pre_hook(self._pre_hook))
+            self._handles.append(mod.register_forward_hook(self._post_hook))
             if self._attn_cfg.enabled and AT.is_attention(self._attn_cfg, name, mod):
                 spec, reason = AT.find_projections(mod, name, self._attn_cfg)
                 heads = spec.heads if spec is not None and spec.heads else AT.module_heads(mod)
                 self.attention[name] = _AttnInfo(heads, spec, reason)
                 if isinstance(mod, nn.MultiheadAttention):
                     self._mha.add(name)
-                    self._handles.append(mod.register_forward_pre_hook(self._make_mha_pre(name), with_kwargs=True))
+                    self._handles.append(mod.register_forward_pre_hook(self._mha_hook, with_kwargs=True))
                 if spec is not None:
                     self._modules[name] = mod
-                    self._handles.append(mod.register_forward_pre_hook(self._make_keep(name), with_kwargs=True))
+                    self._handles.append(mod.register_forward_pre_hook(self._keep_hook, with_kwargs=True))
                     # Before the watch's own pre-hooks: the check runs the module in a clean state.
                     self._handles.append(
-                        mod.register_forward_pre_hook(self._make_check(name), with_kwargs=True, prepend=True)
+                        mod.register_forward_pre_hook(self._check_hook, with_kwargs=True, prepend=True)
                     )
                     if any(is_sharded(p) for p in mod.parameters()):
                         self._sharded.add(name)
@@ -567,83 +574,83 @@ class ActivationWatch:
     def _active(self) -> bool:
         return self._remeasuring or (self._sampled and (torch.is_grad_enabled() or not self.config.grad_only))
 
-    def _make_keep(self, name: str) -> Callable:
-        def keep(module, args, kwargs):
-            if _compiling():
-                return None
-            if self._remeasuring or not self._active() or not self._wanted(name):
-                return None
-            # The last call of the step is kept (references, no copy): qk_clip re-runs it.
-            self._inputs[name] = (self._step, _detached(args), _detached(kwargs))
+    # The hooks are methods, the same function for every module (the module's name is looked up):
+    # under torch.compile, per-module closures would differ and make dynamo compile each of N
+    # identical blocks on its own instead of reusing one graph.
+    def _keep_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _compiling():
             return None
-
-        return keep
-
-    def _make_check(self, name: str) -> Callable:
-        def check(module, args, kwargs):
-            if _compiling():
-                return None
-            if self._remeasuring or self._busy or name in self._checked or not self._holding(name):
-                return None
-            if self._stack or self._mode is not None or not torch.is_grad_enabled():
-                return None  # inside another watched module's forward, or not a training forward
-            if torch._C._current_graph_task_id() != -1:
-                return None  # a recomputation inside the backward (activation checkpointing)
-            self._checked.add(name)  # the step's first forward only (accumulation, re-entrant calls)
-            self._check_before_forward(name, module, args, kwargs)
+        name = self._name_of[module]
+        if self._remeasuring or not self._active() or not self._wanted(name):
             return None
+        # The last call of the step is kept (references, no copy): qk_clip re-runs it.
+        self._inputs[name] = (self._step, _detached(args), _detached(kwargs))
+        return None
 
-        return check
-
-    def _make_pre(self, name: str) -> Callable:
-        def pre(module, args):
-            if _compiling():
-                return None
-            if not self._active():
-                return None
-            if self._due is not None and name not in self._due and not self._stack:
-                return None  # a forecast-only step: nothing asked for runs here
-            self._stack.append(name)
-            if self.config.inline and self._mode is None:
-                self._mode = _InlineMode(self)
-                self._mode.__enter__()
+    def _check_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _compiling():
             return None
-
-        return pre
-
-    def _make_post(self, name: str) -> Callable:
-        def post(module, args, output):
-            if _compiling():
-                return None
-            if not self._stack or self._stack[-1] != name:
-                return None  # not pushed (unsampled step) or already cleaned up
-            self._stack.pop()
-            if output is not None:
-                self._record(name, output)
-            if not self._stack:
-                self._exit_mode()
+        name = self._name_of[module]
+        if self._remeasuring or self._busy or name in self._checked or not self._holding(name):
             return None
+        if self._stack or self._mode is not None or not torch.is_grad_enabled():
+            return None  # inside another watched module's forward, or not a training forward
+        if torch._C._current_graph_task_id() != -1:
+            return None  # a recomputation inside the backward (activation checkpointing)
+        self._checked.add(name)  # the step's first forward only (accumulation, re-entrant calls)
+        self._check_before_forward(name, module, args, kwargs)
+        return None
 
-        return post
-
-    def _make_mha_pre(self, name: str) -> Callable:
-        def pre(module, args, kwargs):
-            if _compiling():
-                return None
-            if not self._active() or self._busy or not self._wanted(name):
-                return None
-            self._busy = True
-            try:
-                with torch.no_grad():
-                    logits = AT.mha_logits(module, args, kwargs)
-                    if logits is not None:
-                        query = args[0] if args else kwargs.get("query")
-                        self._add_logits(name, AT.head_maxima(logits, module.num_heads), query.dtype)
-            finally:
-                self._busy = False
+    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if _compiling():
             return None
+        if not self._active():
+            return None
+        name = self._name_of[module]
+        if self._due is not None and name not in self._due and not self._stack:
+            return None  # a forecast-only step: nothing asked for runs here
+        self._stack.append(name)
+        if self.config.inline and self._mode is None:
+            self._mode = _InlineMode(self)
+            self._mode.__enter__()
+        return None
 
-        return pre
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if _compiling():
+            return None
+        name = self._name_of.get(module)
+        if not self._stack or self._stack[-1] != name or name is None:
+            return None  # not pushed (unsampled step) or already cleaned up
+        self._stack.pop()
+        if output is not None:
+            self._record(name, output)
+        if not self._stack:
+            self._exit_mode()
+        return None
+
+    def _root_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if _compiling():
+            return None
+        if self._stack or self._mode is not None:  # a watched module's forward raised
+            self._exit_mode()
+        return None
+
+    def _mha_hook(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
+        if _compiling():
+            return None
+        name = self._name_of[module]
+        if not self._active() or self._busy or not self._wanted(name):
+            return None
+        self._busy = True
+        try:
+            with torch.no_grad():
+                logits = AT.mha_logits(module, args, kwargs)
+                if logits is not None:
+                    query = args[0] if args else kwargs["query"]
+                    self._add_logits(name, AT.head_maxima(logits, module.num_heads), query.dtype)
+        finally:
+            self._busy = False
+        return None
 
     def _exit_mode(self) -> None:
         self._stack.clear()

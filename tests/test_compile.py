@@ -74,6 +74,50 @@ def test_a_compiled_model_compiles_as_without_the_monitor_and_trains_bit_identic
     assert "grad_norm/total" in stats and "loss/total" in stats  # the monitor still measures the step
 
 
+class Blocks(nn.Module):
+    """Identical blocks, each compiled on its own (torchtitan compiles per block under FSDP2)."""
+
+    def __init__(self, vocab=20, d=16, n=3):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), Attention(d)) for _ in range(n))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_identical_blocks_compiled_one_by_one_share_one_graph_with_the_monitor_too(tmp_path):
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for monitored in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Blocks()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        config = {"console": False, "watch": {"stride": 1}}
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), sinks=[], config=config)
+        if not monitored:
+            mon.detach()
+        for block in model.blocks:
+            block.compile(backend="eager")
+        for i in range(4):
+            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
+            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            (mon.combine(loss) if monitored else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+        if monitored:
+            assert "act_absmax/head" in mon.stats  # what runs outside the compiled blocks is watched
+            mon.detach()
+    assert graphs[1] == graphs[0] == 1, graphs
+
+
 def test_fullgraph_compilation_still_works_with_the_monitor_attached(tmp_path):
     train(True, tmp_path, steps=3, fullgraph=True)
 
