@@ -671,3 +671,67 @@ def test_scale_slice_reaches_every_shard(tmp_path):
     want[:, 1:3] *= 3.0
     for r in (r0, r1):
         assert torch.equal(r["after"], want)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile, block by block (torchtitan's way)
+# --------------------------------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def _compiled_blocks_worker(rank, port, out):
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import fully_shard
+
+    _join(rank, port)
+    got = {}
+    for monitored in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), _Block(), _Block(), _Block(), nn.Linear(16, 3))
+        blocks = [m for m in model if isinstance(m, _Block)]
+        for m in blocks:
+            fully_shard(m)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        config = _quiet(watch={"stride": 1})
+        run = os.path.join(out, f"run{int(monitored)}")
+        mon = sfmonitor.attach(model, opt, run_dir=run, sinks=[], config=config) if monitored else None
+        for m in blocks:
+            m.compile(backend="eager")  # dynamo traces what a backend would compile
+        for batch in _batches(4):
+            x, y = _half(batch, rank)
+            loss = nn.functional.mse_loss(model(x), y)
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        got[monitored] = {
+            "params": [p.to_local().detach().clone() for p in model.parameters()],
+            "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()),
+            "events": [e.kind for e in mon.events] if mon else [],
+            "watched": sorted(k for k in mon.stats if k.startswith("act_absmax/")) if mon else [],
+        }
+        if mon:
+            mon.detach()
+    torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_blocks_compiled_one_by_one_under_fsdp2_compile_and_train_as_without_the_monitor(tmp_path):
+    for rank in _run(_compiled_blocks_worker, tmp_path):
+        bare, mon = rank[False], rank[True]
+        assert bare["graphs"] >= 1 and bare["breaks"] == 0
+        assert (mon["graphs"], mon["breaks"]) == (bare["graphs"], bare["breaks"])  # identical blocks: one graph
+        assert all(torch.equal(a, b) for a, b in zip(bare["params"], mon["params"]))
+        assert mon["events"] == []
+        assert mon["watched"] == ["act_absmax/0", "act_absmax/4"]  # outside the compiled blocks: watched
