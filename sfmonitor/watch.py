@@ -114,8 +114,9 @@ ACT_ABSMAX_PREFIX = "act_absmax/"
 # An index, internal and per rank (stats.REDUCTIONS: LOCAL): never in monitor.stats.
 FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
 _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
-# Fully sampled training steps in a row without a watched module's hook running before the watch
-# says it is blind (two: one step may legitimately run none, e.g. a frozen branch, a warm-up).
+# Fully sampled training steps after which the watch says what it has not seen run (none of its
+# modules, or attention modules while others ran: inside compiled code). Two: one step may
+# legitimately skip a branch.
 BLIND_STEPS = 2
 # The watch's hooks return at once while dynamo traces (torch.compile): a hook that reads the
 # watch's state would add guards on it (a recompilation every step), and one that draws the RNG
@@ -441,7 +442,8 @@ class ActivationWatch:
         self._sharded: set[str] = set()  # clippable modules with FSDP2 (DTensor) projections
         self._measured_dtype: torch.dtype = torch.float32  # of the logits _measure last read
         self._name_of: dict[nn.Module, str] = {}  # watched module -> its name (the hooks look it up)
-        self._blind = 0  # fully sampled training steps in a row that ran no watched module
+        self._blind = 0  # fully sampled training steps seen by check_sight
+        self._seen: set[str] = set()  # modules recorded in those steps
         self.blind_warned = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -547,28 +549,35 @@ class ActivationWatch:
         return self._sampled
 
     def check_sight(self, trained: bool) -> None:
-        """At a step's read: warn once when ``BLIND_STEPS`` fully sampled training steps in a row
-        ran none of the watched modules' hooks. Under torch.compile the hooks return at once while
-        dynamo traces (so that attaching changes nothing it compiles: no graph break, no guard on
-        the watch's state, ``fullgraph=True`` still compiles), and the watch sees nothing."""
+        """At a step's read: warn once when ``BLIND_STEPS`` fully sampled training steps ran none
+        of the watched modules' hooks, or none of some attention modules' while others ran. Under
+        torch.compile the hooks return at once while dynamo traces (so that attaching changes
+        nothing it compiles: no graph break, no guard on the watch's state, ``fullgraph=True``
+        still compiles), and the watch sees nothing of what runs inside compiled code."""
         if self.blind_warned or not self._sampled or self._due is not None or not self.module_names or not trained:
             return
-        if self._records or self._attn:
-            self._blind = 0
-            return
+        self._seen |= set(self._records) | set(self._attn)
         self._blind += 1
-        if self._blind >= BLIND_STEPS:
-            self.blind_warned = True
-            warnings.warn(
-                f"sfmonitor: the activation watch saw none of its {len(self.module_names)} modules run in "
-                f"{BLIND_STEPS} sampled training steps. Forward hooks do not run inside torch.compile'd code "
-                "(nor TorchScript), so activation maxima and attention logits are not measured and QK-Clip "
-                "and precision_fallback cannot act; gradients, updates, losses and their rescues are "
-                "unaffected. To watch activations, train that model uncompiled (or set watch.enabled: false "
-                "to silence this)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        if self._blind < BLIND_STEPS:
+            return
+        unseen = [n for n in self.attention if n not in self._seen]
+        if self._seen and not unseen:
+            return
+        self.blind_warned = True
+        what = (
+            f"none of its {len(self.module_names)} modules"
+            if not self._seen
+            else f"{len(unseen)} of its attention modules ({', '.join(unseen[:4])}{', ...' if len(unseen) > 4 else ''})"
+        )
+        warnings.warn(
+            f"sfmonitor: the activation watch saw {what} run in {BLIND_STEPS} sampled training steps. "
+            "Forward hooks do not run inside torch.compile'd code (nor TorchScript): activation maxima "
+            "and attention logits there are not measured, and QK-Clip and precision_fallback cannot act "
+            "on them; gradients, updates, losses and their rescues are unaffected. To watch them, train "
+            "those modules uncompiled (or set watch.enabled: false to silence this)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     # ---- hooks -----------------------------------------------------------------------------
     def _active(self) -> bool:

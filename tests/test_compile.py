@@ -118,6 +118,25 @@ def test_identical_blocks_compiled_one_by_one_share_one_graph_with_the_monitor_t
     assert graphs[1] == graphs[0] == 1, graphs
 
 
+def test_the_watch_names_the_attention_modules_it_cannot_see_inside_compiled_blocks(tmp_path):
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"console": False, "watch": {"stride": 1}}
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=config)
+    model.blocks[1].compile(backend="eager")  # blocks 0 and 2 stay eager
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(4):
+            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
+            mon.combine(F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())).backward()
+            opt.step()
+            opt.zero_grad()
+    mon.detach()
+    said = [str(w.message) for w in caught if "activation watch" in str(w.message)]
+    assert len(said) == 1 and "1 of its attention modules (blocks.1.1)" in said[0], said
+
+
 def test_fullgraph_compilation_still_works_with_the_monitor_attached(tmp_path):
     train(True, tmp_path, steps=3, fullgraph=True)
 
