@@ -560,17 +560,19 @@ class ActivationWatch:
         self._blind += 1
         if self._blind < BLIND_STEPS:
             return
-        unseen = [n for n in self.attention if n not in self._seen]
+        # Attention modules with projections (those QK-Clip acts on): a dropout named *attn* that a
+        # fused kernel replaces (Hugging Face GPT-2 with SDPA) never runs, and says nothing.
+        unseen = [n for n in self._modules if n not in self._seen]
         if self._seen and not unseen:
             return
         self.blind_warned = True
         what = (
-            f"none of its {len(self.module_names)} modules"
+            f"any of its {len(self.module_names)} modules"
             if not self._seen
             else f"{len(unseen)} of its attention modules ({', '.join(unseen[:4])}{', ...' if len(unseen) > 4 else ''})"
         )
         warnings.warn(
-            f"sfmonitor: the activation watch saw {what} run in {BLIND_STEPS} sampled training steps. "
+            f"sfmonitor: the activation watch did not see {what} run in {BLIND_STEPS} sampled training steps. "
             "Forward hooks do not run inside torch.compile'd code (nor TorchScript): activation maxima "
             "and attention logits there are not measured, and QK-Clip and precision_fallback cannot act "
             "on them; gradients, updates, losses and their rescues are unaffected. To watch them, train "
