@@ -39,7 +39,7 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x + self.attn(x)))
 
 
-def train(monitored, tmp_path, steps=12, fullgraph=False):
+def train(monitored, tmp_path, n_steps=12, fullgraph=False):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyGPT()
@@ -52,18 +52,31 @@ def train(monitored, tmp_path, steps=12, fullgraph=False):
     counters.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i in range(steps):
-            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
-            loss = F.cross_entropy(compiled(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-            (mon.combine(loss) if mon else loss).backward()
-            opt.step()
-            opt.zero_grad()
+        steps(model, opt, mon, n_steps, forward=compiled)
     graphs = counters["stats"]["unique_graphs"]
     breaks = sum(counters["graph_break"].values())
     stats = dict(mon.stats) if mon else {}
     if mon:
         mon.detach()
     return model, graphs, breaks, [str(w.message) for w in caught], stats
+
+
+def steps(model, opt, mon, n, forward=None):
+    """``n`` training steps of next-token loss, through the monitor when there is one."""
+    for i in range(n):
+        x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
+        run = model if forward is None else forward
+        loss = F.cross_entropy(run(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def attached(model, tmp_path):
+    """The model's AdamW and a monitor sampling the watch every step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"console": False, "watch": {"stride": 1}}
+    return opt, sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=config)
 
 
 def test_a_compiled_model_compiles_as_without_the_monitor_and_trains_bit_identically(tmp_path):
@@ -98,19 +111,12 @@ def test_identical_blocks_compiled_one_by_one_share_one_graph_with_the_monitor_t
         counters.clear()
         torch.manual_seed(0)
         model = Blocks()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        config = {"console": False, "watch": {"stride": 1}}
-        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), sinks=[], config=config)
+        opt, mon = attached(model, tmp_path / str(monitored))
         if not monitored:
             mon.detach()
         for block in model.blocks:
             block.compile(backend="eager")
-        for i in range(4):
-            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
-            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
-            (mon.combine(loss) if monitored else loss).backward()
-            opt.step()
-            opt.zero_grad()
+        steps(model, opt, mon if monitored else None, 4)
         graphs.append(counters["stats"]["unique_graphs"])
         if monitored:
             assert "act_absmax/head" in mon.stats  # what runs outside the compiled blocks is watched
@@ -121,24 +127,18 @@ def test_identical_blocks_compiled_one_by_one_share_one_graph_with_the_monitor_t
 def test_the_watch_names_the_attention_modules_it_cannot_see_inside_compiled_blocks(tmp_path):
     torch.manual_seed(0)
     model = Blocks()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"console": False, "watch": {"stride": 1}}
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=config)
+    opt, mon = attached(model, tmp_path)
     model.blocks[1].compile(backend="eager")  # blocks 0 and 2 stay eager
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i in range(4):
-            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
-            mon.combine(F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())).backward()
-            opt.step()
-            opt.zero_grad()
+        steps(model, opt, mon, 4)
     mon.detach()
     said = [str(w.message) for w in caught if "activation watch" in str(w.message)]
     assert len(said) == 1 and "1 of its attention modules (blocks.1.1)" in said[0], said
 
 
 def test_fullgraph_compilation_still_works_with_the_monitor_attached(tmp_path):
-    train(True, tmp_path, steps=3, fullgraph=True)
+    train(True, tmp_path, n_steps=3, fullgraph=True)
 
 
 def test_the_watch_says_once_that_it_cannot_see_inside_compiled_code(tmp_path):
@@ -151,16 +151,10 @@ def test_the_watch_says_once_that_it_cannot_see_inside_compiled_code(tmp_path):
 def test_the_watch_still_sees_the_same_model_run_eagerly(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"console": False, "watch": {"stride": 1}}
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=config)
+    opt, mon = attached(model, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no blindness warning
-        for i in range(3):
-            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
-            mon.combine(F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())).backward()
-            opt.step()
-            opt.zero_grad()
+        steps(model, opt, mon, 3)
     assert "attn_logit_max/attn" in mon.stats
     mon.detach()
 
@@ -174,15 +168,9 @@ def test_an_attention_submodule_a_fused_kernel_replaces_is_no_blind_spot(tmp_pat
     torch.manual_seed(0)
     model = TinyGPT()
     model.attn.attn_dropout = nn.Dropout(0.0)  # named like attention, never run
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = {"console": False, "watch": {"stride": 1}}
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=config)
+    opt, mon = attached(model, tmp_path)
     assert "attn.attn_dropout" in mon._watch.attention  # watched as attention...
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # ...and no warning that it did not run
-        for i in range(4):
-            x = torch.randint(0, 20, (4, 9), generator=torch.Generator().manual_seed(i))
-            mon.combine(F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())).backward()
-            opt.step()
-            opt.zero_grad()
+        steps(model, opt, mon, 4)
     mon.detach()
