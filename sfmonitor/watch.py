@@ -509,7 +509,7 @@ class ActivationWatch:
         self._exit_mode()
         self._records.clear()
         self._attn.clear()
-        self._inputs, self._last_inputs, self._modules = {}, {}, {}
+        self._inputs, self._last_inputs, self._modules, self._name_of = {}, {}, {}, {}
         model = getattr(self, "_model", None)
         if model is not None and AT.WATCHES.get(model) is self:
             del AT.WATCHES[model]
