@@ -985,11 +985,6 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return f"{len(ok)} of {len(rows)} rows meet their targets"
 
 
-def code_state() -> str:
-    """The commit measured, where, and whether sfmonitor/ had changes not committed."""
-    return _checkout.describe()
-
-
 def _states(start: str, end: str) -> str:
     return start if start == end else f"{start} at the start, {end} at the end (changed during the run)"
 
@@ -1054,7 +1049,7 @@ def main(argv: list[str] | None = None) -> int:
     import reference_model.train  # noqa: F401
     import sfmonitor  # noqa: F401
 
-    state_at_start = code_state()
+    state_at_start = _checkout.describe()
     rows: list[dict[str, Any]] = []
     probes: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -1093,7 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {model_name}: step time probe failed: {e}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
     header = (
-        f"# faults benchmark: sfmonitor at {_states(state_at_start, code_state())}, "
+        f"# faults benchmark: sfmonitor at {_states(state_at_start, _checkout.describe())}, "
         f"torch {torch.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} CPU(s), 1 thread per run, seeds {args.seeds}; {seconds:.0f} s"
     )

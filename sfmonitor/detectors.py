@@ -445,8 +445,7 @@ class LossSpike(_Windowed):
                 dev = sorted(abs(e - bias) for e in errors)
                 sigma = max(sigma, dev[int(0.95 * (len(dev) - 1))] / 1.96)
             z = (x - expected) / sigma
-            start, now = math.exp(self.start[key]), math.exp(expected)
-            if z <= cfg.z or (start > now and value - now < cfg.min_setback * (start - now)):
+            if z <= cfg.z or self._small_setback(key, value, expected):
                 w.append(x)
                 errors.append(x - level)
                 continue
@@ -476,6 +475,12 @@ class LossSpike(_Windowed):
                 )
             )
         return out
+
+    def _small_setback(self, key: str, value: float, expected: float) -> bool:
+        """The jump gives back less than ``min_setback`` of the progress since the start (a loss
+        that never fell below its start makes no progress to give back: False)."""
+        start, now = math.exp(self.start[key]), math.exp(expected)
+        return start > now and value - now < self.config.min_setback * (start - now)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -204,26 +204,13 @@ def _windows(t: torch.Tensor, fraction: float) -> tuple[torch.Tensor, int, int]:
     return flat, k, max(1, math.ceil(n / k))
 
 
-def rotating_slices(tensors: Sequence[torch.Tensor], fraction: float, turn: int) -> list[torch.Tensor]:
-    """Views of ``fraction`` of each tensor, the ``turn``-th of the windows that tile it (turn
-    after turn they cover every element): a contiguous tensor is cut flat into windows of
-    ceil(fraction * numel) elements, any other along its first dimension. ``fraction`` 1: the
-    tensors themselves."""
-    if fraction >= 1.0:
-        return list(tensors)
-    out = []
-    for t in tensors:
-        flat, k, count = _windows(t, fraction)
-        i = turn % count
-        out.append(flat[i * k : min(flat.shape[0], (i + 1) * k)])
-    return out
-
-
 class RotatingSlices:
-    """``rotating_slices`` paired with reused flat buffers to copy them into, each window's two
-    views built once and kept (per tensor, at most 1 / fraction windows): building two views per
-    tensor every step costs more than the copy of a 5% slice itself. When a tensor's storage
-    changed (``p.data = ...``) every window and buffer is built again."""
+    """``fraction`` of each tensor, a different window each turn (turn after turn they cover every
+    element: a contiguous tensor is cut flat into windows of ceil(fraction * numel) elements, any
+    other along its first dimension), paired with reused flat buffers to copy them into. Each
+    window's two views are built once and kept (per tensor, at most 1 / fraction windows): building
+    two views per tensor every step costs more than the copy of a 5% slice itself. When a tensor's
+    storage changed (``p.data = ...``) every window and buffer is built again."""
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
@@ -313,11 +300,9 @@ class Vector:
 
 Value = torch.Tensor | NormRatio | Vector | float | int
 
-# read_all's layout of one step's values (slots per key, reduction masks), cached by keys and sizes:
-# the same keys come every step, so the masks are built and copied to the device once.
-_LAYOUTS: dict[
-    tuple[torch.device, tuple[tuple[str, int, bool], ...]], tuple[list[int], dict[Reduce, torch.Tensor]]
-] = {}
+# read_all's reduction masks of one step's values across ranks, cached by keys and sizes: the same
+# keys come every step, so the masks are built and copied to the device once.
+_LAYOUTS: dict[tuple[torch.device, tuple[tuple[str, int, bool], ...]], dict[Reduce, torch.Tensor]] = {}
 
 
 def _slots(v: Value) -> int:
@@ -328,7 +313,7 @@ def _slots(v: Value) -> int:
     return 1
 
 
-def _layout(ks: Sequence[str], named: Mapping[str, Value], device: torch.device):
+def _masks(ks: Sequence[str], named: Mapping[str, Value], device: torch.device) -> dict[Reduce, torch.Tensor]:
     shape = tuple((k, _slots(named[k]), isinstance(named[k], NormRatio)) for k in ks)
     hit = _LAYOUTS.get((device, shape))
     if hit is None:
@@ -338,7 +323,7 @@ def _layout(ks: Sequence[str], named: Mapping[str, Value], device: torch.device)
         masks = {r: torch.tensor([h is r for h in how]).to(device, non_blocking=True) for r in Reduce if r in set(how)}
         if len(_LAYOUTS) > 64:  # keys that change every step (they should not): stay bounded
             _LAYOUTS.clear()
-        hit = _LAYOUTS[(device, shape)] = ([n for _, n, _ in shape], masks)
+        hit = _LAYOUTS[(device, shape)] = masks
     return hit
 
 
@@ -389,20 +374,8 @@ def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
         vec = torch.cat([part for k in ks for part in _parts(named[k], dtype, device)])
-        sizes, masks = _layout(ks, named, device)
-        if distributed:
-            vec = all_ranks_agree(vec, masks)
-        flat = vec.tolist()  # the host synchronisation
-        at = 0
-        for k, n in zip(ks, sizes):
-            v = named[k]
-            if isinstance(v, NormRatio):
-                out[k] = flat[at] / max(flat[at + 1], v.eps)
-            elif isinstance(v, Vector):
-                out[k] = flat[at : at + n]
-            else:
-                out[k] = flat[at]
-            at += n
+        vec = all_ranks_agree(vec, _masks(ks, named, device))
+        out.update(_decode(named, [], ks, vec.tolist()))  # the host synchronisation
     return {k: out[k] for k in named}
 
 
@@ -440,8 +413,9 @@ def _local_vectors(
 
 
 def _decode(named: Mapping[str, Value], keys: list[str], others: list[str], flat: list[float]) -> dict[str, Any]:
-    """The values of one device's vector from ``_local_vectors``: the stacked scalars first, then
-    the others in order."""
+    """The values of one device's vector as read: ``keys`` (0-d tensors stacked by
+    ``_local_vectors``) first, one float each, then ``others`` in order, laid out as ``_parts``
+    puts them."""
     got: dict[str, Any] = dict(zip(keys, flat))
     at = len(keys)
     for k in others:

@@ -629,10 +629,9 @@ class ActivationWatch:
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         if _compiling():
             return None
-        name = self._name_of.get(module)
-        if not self._stack or self._stack[-1] != name or name is None:
+        if not self._stack or self._stack[-1] != self._name_of.get(module):
             return None  # not pushed (unsampled step) or already cleaned up
-        self._stack.pop()
+        name = self._stack.pop()
         if output is not None:
             self._record(name, output)
         if not self._stack:

@@ -95,36 +95,35 @@ def test_max_host_mb_is_validated():
 
 
 def test_rotating_slices_cover_every_element_a_fraction_at_a_time():
-    from sfmonitor.stats import rotating_slices
+    from sfmonitor.stats import RotatingSlices
 
     tensors = [torch.arange(103.0), torch.arange(12.0).view(3, 4).t(), torch.tensor(5.0)]  # flat, strided, 0-d
+    slices = RotatingSlices(0.05)
     seen = [set() for _ in tensors]
     for turn in range(40):
-        for i, view in enumerate(rotating_slices(tensors, 0.05, turn)):
+        live, into = slices.take(tensors, turn)
+        for i, (view, buf) in enumerate(zip(live, into)):
             assert view.numel() <= [6, 3, 1][i]  # ceil(5% of 103); one row of the strided 4x3; the scalar
+            assert view.data_ptr() >= tensors[i].data_ptr() and buf.shape == view.shape  # a view of the tensor
             seen[i].update(view.reshape(-1).tolist())
+        torch._foreach_copy_(into, live)
+        assert all(torch.equal(a, b) for a, b in zip(into, live))
     assert [len(s) for s in seen] == [103, 12, 1]
-    assert rotating_slices(tensors, 1.0, 3) == tensors
+    assert [b.numel() for b in slices.buffers] == [6, 3, 1]  # one window each, allocated once
 
 
 def test_rotating_slices_kept_between_steps_are_the_same_views_and_follow_a_new_storage():
-    from sfmonitor.stats import RotatingSlices, rotating_slices
+    from sfmonitor.stats import RotatingSlices
 
     p = torch.nn.Parameter(torch.arange(103.0))
     tensors = [p.detach(), torch.arange(12.0).view(3, 4).t(), torch.tensor(5.0)]
     slices = RotatingSlices(0.05)
-    for turn in range(45):
-        live, into = slices.take(tensors, turn)
-        for got, want, buf in zip(live, rotating_slices(tensors, 0.05, turn), into):
-            assert got.data_ptr() == want.data_ptr() and got.shape == want.shape and buf.shape == want.shape
-        torch._foreach_copy_(into, live)
-        assert all(torch.equal(a, b) for a, b in zip(into, live))
-    assert [b.numel() for b in slices.buffers] == [6, 3, 1]  # one window each, allocated once
     again, _ = slices.take(tensors, 7)
     assert again[0] is slices.take(tensors, 7)[0][0]  # built once, then reused
     p.data = torch.arange(400.0)  # the user swapped the storage: windows and buffer built again
     live, into = slices.take([p.detach()] + tensors[1:], 0)
     assert live[0].data_ptr() == p.data_ptr() and live[0].numel() == 20 and into[0].numel() == 20
+    assert torch.equal(live[0], torch.arange(20.0))
 
 
 LEAN = {"actions": {"undo": {"enabled": False}}, "stats": {"update_ratio_fraction": 0.05}, "watch": {"enabled": False}}
