@@ -750,7 +750,7 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     cause = decision.cause
     target = (ctx.step - 1) if cause.before_update else (cause.step if cause.step is not None else ctx.step - 1)
     state = ctx.undo
-    if state is None or state.label != target:
+    if state is None or state.label != target or not state.params:
         facts = rollback(ctx, decision)
         have = None if state is None else state.label
         return {**facts, "fallback": "rollback", "reason": f"no copy from before step {target}'s update ({have})"}

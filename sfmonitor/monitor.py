@@ -47,6 +47,7 @@ from torch import nn
 from . import actions as A
 from . import sharding
 from . import stats as S
+from .attention import QK_CLIP
 from .checkpoint import SnapshotRing
 from .config import MonitorConfig
 from .detectors import Detector, build_detectors
@@ -102,6 +103,10 @@ from .summary import (
 from .undo import UndoState, update_norms
 from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
+
+# Answers to what a step's forward and backward showed: void once an undo or a rollback leaves
+# the state that made them (the step is skipped with it).
+_MOOT_AFTER_RESTORE = (SKIP_STEP, CLIP, GRAD_NOISE, QK_CLIP, PRECISION_FALLBACK, REWEIGHT)
 
 _RUN_COUNTER = itertools.count()
 LOCK_FILE = ".sfmonitor.lock"  # in run_dir while a monitor writes there
@@ -346,7 +351,7 @@ class Monitor:
         self._weights: dict[str, float] = {}  # current (possibly rescued) loss weights
         self._amp_skipped = 0  # steps the GradScaler skipped so far
         self._warned_snapshot_budget = False
-        # loss spikes on an unchanged state (see _spikes_on_a_sound_state)
+        # bad batches on an unchanged state (see _bad_batches_on_a_sound_state)
         self._no_update_since_spike = False
         self._last_update_sound = False
         self._state_from_normal_loss = False
@@ -368,6 +373,7 @@ class Monitor:
         self._policy = Policy(self.config.policy)
         self._watch = ActivationWatch(self.config.watch)
         self._recorder = BatchRecorder()
+        self._first_buffers: Any = None  # the one-shot hook of _arm_first_buffers
         # The user's own clip before optimizer.step(): its gradients measured before it (userclip.py).
         self._user_clip = UserClip(
             lambda: self._record.step if self._record.phase is Phase.OPEN else None,
@@ -543,6 +549,8 @@ class Monitor:
         self._watch.reset(self.step)
         self._record = StepRecord(step=self.step)
         self._recorder.attach(model)
+        self._arm_first_buffers()
+        self._undo.append(self._disarm_first_buffers)
         self._undo.append(self._watch.detach)
         self._undo.append(self._recorder.detach)
         self._user_clip.join()
@@ -989,7 +997,7 @@ class Monitor:
                 measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
                 self._last_update_sound = measured and not judged
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
-        self._spikes_on_a_sound_state(findings)
+        self._bad_batches_on_a_sound_state(findings)
         if self._watch.attached:
             watched = self._watch.findings(step, {**rec.stats, **rec.internal})
             if any(f.kind == BAD_BATCH for f in findings):  # a NaN input is no overflow
@@ -1065,8 +1073,10 @@ class Monitor:
         decisions = self._policy.decide(step, actionable)
         if {d.action for d in decisions} & {UNDO, ROLLBACK}:
             # The state goes back: this step is skipped, and what the other findings saw of it (a
-            # loss jump, a gradient spike) are symptoms of the state being left. No separate answer.
-            moot = [d for d in decisions if d.action in (SKIP_STEP, CLIP, GRAD_NOISE)]
+            # loss jump, a gradient spike, attention logits or activations its forward made, loss
+            # ratios) are symptoms of the state being left. No separate answer: a QK-Clip, a
+            # precision fallback or a reweighting would change the restored state for them.
+            moot = [d for d in decisions if d.action in _MOOT_AFTER_RESTORE]
             for d in moot:
                 d.cause.data["answered_by"] = next(d.action for d in decisions if d.action in (UNDO, ROLLBACK))
             decisions = [d for d in decisions if d not in moot]
@@ -1334,25 +1344,34 @@ class Monitor:
     # state was measured and normal-sized (no update-ratio finding), and the loss of the step that
     # made it was normal (no loss spike there). Then it is skipped, however many come (a stretch of
     # corrupted labels, a bad batch every few steps), instead of escalating to a rollback of healthy
-    # weights and an LR cut. Spikes in a row on one state (each skipped: nothing landed between)
-    # are capped: past this many, different batches all spiking on it say the state is the trouble.
+    # weights and an LR cut. The same holds for a non-finite loss or gradient while every weight is
+    # finite (padding-only batches whose mean loss is 0/0, a token batch that no NaN input check can
+    # see). Bad batches in a row on one state (each skipped: nothing landed between) are capped:
+    # past this many, different batches all failing on it say the state is the trouble.
     SAME_STATE_SPIKES = 32
+    SAME_STATE_NONFINITE = 8  # a non-finite loss on every batch sooner says the state makes it
 
-    def _spikes_on_a_sound_state(self, findings: list[Finding]) -> None:
+    def _bad_batches_on_a_sound_state(self, findings: list[Finding]) -> None:
         spikes = [f for f in findings if f.kind == LOSS_SPIKE]
-        if not spikes:
+        nonfinite = [f for f in findings if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD) and not f.handled_by_scaler]
+        if not spikes and not nonfinite:
             return
         self._same_state_spikes = self._same_state_spikes + 1 if self._no_update_since_spike else 1
-        if self._last_update_sound and self._state_from_normal_loss:
-            if self._same_state_spikes <= self.SAME_STATE_SPIKES:
-                for f in spikes:
-                    f.occurrence = 1
-                    f.data["sound_state"] = {
-                        "spikes_on_this_state": self._same_state_spikes,
-                        "why": "the update that made this state was measured and normal, from a step whose "
-                        "loss was normal: the batch, not the weights",
-                    }
         self._no_update_since_spike = True
+        if not (self._last_update_sound and self._state_from_normal_loss):
+            return
+        if any(f.kind == NONFINITE_PARAM for f in findings):
+            return  # the weights themselves are broken: not the batch
+        cap = self.SAME_STATE_NONFINITE if nonfinite else self.SAME_STATE_SPIKES
+        if self._same_state_spikes > cap:
+            return
+        for f in spikes + nonfinite:
+            f.occurrence = 1
+            f.data["sound_state"] = {
+                "bad_batches_on_this_state": self._same_state_spikes,
+                "why": "the update that made this state was measured and normal, from a step whose "
+                "loss was normal, and every weight is finite: the batch, not the weights",
+            }
 
     def _nonfinite_findings(self, rec: StepRecord, grad_index: Sequence[int]) -> list[Finding]:
         v, i = rec.stats, rec.internal
@@ -1531,12 +1550,40 @@ class Monitor:
             ),
         }
 
+    def _arm_first_buffers(self) -> None:
+        """The undo copy holds the model's buffers as they were before the step's forward from the
+        second step on (the capture of the step before). For the first step of a run, or of a
+        resume, they are copied at the first forward that computes gradients, once (a one-shot
+        hook): a NaN batch at that step leaves no NaN BatchNorm statistics behind either."""
+        ctx = self._ctx
+        self._disarm_first_buffers()
+        if ctx is None or ctx.undo is None or not self._buffers or self.model is None:
+            return
+        undo = ctx.undo
+
+        def copy_buffers(module: nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+                return
+            self._disarm_first_buffers()
+            if undo.label is None:  # no capture yet
+                undo.start(self.step - 1, self._buffers)
+
+        self._first_buffers = self.model.register_forward_pre_hook(copy_buffers)
+
+    def _disarm_first_buffers(self) -> None:
+        if self._first_buffers is not None:
+            self._first_buffers.remove()
+            self._first_buffers = None
+
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; works before or after ``attach``. Detector state
         is matched by detector name: state of a detector this monitor does not run is ignored
         with a warning, and a detector without saved state starts fresh."""
         self.step = int(sd["step"])
         self._record = StepRecord(step=self.step)
+        if self._ctx is not None and self._ctx.undo is not None:
+            self._ctx.undo.clear()  # a copy from another step of another timeline
+            self._arm_first_buffers()
         self._amp_skipped = int(sd.get("amp_skipped", 0))
         self._base_weights.clear()
         self._base_weights.update(sd.get("base_weights", {}))

@@ -116,6 +116,17 @@ class UndoState:
         self.label = label
 
     @torch.no_grad()
+    def start(self, label: int, buffers: Sequence[torch.Tensor]) -> None:
+        """Before the first capture (of a run, or after a resume): the model's buffers as they are
+        now, before the next step's forward, labelled as a capture of the step before it. A skip
+        of that next step puts them back (a NaN batch at the first step leaves no NaN running
+        statistics), and an undo of its update restores them as the buffers before its forward.
+        No parameters are held: no undo can target this label."""
+        self.clear()
+        self.buffers = [local(b).clone() for b in buffers]
+        self.label = label
+
+    @torch.no_grad()
     def restore_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Put the model's buffers back as they were at the capture (a skipped step's forward
         moved BatchNorm's running statistics; a NaN batch made them NaN)."""

@@ -1,0 +1,184 @@
+"""Rescues that meet: a bad update undone in a step whose forward the activation watch sampled, a
+bad batch at the very first step, several non-finite losses in a row from the data. In each the
+run must end as its twin that never saw the bad step, bit for bit."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import sfmonitor
+
+
+def quiet(**cfg):
+    return {"console": False, **cfg}
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.ln(self.inp(x))
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(h.mean(1))
+
+
+def attn_batch(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    x = torch.randn(16, 12, 8, generator=g)
+    return x, (x.sum((1, 2)) > 0).long()
+
+
+def _attn_run(tmp_path, monitored, spike_at=None, omit=None, n=30):
+    torch.manual_seed(0)
+    model = Attn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    order = [i for i in range(n) if i != omit]
+    spiked = False
+    for i in mon.batches(order) if mon else order:
+        x, y = attn_batch(i)
+        loss = F.cross_entropy(model(x), y)
+        (mon.combine(loss) if mon else loss).backward()
+        if i == spike_at and not spiked:  # one step at 1e4 x the LR
+            spiked = True
+            opt.param_groups[0]["lr"] *= 1e4
+            opt.step()
+            opt.param_groups[0]["lr"] /= 1e4
+        else:
+            opt.step()
+        opt.zero_grad()
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return model, events
+
+
+def test_an_undo_voids_what_the_watch_saw_in_the_forward_of_the_state_it_leaves(tmp_path):
+    """The update of step 9 lands at 1e4 x the LR; step 10's forward, sampled by the watch (stride
+    10), shows attention logits ~1e6 from those weights. The undo puts the weights back; a QK-Clip
+    of the restored weights (and a module held for 50 steps after it) would answer a state that
+    no longer exists."""
+    model, events = _attn_run(tmp_path / "m", True, spike_at=9)
+    twin, _ = _attn_run(tmp_path / "t", False, omit=9)
+    undos = [e for e in events if "undo" in e.actions]
+    assert len(undos) == 1 and undos[0].step == 9  # the step whose update it undid
+    assert not [e for e in events if "qk_clip" in e.actions], [(e.step, e.kind) for e in events if e.actions]
+    assert same(model, twin)
+    seen = [e for e in events if e.kind == "attention_logit_growth"]
+    # The finding stays in the log, saying what answered it.
+    assert seen and all(e.data.get("answered_by") == "undo" for e in seen)
+
+
+class BNNet(nn.Sequential):
+    def __init__(self):
+        super().__init__(
+            nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 10)
+        )
+
+
+def bn_batch(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _bn_run(tmp_path, monitored, fault=None, at=None, omit=None, n=12):
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    order = [i for i in range(n) if i != omit]
+    done = False
+    for i in mon.batches(order) if mon else order:
+        x, y = bn_batch(i)
+        if fault == "nan" and i == at:
+            x = torch.full_like(x, float("nan"))
+        loss = F.cross_entropy(model(x), y)
+        (mon.combine(loss) if mon else loss).backward()
+        spike = fault == "lr" and i == at and not done
+        if spike:
+            done = True
+            opt.param_groups[0]["lr"] *= 1e4
+        opt.step()
+        if spike:
+            opt.param_groups[0]["lr"] /= 1e4
+        opt.zero_grad()
+    if mon:
+        mon.detach()
+    return model
+
+
+def test_a_bad_batch_at_the_first_step_leaves_no_trace_in_batchnorm_statistics(tmp_path):
+    model = _bn_run(tmp_path / "m", True, "nan", 0)
+    twin = _bn_run(tmp_path / "t", False, omit=0)
+    assert torch.isfinite(model[1].running_mean).all() and torch.isfinite(model[1].running_var).all()
+    assert same(model, twin)
+
+
+def test_an_undone_first_update_leaves_no_trace_in_batchnorm_statistics(tmp_path):
+    model = _bn_run(tmp_path / "m", True, "lr", 0)
+    twin = _bn_run(tmp_path / "t", False, omit=0)
+    assert same(model, twin)
+
+
+V = 40
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 24)
+        self.lstm = nn.LSTM(24, 48, batch_first=True)
+        self.head = nn.Linear(48, V)
+
+    def forward(self, x):
+        return self.head(self.lstm(self.emb(x))[0])
+
+
+def lm_batch(i):
+    g = torch.Generator().manual_seed(1000 + i)
+    s = (torch.randint(0, V, (8, 1), generator=g) + torch.randint(1, 4, (8, 1), generator=g) * torch.arange(17)) % V
+    return s[:, :-1], s[:, 1:]
+
+
+def _lm_run(tmp_path, monitored, bad=(), omit=(), n=45):
+    torch.manual_seed(0)
+    model = LM()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    order = [i for i in range(n) if i not in omit]
+    for i in mon.batches(order) if mon else order:
+        x, y = lm_batch(i)
+        if i in bad:  # a padding-only batch: every target ignored, the mean loss is 0/0
+            y = torch.full_like(y, -100)
+        loss = F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), ignore_index=-100)
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return model, events
+
+
+def test_non_finite_losses_in_a_row_from_a_healthy_state_are_skipped_not_rolled_back(tmp_path):
+    """Three padding-only batches in a row: each loss is NaN, the weights and the steps before
+    are healthy. Skipping them is the whole answer; a rollback to an old snapshot and an LR cut
+    would throw away progress that was never damaged."""
+    bad = {30, 31, 32}
+    model, events = _lm_run(tmp_path / "m", True, bad=bad)
+    twin, _ = _lm_run(tmp_path / "t", False, omit=bad)
+    acted = sorted({a for e in events for a in e.actions})
+    assert acted == ["skip_step"], [(e.step, e.kind, e.actions) for e in events if e.actions]
+    assert same(model, twin)
