@@ -900,14 +900,35 @@ class Monitor:
     # the drivers: optimizer hooks, the GradScaler wrapper (above), integrations. Each calls the
     # same two entry points, before_update() and after_update().
     # ------------------------------------------------------------------------------------------
-    def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> None:
+    def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
         if self._record.stepped:  # the last optimizer.step raised before its post-hook
             self._close(aborted=True)
         # With a scaler the pipeline already ran inside scaler.step; driven externally, the
         # framework calls before_update() where its gradients are ready.
         if self.scaler is None and not self._driven_externally:
+            # args[0] is the optimizer itself (the hook sees step's own arguments)
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+            if closure is None:
+                self.before_update()
+                self._record.stepped = True
+                return None
+            # step(closure): the closure makes this step's gradients inside the step. It runs here,
+            # as the optimizer would have run it first (SGD, Adam and the like call it once; LBFGS
+            # is refused at attach), the pipeline reads what it made, and the optimizer gets its
+            # loss back instead of running it again (which would also undo a skip's hidden grads).
+            with torch.enable_grad():
+                loss = closure()
             self.before_update()
+            self._record.stepped = True
+
+            def done() -> Any:
+                return loss
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": done}
+            return (args[0], done, *args[2:]), kwargs
         self._record.stepped = True
+        return None
 
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         self.after_update()

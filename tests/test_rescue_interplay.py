@@ -182,3 +182,55 @@ def test_non_finite_losses_in_a_row_from_a_healthy_state_are_skipped_not_rolled_
     acted = sorted({a for e in events for a in e.actions})
     assert acted == ["skip_step"], [(e.step, e.kind, e.actions) for e in events if e.actions]
     assert same(model, twin)
+
+
+def _closure_run(tmp_path, monitored, bad=(), omit=(), optimizer="sgd", n=20):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        if optimizer == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=1e-2)
+    )
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    norms, returned = [], []
+    for i in [i for i in range(n) if i not in omit]:
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(16, 10, generator=g), torch.randn(16, 1, generator=g)
+        if i in bad:
+            x[0, 0] = float("nan")
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            (mon.combine(loss) if mon else loss).backward()
+            return loss
+
+        returned.append(opt.step(closure) if i % 2 else opt.step(closure=closure))
+        if mon and i not in bad:
+            norms.append(
+                (
+                    mon.stats["grad_norm/total"],
+                    torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])).item(),
+                )
+            )
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return model, events, norms, returned
+
+
+def test_a_step_with_a_closure_is_measured_on_the_gradients_the_closure_made(tmp_path):
+    """optimizer.step(closure): the closure computes the gradients inside the step. The monitor
+    runs it first, then reads what it made (not the previous step's gradients), and hands the
+    optimizer its loss: a healthy run is untouched, and a NaN batch is skipped like any other."""
+    for opt_name in ("sgd", "adam"):
+        model, events, norms, returned = _closure_run(tmp_path / f"h{opt_name}", True, optimizer=opt_name)
+        bare, _, _, bare_returned = _closure_run(tmp_path / f"b{opt_name}", False, optimizer=opt_name)
+        assert same(model, bare) and not events
+        assert [float(r.detach()) for r in returned] == [float(r.detach()) for r in bare_returned]
+        assert all(abs(a - b) <= 1e-5 * b for a, b in norms), norms[:3]
+    model, events, _, _ = _closure_run(tmp_path / "m", True, bad={8})
+    twin, _, _, _ = _closure_run(tmp_path / "t", False, omit={8})
+    assert [(e.step, e.kind, e.actions) for e in events if e.actions] == [(8, "bad_batch", ["skip_step"])]
+    assert same(model, twin)
