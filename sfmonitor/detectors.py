@@ -115,6 +115,14 @@ class LossSpikeConfig(Section):
         16, "the level a loss is compared to: the median of this many latest values (a falling loss is followed)", lo=1
     )
     prior_after: int = option(3, "finite values after which the prior test judges, until the warm-up is over", lo=2)
+    early_factor: float = option(
+        100.0,
+        "before the prior judges: a loss this many times the largest so far is a spike (a healthy early "
+        "step does not raise the loss 100x; under Adam one step on a 1e4x loss swamps the second moment "
+        "and stalls the updates for thousands of steps)",
+        lo=1,
+        lo_open=True,
+    )
     prior_sigma: float = option(
         0.1,
         "floor on sigma of log(loss) during the warm-up: with z = 6, a loss 1.8x the median of the values "
@@ -424,7 +432,11 @@ class LossSpike(_Windowed):
         for key, value, x in _positive_logs(stats, self._keys(stats)):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             if len(w) < cfg.prior_after:
-                w.append(x)
+                top = max(w, default=math.inf)
+                if x - top > math.log(cfg.early_factor):  # kept out of the window: not a start
+                    out.append(self._finding(key, value, step, top, top, top + math.log(cfg.early_factor)))
+                else:
+                    w.append(x)
                 continue
             if key not in self.start:
                 self.start[key] = max(w)
@@ -434,9 +446,13 @@ class LossSpike(_Windowed):
             expected = level + bias
             sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma)
             if len(w) < cfg.warmup:
-                # The prior, while a few values say little about the noise: a wider floor, and half
-                # the widest swing seen so far (a MAD of a handful of errors can be near zero).
-                sigma = max(sigma, cfg.prior_sigma, 0.5 * max(abs(v - level) for v in w))
+                # The prior, while a few values say little about the noise: a wider floor, and the
+                # widest swing from the level seen so far, widened for few values (the largest of n
+                # deviations is ~1 sigma at n = 4 and still under it by chance: x (1 + 2 / (n - 1)),
+                # 2x at 3 values, 1.1x at 24). A MAD of a handful of errors can be near zero; half
+                # the swing, unwidened, skipped ~3% of healthy batch-16 regressions in warm-up.
+                swing = max(abs(v - level) for v in w) * (1 + 2 / (len(w) - 1))
+                sigma = max(sigma, cfg.prior_sigma, swing)
             if len(errors) >= cfg.warmup:
                 # Batch losses have heavy tails (a model's hard batches): sigma is also read from
                 # the tail, the 95th percentile of |error| / 1.96 (the same sigma for a normal
@@ -453,28 +469,36 @@ class LossSpike(_Windowed):
             # Clamped into the level's window (a run that moves to a new level is followed, slowly);
             # kept out of the errors, whose tail would otherwise grow with every spike.
             w.append(limit)
-            out.append(
-                Finding(
-                    kind=self.kind if key == LOSS_TOTAL else LOSS_COMPONENT_SPIKE,
-                    where=key[len(LOSS_PREFIX) :],
-                    message=(
-                        f"{key} = {_fmt(value)} is {z:.1f} sigma above its expected {_fmt(math.exp(expected))} "
-                        f"(threshold {cfg.z:g} sigma = {_fmt(math.exp(limit))})"
-                    ),
-                    data={
-                        "key": key,
-                        "value": value,
-                        "median": math.exp(level),
-                        "expected": math.exp(expected),
-                        "threshold_value": math.exp(limit),
-                        "z": z,
-                        "z_threshold": cfg.z,
-                        "sigma_log": sigma,
-                        "step": step,
-                    },
-                )
-            )
+            out.append(self._finding(key, value, step, level, expected, limit, sigma))
         return out
+
+    def _finding(
+        self, key: str, value: float, step: int, level: float, expected: float, limit: float, sigma: float = 0.0
+    ) -> Finding:
+        """A spike of ``key`` (logs of the level, the expected value and the limit; ``sigma`` 0:
+        the early test, before the prior judges, by ``early_factor``)."""
+        cfg = self.config
+        if sigma:
+            z = (math.log(value) - expected) / sigma
+            why = f"is {z:.1f} sigma above its expected {_fmt(math.exp(expected))} (threshold {cfg.z:g} sigma"
+        else:
+            why = f"is over {cfg.early_factor:g}x the largest loss so far {_fmt(math.exp(level))} (threshold"
+        return Finding(
+            kind=self.kind if key == LOSS_TOTAL else LOSS_COMPONENT_SPIKE,
+            where=key[len(LOSS_PREFIX) :],
+            message=f"{key} = {_fmt(value)} {why} = {_fmt(math.exp(limit))})",
+            data={
+                "key": key,
+                "value": value,
+                "median": math.exp(level),
+                "expected": math.exp(expected),
+                "threshold_value": math.exp(limit),
+                "z": (math.log(value) - expected) / sigma if sigma else None,
+                "z_threshold": cfg.z if sigma else None,
+                "sigma_log": sigma,
+                "step": step,
+            },
+        )
 
     def _small_setback(self, key: str, value: float, expected: float) -> bool:
         """The jump gives back less than ``min_setback`` of the progress since the start (a loss

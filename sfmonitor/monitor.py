@@ -1104,6 +1104,13 @@ class Monitor:
         if rec is not None and nonfinite and not any(d.action in (SKIP_STEP, UNDO, ROLLBACK) for d in decisions):
             # The promise holds whatever the ladder says: a non-finite step never lands.
             decisions.insert(0, Decision(SKIP_STEP, nonfinite[0], {"enforced": True}))
+        if any(d.action == SKIP_STEP for d in decisions):
+            # The update does not land: a clip or gradient noise would only change the gradients
+            # the loop gets back after optimizer.step().
+            moot = [d for d in decisions if d.action in (CLIP, GRAD_NOISE)]
+            for d in moot:
+                d.cause.data["answered_by"] = SKIP_STEP
+            decisions = [d for d in decisions if d not in moot]
         if self.config.dry_run:
             # Say what would have been done; change nothing. The policy still counts, so the
             # ladders, cooldowns and budget show what a live run would have reached.

@@ -234,3 +234,25 @@ def test_a_step_with_a_closure_is_measured_on_the_gradients_the_closure_made(tmp
     twin, _, _, _ = _closure_run(tmp_path / "t", False, omit={8})
     assert [(e.step, e.kind, e.actions) for e in events if e.actions] == [(8, "bad_batch", ["skip_step"])]
     assert same(model, twin)
+
+
+def test_a_skipped_step_is_not_also_clipped(tmp_path):
+    """A 1e4 x loss: the step is skipped. Its gradient spike needs no clip as well (the update
+    does not land), and the gradients the loop sees after optimizer.step() are backward's own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    for i in range(12):
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(16, 10, generator=g), torch.randn(16, 1, generator=g)
+        loss = F.mse_loss(model(x), y) * (1e4 if i == 10 else 1.0)
+        mon.combine(loss).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters())), i
+        opt.zero_grad()
+    mon.detach()
+    at10 = {e.kind: e for e in mon.events if e.step == 10}
+    assert at10["loss_spike"].actions == ["skip_step"]
+    assert at10["grad_spike"].actions == [] and at10["grad_spike"].data["answered_by"] == "skip_step"
