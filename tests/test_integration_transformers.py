@@ -1,5 +1,6 @@
 """sfmonitor.integrations.transformers: the monitor inside a real HF Trainer (CPU, tiny local GPT-2)."""
 
+import json
 import sys
 import warnings
 
@@ -13,7 +14,11 @@ from _integration_helpers import monitor_hooks, same, same_state  # noqa: E402
 
 from sfmonitor import ConfigError, Monitor  # noqa: E402
 from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, PLATEAU, SKIP_STEP, STOP  # noqa: E402
-from sfmonitor.integrations.transformers import SFMonitorTrainerCallback, inner_optimizer  # noqa: E402
+from sfmonitor.integrations.transformers import (  # noqa: E402
+    SFMonitorTrainerCallback,
+    inner_optimizer,
+    micro_batches_in_loss,
+)
 
 NAN_STEP = 2
 N_STEPS = 5
@@ -76,7 +81,7 @@ class Recorder(transformers.TrainerCallback):
 
 
 def make_trainer(tmp_path, model, callbacks, steps=N_STEPS, eval_steps=None, trainer_cls=None, **kw):
-    kw = {"learning_rate": 1e-2, **kw}
+    kw = {"learning_rate": 1e-2, "logging_strategy": "no", **kw}
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"),
         per_device_train_batch_size=4,
@@ -85,7 +90,6 @@ def make_trainer(tmp_path, model, callbacks, steps=N_STEPS, eval_steps=None, tra
         report_to=[],
         use_cpu=True,
         save_strategy="no",
-        logging_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
@@ -167,6 +171,88 @@ def test_losses_through_compute_loss(tmp_path):
     kinds = {e.kind: e.step for e in cb.monitor.events}
     assert kinds[NONFINITE_LOSS] == NAN_STEP
     assert 0 < cb.monitor.stats["loss/total"] < 10
+
+
+class StepLosses(transformers.TrainerCallback):
+    """The Trainer's own loss of each optimizer step (``logging_steps=1``)."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+
+
+@pytest.mark.parametrize("components", [False, True])
+def test_loss_statistics_match_the_trainers_loss_under_gradient_accumulation(tmp_path, components):
+    """GPT-2 takes ``num_items_in_batch``: with gradient accumulation each micro-batch's loss is
+    normalised to the whole accumulated batch, and the micro-batch losses add up to the step's.
+    Through ``cb.combine(..., trainer=self, num_items_in_batch=...)`` ``loss/total`` is that
+    loss, as the Trainer reports it (not divided by the accumulation steps), for a loss or a dict
+    of components; the run itself is bit-identical to one without the monitor."""
+    cb = SFMonitorTrainerCallback(run_dir=tmp_path / "run", config=QUIET)
+
+    class Combined(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(
+                model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+            )
+            if components:
+                loss = cb.combine({"lm": loss}, {"lm": 1.0}, trainer=self, num_items_in_batch=num_items_in_batch)
+            else:
+                loss = cb.combine(loss, trainer=self, num_items_in_batch=num_items_in_batch)
+            return (loss, outputs) if return_outputs else loss
+
+    kw = {"gradient_accumulation_steps": 2, "logging_strategy": "steps", "logging_steps": 1}
+    theirs = StepLosses()
+    # 12 sequences, 4 a micro-batch: 2 optimizer steps an epoch, the second with 1 micro-batch
+    t = make_trainer(tmp_path, tiny_gpt2(), [cb, theirs], steps=3, trainer_cls=Combined, **kw)
+    t.train()
+    assert t.model_accepts_loss_kwargs  # each micro-batch loss is normalised to the whole batch
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(rows) == len(theirs.losses) == 3
+    assert [r["loss/total"] for r in rows] == pytest.approx(theirs.losses, rel=1e-4)
+    if components:
+        assert [r["loss/lm"] for r in rows] == pytest.approx(theirs.losses, rel=1e-4)
+    # what the Trainer backpropagated is untouched, and what it reported too (to rounding)
+    bare_losses = StepLosses()
+    bare = make_trainer(tmp_path / "bare", tiny_gpt2(), [bare_losses], steps=3, **kw)
+    bare.train()
+    assert same(list(bare.model.parameters()), list(t.model.parameters()))
+    assert bare_losses.losses == pytest.approx(theirs.losses, rel=1e-6)
+
+
+def test_combine_scales_the_record_not_the_gradients():
+    """``cb.combine`` with n = 3 micro-batches, without a Trainer run: the gradients are those of
+    the plain weighted sum (a learnable weight's too: it is left unscaled, with a warning)."""
+    from types import SimpleNamespace
+
+    cb = SFMonitorTrainerCallback(config=QUIET)
+    trainer = SimpleNamespace(
+        loss_is_scaled_for_ga=None,
+        model_accepts_loss_kwargs=True,
+        compute_loss_func=None,
+        current_gradient_accumulation_steps=3,
+        args=SimpleNamespace(gradient_accumulation_steps=3),
+    )
+    x = torch.nn.Parameter(torch.tensor([0.3, 1.7]))
+    loss = cb.combine({"a": (x**2).sum(), "b": x.sum()}, {"a": 0.5, "b": 2.0}, trainer=trainer, num_items_in_batch=5)
+    loss.backward()
+    got = x.grad.clone()
+    x.grad = None
+    (0.5 * (x**2).sum() + 2.0 * x.sum()).backward()
+    assert torch.equal(got, x.grad)
+    assert loss.item() == pytest.approx(0.5 * 0.3**2 + 0.5 * 1.7**2 + 2.0 * 2.0, rel=1e-6)
+
+    w = torch.nn.Parameter(torch.tensor(0.5))
+    with pytest.warns(RuntimeWarning, match="learnable loss weights"):
+        cb.combine({"a": (x**2).sum()}, {"a": w}, trainer=trainer, num_items_in_batch=5).backward()
+    assert w.grad.item() == pytest.approx(0.3**2 + 1.7**2)
+    # the Trainer's own test: a per-micro-batch mean (no num_items_in_batch) is recorded as it is
+    assert micro_batches_in_loss(trainer, 5) == 3 and micro_batches_in_loss(trainer, None) == 1
+    assert micro_batches_in_loss(SimpleNamespace(**{**vars(trainer), "model_accepts_loss_kwargs": False}), 5) == 1
+    assert micro_batches_in_loss(SimpleNamespace(**{**vars(trainer), "loss_is_scaled_for_ga": True}), None) == 3
 
 
 def test_plateau_sets_should_training_stop(tmp_path):

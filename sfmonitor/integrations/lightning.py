@@ -25,6 +25,14 @@ gradients there. It is driven externally instead (``Monitor.drive_externally``):
     on_validation_epoch_end   the mapped ``trainer.callback_metrics`` go to ``monitor.observe_eval``
     on_fit_end / on_exception detach: no hook is left on the model or the optimizer
 
+Resuming. The monitor's state (``Monitor.state_dict()``: its step, LR scale, rescue budget,
+detector windows, policy streaks) travels in Lightning's checkpoints, under
+``checkpoint["callbacks"]["SFMonitorCallback"]["monitor"]`` (the callback's ``state_dict``), and
+``Trainer.fit(ckpt_path=...)`` puts it back (``load_state_dict``): a resumed run goes on as the run
+left uninterrupted would, its steps numbered on from the checkpoint's. A checkpoint saved without
+the callback holds no monitor state: the monitor then starts afresh, numbering its steps from the
+checkpoint's ``global_step``, and a warning says so.
+
 Loss statistics (``loss/*``, ``nonfinite_loss``, the loss-spike detector) need the losses: keep a
 reference to the callback and return ``cb.monitor.combine({...}, weights=...)`` (or
 ``cb.monitor.combine(loss)``) from ``training_step``. Without it the gradient, parameter and update
@@ -46,6 +54,7 @@ import torch
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as e:  # pragma: no cover - exercised only without lightning installed
     raise ImportError(
         "sfmonitor.integrations.lightning needs PyTorch Lightning: pip install 'sfmonitor[lightning]'"
@@ -101,6 +110,39 @@ class SFMonitorCallback(Callback):
         self.monitor.attach(pl_module, trainer.optimizers[0], scaler=scaler, groups=self.groups)
         self.monitor.drive_externally()
         self.stop_reason = None
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's state, saved in Lightning's checkpoint (plain data: ``torch.load`` with
+        ``weights_only=True`` reads it)."""
+        return {"monitor": self.monitor.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Put back what ``state_dict`` saved (Lightning calls it on ``fit(ckpt_path=...)``, before
+        or after ``on_fit_start`` depending on the strategy; the monitor takes it either way)."""
+        if "monitor" in state_dict:
+            self.monitor.load_state_dict(state_dict["monitor"])
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning calls this before load_state_dict, whether or not the checkpoint holds this
+        # callback's state. Without it (a checkpoint saved without the callback), resuming a fit
+        # starts the monitor afresh: say so, and number its steps as the trainer does.
+        if trainer.state.fn != TrainerFn.FITTING or self.state_key in checkpoint.get("callbacks", {}):
+            return
+        step = int(checkpoint.get("global_step", 0))
+        if step and self.monitor.step != step:
+            warnings.warn(
+                f"SFMonitorCallback: the checkpoint resumed at step {step} holds no sfmonitor state (it was "
+                "saved without this callback): the monitor starts afresh (full rescue budget, LR scale 1, "
+                f"empty detector windows), numbering its steps from {step}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            state = self.monitor.state_dict()
+            state["step"] = step
+            self.monitor.load_state_dict(state)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.monitor.detach()
