@@ -183,7 +183,9 @@ def test_loss_jumps_in_a_row_on_an_unchanged_sound_state_are_bad_batches(tmp_pat
     same_state(before, state(model, opt))
     assert opt.param_groups[0]["lr"] == 0.01 and mon.state_dict()["lr_scale"] == 1.0
     same = [
-        e.data["sound_state"]["bad_batches_on_this_state"] for e in mon.events if e.step == 39 and "sound_state" in e.data
+        e.data["sound_state"]["bad_batches_on_this_state"]
+        for e in mon.events
+        if e.step == 39 and "sound_state" in e.data
     ]
     assert same and same[0] == 10
     for x in xs[40:44]:  # the data is clean again: training goes on from the same weights
