@@ -32,6 +32,7 @@ import contextlib
 import copy
 import functools
 import itertools
+import math
 import operator
 import os
 import sys
@@ -130,9 +131,10 @@ def resolve_groups(
     top-level child holds every parameter: a GPT's ``transformer``, a tied head holding none) is
     grouped by the structure below that trunk instead: one group per child there, and one per
     block of a ``ModuleList``/``Sequential`` of blocks (``wte``, ``wpe``, ``h.0``, ``h.1``, ...,
-    ``ln_f``). A dict maps a group name to an ``nn.Module``, an iterable of Parameters, or a
-    parameter-name prefix; parameters named by no group go to "other"; a parameter in two groups is
-    an error. "total" is reserved (``grad_norm/total`` is the norm over all groups).
+    ``ln_f``). A dict maps a group name (a string) to an ``nn.Module``, one Parameter, an iterable
+    of Parameters, or a parameter-name prefix; parameters named by no group go to "other"; a
+    parameter in two groups, or one the model does not hold, is an error naming it. "total" is
+    reserved (``grad_norm/total`` is the norm over all groups).
     """
     model = unwrap(model)  # DDP / DataParallel / torch.compile: group by the model's own names
     named = list(model.named_parameters())  # de-duplicates tied weights: first name wins
@@ -145,23 +147,34 @@ def resolve_groups(
     by_id = {id(p): name for name, p in named}
     owner: dict[int, str] = {}
     for gname, spec in groups.items():
+        if not isinstance(gname, str):
+            raise ConfigError(
+                f"groups: the name {gname!r} is a{'n' if type(gname).__name__[0] in 'aeiou' else ''} "
+                f"{type(gname).__name__}; group names must be strings (they name grad_norm/<name>)"
+            )
         if isinstance(spec, nn.Module):
+            for pname, p in spec.named_parameters():
+                _check_group_member(p, f"groups[{gname!r}] (a {type(spec).__name__}): its parameter {pname!r},", by_id)
             members = [id(p) for p in spec.parameters()]
         elif isinstance(spec, str):
             members = [id(p) for n, p in named if n == spec or n.startswith(spec.rstrip(".") + ".")]
             if not members:
                 raise ConfigError(f"groups[{gname!r}]: prefix {spec!r} matches no parameter of the model")
+        elif isinstance(spec, torch.Tensor):  # one Parameter: a group of one (iterating it gives its rows)
+            _check_group_member(spec, f"groups[{gname!r}]", by_id)
+            members = [id(spec)]
         else:
             try:
-                members = [id(p) for p in spec]
+                items = list(spec)
             except TypeError:
                 raise ConfigError(
-                    f"groups[{gname!r}]: expected an nn.Module, an iterable of "
+                    f"groups[{gname!r}]: expected an nn.Module, a Parameter, an iterable of "
                     f"Parameters or a name prefix, got {type(spec).__name__}"
                 ) from None
+            for i, p in enumerate(items):
+                _check_group_member(p, f"groups[{gname!r}][{i}]", by_id)
+            members = [id(p) for p in items]
         for pid in members:
-            if pid not in by_id:
-                raise ConfigError(f"groups[{gname!r}] holds a parameter that is not in the model")
             if pid in owner and owner[pid] != gname:
                 raise ConfigError(f"parameter {by_id[pid]!r} is in two groups: {owner[pid]!r} and {gname!r}")
             owner[pid] = gname
@@ -173,6 +186,30 @@ def resolve_groups(
     for name, p in named:
         out.setdefault(owner.get(id(p), OTHER), []).append((name, p))
     return {g: ps for g, ps in out.items() if ps}
+
+
+def _check_group_member(p: Any, where: str, by_id: Mapping[int, str]) -> None:
+    """One item of a group given as parameters: a tensor the model holds as a parameter."""
+    if not isinstance(p, torch.Tensor):
+        raise ConfigError(f"{where}: expected a Parameter, got {type(p).__name__}")
+    if id(p) not in by_id:
+        raise ConfigError(
+            f"{where}: a {type(p).__name__} of shape {tuple(p.shape)} is not in the model (a copy, a slice, "
+            f"another model's?); pass one of the model's own parameters, its module or a name prefix"
+        )
+
+
+def _missing_folders(path: str) -> list[str]:
+    """The folders of ``path`` that do not exist yet, the deepest first (what makedirs would make)."""
+    out: list[str] = []
+    path = os.path.abspath(path)
+    while path and not os.path.exists(path):
+        out.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return out
 
 
 def _default_groups(
@@ -230,6 +267,58 @@ def _check_scalar(value: Any, what: str) -> None:
         raise ValueError(
             f"combine: {what} has shape {tuple(value.shape)}; expected a scalar (reduce it with .mean() or .sum())"
         )
+    if value.is_complex():
+        raise TypeError(f"combine: {what} is complex ({value.dtype}); a loss must be real (take .abs() or .real)")
+
+
+def _check_component_names(losses: Mapping[Any, Any]) -> None:
+    """combine()'s component names: each becomes the metric keys ``loss/<name>``,
+    ``loss_weight/<name>`` and ``loss_ratio/<a>/<b>``, which must read back unambiguously."""
+    for name in losses:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"combine: loss component names must be strings (they name the metrics loss/<name>); "
+                f"got {name!r} (a{'n' if type(name).__name__[0] in 'aeiou' else ''} {type(name).__name__})"
+            )
+        if not name:
+            raise ConfigError("combine: a loss component has an empty name; give it one (it names loss/<name>)")
+        if "/" in name:
+            raise ConfigError(
+                f"combine: loss component {name!r} has a '/' in its name; loss_ratio/<a>/<b> could not be "
+                f"read back (rename it, e.g. {name.replace('/', '_')!r})"
+            )
+        if name == TOTAL:
+            raise ConfigError(
+                f"combine: the loss component name {name!r} is reserved (loss/total is the weighted total); rename it"
+            )
+
+
+def _check_weights(weights: Mapping[Any, Any], losses: Mapping[str, Any]) -> None:
+    """combine()'s weights: one per loss component, no other key; a number weight finite and not
+    negative (a tensor weight is the user's own: learnable, it is not read here)."""
+    extra = [k for k in weights if k not in losses]
+    if extra:
+        raise ConfigError(
+            f"combine: weights has {', '.join(repr(k) for k in extra)}, which is not a loss component "
+            f"(a typo?); the components are {', '.join(repr(k) for k in losses)}"
+        )
+    missing = [k for k in losses if k not in weights]
+    if missing:
+        raise ConfigError(f"combine: no weight for loss component(s) {sorted(missing)}; weights has {sorted(weights)}")
+    for k in losses:
+        w = weights[k]
+        if isinstance(w, torch.Tensor):
+            continue
+        if isinstance(w, (bool, str, bytes)) or not hasattr(w, "__float__"):
+            raise ConfigError(f"combine: weight {k!r} is a {type(w).__name__} ({w!r}); expected a number or a tensor")
+        v = float(w)
+        if not math.isfinite(v):
+            raise ConfigError(f"combine: weight {k!r} is {v}; a weight must be a finite number")
+        if v < 0:
+            raise ConfigError(
+                f"combine: weight {k!r} is negative ({v}): it would maximise that loss; "
+                f"pass a tensor weight if that is meant"
+            )
 
 
 def _trains(loss: torch.Tensor) -> bool:
@@ -503,6 +592,32 @@ class Monitor:
             raise TypeError(f"attach: model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"attach: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        hooked = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+        if not all(hasattr(optimizer, h) for h in hooked):
+            # A wrapper that subclasses Optimizer without its __init__ (accelerate's
+            # AcceleratedOptimizer): the hooks go on the torch optimizer inside, whose step it calls.
+            inner: Any = optimizer
+            for _ in range(8):
+                inner = getattr(inner, "optimizer", None)
+                if not isinstance(inner, torch.optim.Optimizer) or all(hasattr(inner, h) for h in hooked):
+                    break
+            if not isinstance(inner, torch.optim.Optimizer) or not all(hasattr(inner, h) for h in hooked):
+                raise TypeError(
+                    f"attach: {type(optimizer).__name__} has no step hooks (its __init__ does not call "
+                    f"torch.optim.Optimizer.__init__), so the monitor cannot watch its steps; pass the torch "
+                    f"optimizer that updates the parameters (accelerate: the prepared optimizer's .optimizer)"
+                )
+            own_scaler = getattr(optimizer, "scaler", None)  # accelerate's GradScaler (fp16)
+            adopted = scaler is None and own_scaler is not None
+            if adopted:
+                scaler = own_scaler  # it unscales the gradients before the inner step
+            if self.config.console:
+                print(
+                    f"[sfmonitor] attach: {type(optimizer).__name__} is a wrapper; watching the "
+                    f"{type(inner).__name__} inside it (its .optimizer)" + (" and its .scaler" if adopted else ""),
+                    file=sys.stderr,
+                )
+            optimizer = inner
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError(
                 "attach: LBFGS treats a missing gradient as zero, so a skipped step "
@@ -512,7 +627,30 @@ class Monitor:
         self._model_groups = resolve_groups(model, groups)
         sharding.check_optimizer(unwrap(model), optimizer)  # FSDP2: built after fully_shard?
         sinks = [make_sink(s) for s in self._sink_specs]
-        self._lock = self._lock_run_dir()
+        if self.run_dir is not None and os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
+            raise ConfigError(
+                f"run_dir {self.run_dir!r} is a file; give a folder (the monitor writes metrics.jsonl, "
+                f"events.jsonl, checkpoints/ and bundles/ in it)"
+            )
+        # From here on, a failure undoes everything done so far (hooks, patches, the lock, the
+        # folders it made) and leaves the monitor as it was: attach() can be called again.
+        run_dir, made = self.run_dir, _missing_folders(self._ensure_run_dir())
+        try:
+            self._attach(model, optimizer, scaler, sinks)
+        except BaseException:
+            self._abandon_attach(run_dir, made)
+            raise
+        return self
+
+    def _attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, sinks: list[Any]) -> None:
+        """attach() past its checks: everything it does, ``_abandon_attach`` undoes."""
+        try:
+            self._lock = self._lock_run_dir()
+        except OSError as e:
+            raise ConfigError(
+                f"run_dir {self.run_dir!r} cannot be used: {e.strerror or e}"
+                + (f" ({e.filename!r})" if e.filename else "")
+            ) from e
         self.model, self.optimizer = model, optimizer
         self._index_params()
         self._hooks.append(optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
@@ -579,7 +717,34 @@ class Monitor:
             self._write_json(RUN_FILE, {**meta, "memory": self.memory})
             if self.config.console:
                 print(format_memory(self.memory), file=sys.stderr)
-        return self
+
+    def _abandon_attach(self, run_dir: str | None, made: list[str]) -> None:
+        """Undo what a failed attach did, in reverse: its hooks, the patches it made (scaler,
+        watch, recorder, user clip, precision fallback), its sinks, its lock and the folders it
+        created (if empty); the monitor is left detached, with its run_dir as given."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for undo in reversed(self._undo):
+            with contextlib.suppress(Exception):
+                undo()
+        self._undo.clear()
+        if self._router is not None:
+            with contextlib.suppress(Exception):
+                self._router.close()
+            self._router = None
+        self._unlock_run_dir()
+        for folder in made:  # the deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        self._ctx = None
+        self._update_buf, self._slices = None, None
+        self._record = StepRecord(step=self.step)
+        self._params, self._index_cache, self.groups, self._model_groups = [], {}, {}, {}
+        self._outside[:] = []
+        self._sharded, self.memory = False, {}
+        self.run_dir = run_dir
+        self.model = self.optimizer = self.scaler = None
 
     def _write_json(self, name: str, data: Mapping[str, Any]) -> None:
         try:
@@ -728,19 +893,23 @@ class Monitor:
         """
         if isinstance(losses, torch.Tensor):
             _check_scalar(losses, "the loss")
+            if weights is not None:
+                raise ConfigError(
+                    "combine: weights are given with a single loss tensor, which has no components to "
+                    "weigh; pass a dict {name: loss} or multiply the loss yourself"
+                )
             if _trains(losses):
                 self._open_record().losses.add({}, losses, {})
             return losses
         if not isinstance(losses, Mapping) or not losses:
             raise TypeError("combine: expected a non-empty dict {name: loss tensor} or a tensor")
+        _check_component_names(losses)
         for name, value in losses.items():
             _check_scalar(value, f"loss component {name!r}")
+        if weights is not None and not isinstance(weights, Mapping):
+            raise ConfigError(f"combine: weights must be a dict {{name: weight}}, got {type(weights).__name__}")
         weights = dict(weights) if weights is not None else {k: 1.0 for k in losses}
-        missing = set(losses) - set(weights)
-        if missing:
-            raise ConfigError(
-                f"combine: no weight for loss component(s) {sorted(missing)}; weights has {sorted(weights)}"
-            )
+        _check_weights(weights, losses)
         learnable = {k for k in losses if isinstance(weights[k], torch.Tensor)}
         for k in learnable:
             _check_scalar(weights[k], f"weight {k!r}")

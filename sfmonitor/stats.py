@@ -135,14 +135,45 @@ def reduction_of(key: str) -> Reduce:
     return REDUCTIONS.get(family, Reduce.MEAN) if family else Reduce.MEAN
 
 
+# Measured in float32 as they are; any other dtype goes through ``_measurable`` first.
+_NARROW_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor L2 norms as one fp32 vector (fused; empty input gives an empty vector)."""
+    """Per-tensor L2 norms as one vector (fused; empty input gives an empty vector): float32, or
+    float64 when any tensor is float64 or complex128 (its norm can exceed the float32 range).
+
+    Sparse gradients (nn.Embedding(sparse=True)): the norm of their coalesced values. Complex
+    tensors: the norm of their real view (|z|^2 = re^2 + im^2, the same L2 norm). Integer or bool
+    tensors (a parameter that does not train): measured in float64."""
     if not tensors:
         return torch.zeros(0)
-    # Sparse gradients (nn.Embedding(sparse=True)): the norm of their coalesced values.
     dense = [t.coalesce().values() if t.is_sparse else t for t in tensors]
-    # dtype=float32: the norm of finite fp16 values can exceed 65504 and must not read as inf.
-    return torch.stack(torch._foreach_norm(dense, 2, dtype=torch.float32))
+    if {t.dtype for t in dense} <= _NARROW_FLOATS:
+        # dtype=float32: the norm of finite fp16 values can exceed 65504 and must not read as inf.
+        return torch.stack(torch._foreach_norm(dense, 2, dtype=torch.float32))
+    dense = [_measurable(t) for t in dense]
+    # float64 cannot be narrowed to float32 (torch refuses, and its norm may not fit): measured in
+    # float64, the others in float32 as above, then all widened to float64 (exact).
+    wide = [i for i, t in enumerate(dense) if t.dtype == torch.float64]
+    narrow = [i for i, t in enumerate(dense) if t.dtype != torch.float64]
+    out: list[torch.Tensor] = [torch.empty(0)] * len(dense)
+    if narrow:
+        for i, n in zip(narrow, torch._foreach_norm([dense[i] for i in narrow], 2, dtype=torch.float32)):
+            out[i] = n.double() if wide else n
+    if wide:
+        for i, n in zip(wide, torch._foreach_norm([dense[i] for i in wide], 2)):
+            out[i] = n
+    return torch.stack(out)
+
+
+def _measurable(t: torch.Tensor) -> torch.Tensor:
+    """A real floating-point tensor with the L2 norm of ``t`` (dense): see ``norms``."""
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj())
+    if not t.is_floating_point():
+        return t.double()
+    return t
 
 
 @dataclass(frozen=True)
