@@ -303,8 +303,9 @@ def shared_grad_stats(
     pairs = [(a, b) for a, b in zip(grads_a, grads_b) if a is not None and b is not None]
     if not pairs:
         return None
-    ga = [a.float() for a, _ in pairs]
-    gb = [b.float() for _, b in pairs]
+    # complex: the real view (Re<a, b> = the dot product of the real views; the same norms)
+    ga = [(torch.view_as_real(a) if a.is_complex() else a).float() for a, _ in pairs]
+    gb = [(torch.view_as_real(b) if b.is_complex() else b).float() for _, b in pairs]
     na = norms(ga).square().sum().sqrt()
     nb = norms(gb).square().sum().sqrt()
     dot = torch.stack([(x * y).sum() for x, y in zip(ga, gb)]).sum()

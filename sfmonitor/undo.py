@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .stats import norms
+
 __all__ = ["UndoState", "local"]
 
 
@@ -205,19 +207,24 @@ def update_norms(
                     offset += before[j].numel()
                 for j, view in zip(chunk, views):  # one pass: read both, write the difference
                     torch.sub(after[j], before[j], out=view)
-                for j, norm in zip(chunk, torch._foreach_norm(views, 2, dtype=torch.float32)):
+                for j, norm in zip(chunk, norms(views)):  # float32, float64 for float64 (complex too)
                     out[j] = norm
                 chunk, used = [], 0
             if i < 0:
                 break
             if n > buf.numel():  # larger than the scratch: piece by piece
-                a, b, sq = after[i].reshape(-1), before[i].reshape(-1), torch.zeros((), device=kind[1])
+                a, b, sq = after[i].reshape(-1), before[i].reshape(-1), None
                 for k in range(0, n, buf.numel()):
                     piece = buf[: min(buf.numel(), n - k)]
                     torch.sub(a[k : k + piece.numel()], b[k : k + piece.numel()], out=piece)
-                    sq = sq + torch.linalg.vector_norm(piece, dtype=torch.float32).square()
-                out[i] = sq.sqrt()
+                    part = norms([piece])[0].square()
+                    sq = part if sq is None else sq + part
+                out[i] = sq.sqrt() if sq is not None else None
                 continue
             chunk.append(i)
             used += n
-    return torch.stack([o for o in out if o is not None]) if before else torch.zeros(0)
+    done = [o for o in out if o is not None]
+    if not done:
+        return torch.zeros(0)
+    dtype = torch.float64 if any(o.dtype == torch.float64 for o in done) else torch.float32
+    return torch.stack([o.to(dtype) for o in done])

@@ -82,13 +82,6 @@ def _train(build, make_input, monitored, tmp_path, steps=6, opt_cls=torch.optim.
     return snapshot(model, opt), mon
 
 
-# The update ratio measured against the undo copy (undo.update_norms, the default) still calls
-# torch._foreach_norm(..., dtype=float32), which refuses float64 and complex tensors: it should
-# measure with stats.norms. Strict: this fails (XPASS) once that is fixed; then drop the mark.
-UNDO_NORMS = pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="undo.update_norms narrows every norm to float32 (float64, complex)"
-)
-
 CASES = {
     "float64": (lambda: nn.Linear(4, 1).double(), lambda g: torch.randn(8, 4, generator=g, dtype=torch.float64)),
     "one_float64_param": (Mixed, lambda g: torch.randn(8, 4, generator=g)),
@@ -105,7 +98,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.SGD])
-@pytest.mark.parametrize("undo", [pytest.param(True, marks=UNDO_NORMS), False])
+@pytest.mark.parametrize("undo", [True, False])
 def test_a_healthy_run_of_any_float_dtype_is_bit_identical_to_bare(case, opt_cls, undo, tmp_path):
     build, make_input = CASES[case]
     bare, _ = _train(build, make_input, False, tmp_path / "bare", opt_cls=opt_cls)
@@ -145,7 +138,7 @@ def test_a_nonfinite_float64_gradient_is_still_caught_and_skipped(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(4, 1).double()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    cfg = quiet(actions={"undo": {"enabled": False}})  # see UNDO_NORMS
+    cfg = quiet()
     mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=cfg)
     model(torch.randn(8, 4, dtype=torch.float64)).pow(2).mean().backward()
     opt.step()
@@ -468,3 +461,11 @@ def test_a_run_dir_locked_by_another_monitor_keeps_its_lock(tmp_path):
     assert first.step == 1
     first.detach()
     assert not os.path.exists(tmp_path / LOCK_FILE)
+
+
+def test_gradient_ratio_and_cosine_of_complex_gradients_use_both_parts():
+    a, b = [torch.tensor([1 + 2j, 3 - 1j])], [torch.tensor([2 - 1j, 1 + 1j])]
+    ratio, cos = S.shared_grad_stats(a, b)
+    ra, rb = torch.view_as_real(a[0]).flatten(), torch.view_as_real(b[0]).flatten()
+    assert float(ratio) == pytest.approx(float(ra.norm() / rb.norm()), rel=1e-5)
+    assert float(cos) == pytest.approx(float(ra @ rb / (ra.norm() * rb.norm())), rel=1e-5)
