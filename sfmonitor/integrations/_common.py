@@ -3,6 +3,7 @@ dropping a step's gradients when the monitor stops the run mid-step."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,3 +41,18 @@ def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
+
+
+def start_afresh_at(monitor: Any, step: int, who: str, where: str, stacklevel: int = 3) -> None:
+    """A resume from a checkpoint that holds no monitor state (saved without the callback): say so,
+    and let the fresh monitor number its steps from the trainer's ``step``."""
+    warnings.warn(
+        f"{who}: the checkpoint resumed at step {step}{where} holds no sfmonitor state (saved without "
+        "this callback?): the monitor starts afresh (full rescue budget, LR scale 1, empty detector "
+        f"windows), numbering its steps from {step}",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
+    state = monitor.state_dict()
+    state["step"] = step
+    monitor.load_state_dict(state)

@@ -62,7 +62,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
 
 from ..events import StopTraining
 from ..monitor import Monitor
-from ._common import check_eval_metrics, drop_gradients, to_float
+from ._common import check_eval_metrics, drop_gradients, start_afresh_at, to_float
 
 # Validation metric names Lightning users commonly log -> the names the evaluation detectors read
 # (detectors.accuracy_collapse.metric = "accuracy", detectors.plateau.metric = "loss").
@@ -133,16 +133,7 @@ class SFMonitorCallback(Callback):
             return
         step = int(checkpoint.get("global_step", 0))
         if step and self.monitor.step != step:
-            warnings.warn(
-                f"SFMonitorCallback: the checkpoint resumed at step {step} holds no sfmonitor state (it was "
-                "saved without this callback): the monitor starts afresh (full rescue budget, LR scale 1, "
-                f"empty detector windows), numbering its steps from {step}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            state = self.monitor.state_dict()
-            state["step"] = step
-            self.monitor.load_state_dict(state)
+            start_afresh_at(self.monitor, step, "SFMonitorCallback", "")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.monitor.detach()

@@ -78,7 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 from ..events import StopTraining
 from ..monitor import Monitor
-from ._common import check_eval_metrics, drop_gradients, to_float
+from ._common import check_eval_metrics, drop_gradients, start_afresh_at, to_float
 
 # The hook that runs after backward, unscaling and clipping and before the update.
 PRE_STEP_HOOK = "on_pre_optimizer_step"
@@ -214,16 +214,7 @@ class SFMonitorTrainerCallback(TrainerCallback):
             return
         if self.monitor.step == step:  # already put back by hand (monitor.load_state_dict)
             return
-        warnings.warn(
-            f"SFMonitorTrainerCallback: the checkpoint resumed at step {step} ({folder}) holds no sfmonitor "
-            f"state ({STATE_FILE}; saved without this callback?): the monitor starts afresh (full rescue "
-            f"budget, LR scale 1, empty detector windows), numbering its steps from {step}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        state = self.monitor.state_dict()
-        state["step"] = step
-        self.monitor.load_state_dict(state)
+        start_afresh_at(self.monitor, step, "SFMonitorTrainerCallback", f" ({folder}: no {STATE_FILE})", stacklevel=4)
 
     # -- losses --------------------------------------------------------------------------------
     def combine(
