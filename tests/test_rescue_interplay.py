@@ -20,6 +20,28 @@ def same(a: nn.Module, b: nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def _train(tmp_path, model, opt, monitored, order, loss_of, lr_spike_at=None):
+    """Train on batches ``order`` (through ``monitor.batches()`` when monitored); the update of
+    ``lr_spike_at`` is made once at 1e4 x the LR. Returns the monitor's events."""
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    spiked = False
+    for i in mon.batches(order) if mon else order:
+        loss = loss_of(i)
+        (mon.combine(loss) if mon else loss).backward()
+        spike = i == lr_spike_at and not spiked
+        if spike:
+            spiked = True
+            opt.param_groups[0]["lr"] *= 1e4
+        opt.step()
+        if spike:
+            opt.param_groups[0]["lr"] /= 1e4
+        opt.zero_grad()
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return events
+
+
 class Attn(nn.Module):
     def __init__(self, d=32):
         super().__init__()
@@ -44,25 +66,13 @@ def _attn_run(tmp_path, monitored, spike_at=None, omit=None, n=30):
     torch.manual_seed(0)
     model = Attn()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
     order = [i for i in range(n) if i != omit]
-    spiked = False
-    for i in mon.batches(order) if mon else order:
+
+    def loss_of(i):
         x, y = attn_batch(i)
-        loss = F.cross_entropy(model(x), y)
-        (mon.combine(loss) if mon else loss).backward()
-        if i == spike_at and not spiked:  # one step at 1e4 x the LR
-            spiked = True
-            opt.param_groups[0]["lr"] *= 1e4
-            opt.step()
-            opt.param_groups[0]["lr"] /= 1e4
-        else:
-            opt.step()
-        opt.zero_grad()
-    events = list(mon.events) if mon else []
-    if mon:
-        mon.detach()
-    return model, events
+        return F.cross_entropy(model(x), y)
+
+    return model, _train(tmp_path, model, opt, monitored, order, loss_of, lr_spike_at=spike_at)
 
 
 def test_an_undo_voids_what_the_watch_saw_in_the_forward_of_the_state_it_leaves(tmp_path):
@@ -97,25 +107,15 @@ def _bn_run(tmp_path, monitored, fault=None, at=None, omit=None, n=12):
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
     order = [i for i in range(n) if i != omit]
-    done = False
-    for i in mon.batches(order) if mon else order:
+
+    def loss_of(i):
         x, y = bn_batch(i)
         if fault == "nan" and i == at:
             x = torch.full_like(x, float("nan"))
-        loss = F.cross_entropy(model(x), y)
-        (mon.combine(loss) if mon else loss).backward()
-        spike = fault == "lr" and i == at and not done
-        if spike:
-            done = True
-            opt.param_groups[0]["lr"] *= 1e4
-        opt.step()
-        if spike:
-            opt.param_groups[0]["lr"] /= 1e4
-        opt.zero_grad()
-    if mon:
-        mon.detach()
+        return F.cross_entropy(model(x), y)
+
+    _train(tmp_path, model, opt, monitored, order, loss_of, lr_spike_at=at if fault == "lr" else None)
     return model
 
 
@@ -156,20 +156,15 @@ def _lm_run(tmp_path, monitored, bad=(), omit=(), n=45):
     torch.manual_seed(0)
     model = LM()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
     order = [i for i in range(n) if i not in omit]
-    for i in mon.batches(order) if mon else order:
+
+    def loss_of(i):
         x, y = lm_batch(i)
         if i in bad:  # a padding-only batch: every target ignored, the mean loss is 0/0
             y = torch.full_like(y, -100)
-        loss = F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), ignore_index=-100)
-        (mon.combine(loss) if mon else loss).backward()
-        opt.step()
-        opt.zero_grad()
-    events = list(mon.events) if mon else []
-    if mon:
-        mon.detach()
-    return model, events
+        return F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), ignore_index=-100)
+
+    return model, _train(tmp_path, model, opt, monitored, order, loss_of)
 
 
 def test_non_finite_losses_in_a_row_from_a_healthy_state_are_skipped_not_rolled_back(tmp_path):
