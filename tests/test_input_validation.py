@@ -7,13 +7,13 @@ docs/guide.md, "Faults and bad input").
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import warnings
 
 import pytest
 import torch
+from _state import assert_identical, snapshot
 from torch import nn
 
 import sfmonitor
@@ -23,26 +23,6 @@ from sfmonitor.monitor import LOCK_FILE
 
 def quiet(**cfg):
     return {"console": False, **cfg}
-
-
-def snapshot(model, opt):
-    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-
-
-def assert_identical(a, b):
-    (ma, oa), (mb, ob) = a, b
-    assert ma.keys() == mb.keys()
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
-    assert oa["param_groups"] == ob["param_groups"]
-    assert oa["state"].keys() == ob["state"].keys()
-    for pid in oa["state"]:
-        for k, v in oa["state"][pid].items():
-            w = ob["state"][pid][k]
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v, w), (pid, k)
-            else:
-                assert v == w, (pid, k)
 
 
 # --------------------------------------------------------------------------------------------

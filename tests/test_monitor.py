@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import time
 
 import pytest
 import torch
+from _state import assert_identical, snapshot
 from torch import nn
 
 import sfmonitor
@@ -46,25 +46,6 @@ def batch(n=4, nan=False):
     if nan:
         x[0, 0] = float("nan")
     return x, t, y
-
-
-def snapshot(model, opt):
-    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-
-
-def assert_identical(a, b):
-    (ma, oa), (mb, ob) = a, b
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
-    assert oa["param_groups"] == ob["param_groups"]
-    assert oa["state"].keys() == ob["state"].keys()
-    for pid in oa["state"]:
-        for k, v in oa["state"][pid].items():
-            w = ob["state"][pid][k]
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(v, w), (pid, k)
-            else:
-                assert v == w, (pid, k)
 
 
 OPTIMIZERS = {
