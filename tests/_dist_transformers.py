@@ -11,24 +11,12 @@ import sys
 
 import torch
 import transformers
+from _integration_helpers import SEQ, VOCAB, Tokens  # tests/ is this script's directory
 
 from sfmonitor.integrations.transformers import SFMonitorTrainerCallback
 
-VOCAB, SEQ = 32, 8
 NAN_FORWARD = 2  # rank 1's third training forward
 ACCURACY = {0: [0.9, 0.5, 0.2], 1: [0.9, 0.0, 0.0]}  # per rank, per evaluation (chance 0.1)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class RankAccuracy(transformers.TrainerCallback):

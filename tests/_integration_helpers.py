@@ -38,3 +38,20 @@ def leave_process_group():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+VOCAB, SEQ = 32, 8  # the tiny GPT-2 the transformers tests train
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``n`` fixed random token sequences, each its own labels (causal LM)."""
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

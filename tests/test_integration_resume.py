@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from _integration_helpers import same
+from _integration_helpers import SEQ, VOCAB, Tokens, same
 from torch import nn
 
 QUIET = {"console": False}
@@ -141,24 +141,11 @@ def test_lightning_resume_from_a_checkpoint_without_monitor_state(tmp_path):
 # transformers
 # ---------------------------------------------------------------------------------------------
 
-VOCAB, SEQ = 32, 8
-
 
 def hf_parts():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from sfmonitor.integrations.transformers import SFMonitorTrainerCallback
-
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self, n):
-            g = torch.Generator().manual_seed(0)
-            self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-        def __len__(self):
-            return len(self.ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
     class NanAt(transformers.TrainerCallback):
         """The token embedding returns NaN in the training forwards of the optimizer steps

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _integration_helpers import monitor_hooks, same, same_state  # noqa: E402
+from _integration_helpers import SEQ, VOCAB, Tokens, monitor_hooks, same, same_state  # noqa: E402
 
 from sfmonitor import ConfigError, Monitor  # noqa: E402
 from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, PLATEAU, SKIP_STEP, STOP  # noqa: E402
@@ -23,25 +23,12 @@ from sfmonitor.integrations.transformers import (  # noqa: E402
 NAN_STEP = 2
 N_STEPS = 5
 QUIET = {"console": False}
-VOCAB, SEQ = 32, 8
 
 
 def tiny_gpt2():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2)
     return transformers.GPT2LMHeadModel(cfg)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def inject_nan(model, at_forward):
