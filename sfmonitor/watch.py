@@ -269,6 +269,12 @@ class WatchConfig(Section):
                         raise ConfigError(f"{self._prefix}{key}[{i}]: bad regex {pat[3:]!r}: {e}") from e
 
 
+def _class_matches(patterns: Iterable[str], cls: type) -> bool:
+    """A class pattern matches the module's class or a class it derives from, up to nn.Module:
+    FSDP2's fully_shard swaps a Linear's class for FSDPLinear(FSDPModule, Linear)."""
+    return any(_matches(patterns, c.__name__) for c in cls.__mro__ if issubclass(c, nn.Module) and c is not nn.Module)
+
+
 def _matches(patterns: Iterable[str], text: str) -> bool:
     for pat in patterns:
         if pat.startswith("re:"):
@@ -457,7 +463,7 @@ class ActivationWatch:
                 continue
             if (
                 _matches(cfg.modules, name)
-                or _matches(cfg.classes, type(mod).__name__)
+                or _class_matches(cfg.classes, type(mod))
                 or (cfg.attention.enabled and AT.is_attention(cfg.attention, name, mod))
             ):
                 names.append(name)

@@ -292,3 +292,19 @@ def test_selection_by_pattern_and_class():
     mha.block = nn.MultiheadAttention(8, 2)
     assert "block" in ActivationWatch().select(mha)
     assert ActivationWatch(WatchConfig(enabled=False)).attach(model).attached is False
+
+
+def test_class_patterns_match_a_wrapped_class_by_what_it_derives_from():
+    """FSDP2's fully_shard swaps a module's class for a subclass named FSDP<name> (FSDPLinear):
+    the pattern "Linear" must still select it, or the watch stops seeing every Linear layer
+    under FSDP2."""
+
+    class Mixin:  # stands for FSDPModule
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    fsdp_linear = type("FSDPLinear", (Mixin, nn.Linear), {})
+    for i in (0, 2):
+        model[i].__class__ = fsdp_linear
+    names = ActivationWatch(WatchConfig(classes=["Linear"])).select(model)
+    assert names == ["0", "2"]
