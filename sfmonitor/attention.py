@@ -619,7 +619,12 @@ def _clip_after_update(
     sampled step's input (one host read, on steps with a clip only), or from the logits measured
     before the update when they cannot be recomputed; tell the watch what is left."""
     after = None
-    if watch is not None and not sharded:
+    # Re-measured on this process's own input only: with several processes (DDP: a full copy of
+    # the weights each, a different batch each) every rank would size its own clip and the copies
+    # would part for good. There the logits read before the update, reduced across ranks, decide.
+    dist = torch.distributed
+    alone = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    if watch is not None and not sharded and alone:
         after = watch.remeasure(module)
     if after is not None and len(after) == len(head_max):
         new = _clip_facts(spec, module, after, tau, cap)

@@ -189,3 +189,60 @@ def test_first_true_names_the_first_offender_or_minus_one(mask, first):
 
     got = S.first_true(torch.tensor(mask, dtype=torch.bool))
     assert got.dim() == 0 and got.dtype == torch.int64 and got.item() == first
+
+
+class _Attn(nn.Module):
+    def __init__(self, d=16, h=2):
+        super().__init__()
+        self.num_heads, self.hd = h, d // h
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        B, L, D = x.shape
+
+        def split(t):
+            return t.view(B, L, self.num_heads, self.hd).transpose(1, 2)
+
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        a = torch.softmax(q @ k.transpose(-1, -2) / self.hd**0.5, dim=-1)
+        return self.o_proj((a @ v).transpose(1, 2).reshape(B, L, D))
+
+
+class _AttnNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.attn, self.head = nn.Linear(4, 16), _Attn(), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.attn(self.inp(x))).mean(dim=(1, 2))
+
+
+def _qk_clip_worker(rank, world, port, out_dir):
+    _join(rank, world, port)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(_AttnNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cfg = {"console": False, "watch": {"stride": 1, "attention": {"tau": 2.0}}}
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config=cfg)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        x, y = torch.randn(8, 5, 4, generator=g) * 3, torch.randn(8, generator=g)
+        x, y = x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]  # each rank its half
+        mon.combine((model(x) - y).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    clips = [(e.step, e.data["action_results"]["qk_clip"].get("applied")) for e in mon.events if "qk_clip" in e.actions]
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.save({"clips": clips, "params": flat}, os.path.join(out_dir, f"rank{rank}.pt"))
+    mon.detach()
+    _leave()
+
+
+def test_qk_clip_under_ddp_is_the_same_on_every_rank(tmp_path):
+    """Each rank holds a full copy of the weights and sees its own half of the batch: a clip
+    sized from what one rank re-measures on its own input would scale the copies apart (DDP only
+    averages gradients, so they would never come back together)."""
+    mp.spawn(_qk_clip_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["clips"] and r0["clips"] == r1["clips"]
+    assert torch.equal(r0["params"], r1["params"])
