@@ -395,7 +395,7 @@ class _InlineMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         w = self.watch
         if func in WATCHED_FUNCTIONS and w._stack and not w._busy:
-            w._record(w._stack[-1], out)
+            w._record(w._stack[-1], out, args)
             if w._attn_cfg.enabled and (func in SOFTMAX_FUNCTIONS or func is SDPA):
                 w._record_inline_logits(func, args, kwargs)
         return out
@@ -639,7 +639,7 @@ class ActivationWatch:
             return None  # not pushed (unsampled step) or already cleaned up
         name = self._stack.pop()
         if output is not None:
-            self._record(name, output)
+            self._record(name, output, args)
         if not self._stack:
             self._exit_mode()
         return None
@@ -677,7 +677,7 @@ class ActivationWatch:
     def _wanted(self, name: str) -> bool:
         return self._due is None or name in self._due
 
-    def _record(self, name: str, output: Any) -> None:
+    def _record(self, name: str, output: Any, inputs: Any = ()) -> None:
         if not self._wanted(name):
             return
         self._busy = True
@@ -686,11 +686,16 @@ class ActivationWatch:
                 rec = self._records.get(name)
                 if rec is None:
                     rec = self._records[name] = _Record()
+                # A module whose input already held inf/NaN did not make it (a NaN from upstream:
+                # an unwatched layer, a poisoned embedding): not its overflow, no precision fallback.
+                fed = [t.detach().abs().amax() for t in _iter_tensors(inputs) if not isinstance(t, nn.Parameter)]
+                fed_bad = ~torch.isfinite(torch.stack(fed).float()).all() if fed else None
                 for t in _iter_tensors(output):
                     m = t.detach().abs().amax().float()  # inf/NaN propagate through amax
                     prev = rec.absmax.get(t.dtype)
                     rec.absmax[t.dtype] = m if prev is None else torch.maximum(prev, m)
-                    bad = torch.where(torch.isfinite(m), _NO_NONFINITE, self._seq)
+                    made = torch.isfinite(m) if fed_bad is None else torch.isfinite(m) | fed_bad
+                    bad = torch.where(made, _NO_NONFINITE, self._seq)
                     rec.first_bad = bad if rec.first_bad is None else torch.minimum(rec.first_bad, bad)
                     self._seq += 1
         finally:
@@ -819,9 +824,11 @@ class ActivationWatch:
         out: list[Finding] = []
         seen = set()
         first_idx = int(stats.get(FIRST_NONFINITE_KEY, -1))
-        if not 0 <= first_idx < len(self._order):
+        dist = torch.distributed
+        if not 0 <= first_idx < len(self._order) and dist.is_available() and dist.is_initialized():
             # Under torch.distributed the maxima are the max over ranks: another rank's overflow
             # shows here as a non-finite maximum without a local index; name the first such module.
+            # (In one process no index means no watched module made it: it came with an input.)
             first_idx = next(
                 (i for i, n in enumerate(self._order) if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))), -1
             )

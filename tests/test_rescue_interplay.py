@@ -251,3 +251,45 @@ def test_a_skipped_step_is_not_also_clipped(tmp_path):
     at10 = {e.kind: e for e in mon.events if e.step == 10}
     assert at10["loss_spike"].actions == ["skip_step"]
     assert at10["grad_spike"].actions == [] and at10["grad_spike"].data["answered_by"] == "skip_step"
+
+
+class TokenNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, V)
+        self.poison = False
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.poison:  # the NaN appears inside the model, upstream of every watched module
+            h = h * float("nan")
+        return self.head(torch.relu(self.proj(h)))
+
+
+def _token_run(tmp_path, monitored, bad=None, omit=None, n=14):
+    torch.manual_seed(0)
+    model = TokenNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    order = [i for i in range(n) if i != omit]
+
+    def loss_of(i):
+        x, y = lm_batch(i)
+        model.poison = i == bad
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        return F.cross_entropy(logits.float().reshape(-1, V), y.reshape(-1))
+
+    return model, _train(tmp_path, model, opt, monitored, order, loss_of)
+
+
+def test_a_nan_that_arrives_with_a_modules_input_is_not_that_modules_overflow(tmp_path):
+    """bf16 autocast, a NaN from the embedding on a step the watch samples (step 10): the first
+    watched module it flows through did not make it, so no precision fallback (which would run
+    that module in fp32 for good); the step is skipped and the run equals its twin."""
+    model, events = _token_run(tmp_path / "m", True, bad=10)
+    twin, _ = _token_run(tmp_path / "t", False, omit=10)
+    acted = [(e.step, e.kind, e.actions) for e in events if e.actions]
+    assert acted == [(10, "nonfinite_loss", ["skip_step"])], acted
+    assert same(model, twin)
