@@ -1055,7 +1055,7 @@ class ActivationWatch:
         try:
             module.eval()
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                module(*args, **kwargs)
+                module(*args, **_without_caches(kwargs))
             rec = self._attn.get(name)
             heads = rec.heads.tolist() if rec is not None else None
             self._measured_dtype = rec.dtype if rec is not None else torch.float32
@@ -1155,6 +1155,25 @@ class ActivationWatch:
             str(m): _Hold(int(h["until"]), h.get("left"), int(h.get("left_step", -1)), list(h.get("ratios") or []))
             for m, h in dict(sd.get("held", {})).items()
         }
+
+
+_CACHE_WORDS = ("cache", "past")  # kwargs names of key/value caches (past_key_values, layer_past...)
+
+
+def _without_caches(kwargs: dict) -> dict:
+    """A module's keyword arguments for a run of the monitor's own (measure, clip): every key/value
+    cache left out (None; ``use_cache`` False), so the run neither feeds the forward's keys into it
+    a second time nor reads keys that are not this input's. A cache is told by its name
+    (``past_key_values``, ``layer_past``, ``*cache*``) or its type (``...Cache``)."""
+    out = {}
+    for k, v in kwargs.items():
+        if k == "use_cache":
+            out[k] = False
+        elif v is not None and (any(w in k.lower() for w in _CACHE_WORDS) or type(v).__name__.endswith("Cache")):
+            out[k] = None
+        else:
+            out[k] = v
+    return out
 
 
 def _detached(obj: Any, depth: int = 0) -> Any:

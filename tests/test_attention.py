@@ -758,3 +758,60 @@ def test_remeasure_gives_the_updated_weights_logits_on_the_kept_input(tmp_path):
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
     assert watch.remeasure("attn") is None  # the kept input is let go once used
     watch.detach()
+
+
+class _Cache:
+    """Stands for a key/value cache (transformers' DynamicCache): every call appends its keys."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+
+
+class CachedAttention(nn.Module):
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.num_heads, self.hd = heads, d // heads
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, past_key_values=None, use_cache=True):
+        B, L, D = x.shape
+
+        def split(t):
+            return t.view(B, L, self.num_heads, self.hd).transpose(1, 2)
+
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        if past_key_values is not None and use_cache:
+            past_key_values.keys.append(k)
+            k = torch.cat(past_key_values.keys, dim=-2)
+            v = torch.cat([v] * len(past_key_values.keys), dim=-2)
+        a = torch.softmax(q @ k.transpose(-1, -2) / self.hd**0.5, dim=-1)
+        return (a @ v).transpose(1, 2).reshape(B, L, D)
+
+
+class CachedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.attn, self.head = nn.Linear(4, 16), CachedAttention(), nn.Linear(16, 1)
+
+    def forward(self, x, cache):
+        return self.head(self.attn(self.inp(x), past_key_values=cache)).mean()
+
+
+def test_a_module_run_again_to_measure_or_clip_never_touches_a_cache_it_was_given(tmp_path):
+    """QK-Clip re-runs a module on the input of its last forward (after the update, and before
+    the next forward of a held module). A key/value cache in those arguments would take the keys
+    a second time: a shape error in the next use, or a silently different forward."""
+    torch.manual_seed(0)
+    model = CachedNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = {"console": False, "watch": {"stride": 1, "attention": {"tau": 0.5}}}
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=cfg)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        cache = _Cache()  # a fresh cache per training forward, as transformers makes one
+        model(torch.randn(4, 5, 4, generator=g) * 3, cache).backward()
+        assert len(cache.keys) == 1  # the forward's own keys, and nothing the monitor added
+        opt.step()
+        opt.zero_grad()
+    assert any(e.data.get("action_results", {}).get("qk_clip", {}).get("applied") for e in mon.events)
+    mon.detach()
