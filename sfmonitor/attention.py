@@ -83,6 +83,7 @@ Q_NAMES = ("q", "wq", "w_q", "q_proj", "query", "to_q", "q_lin", "linear_q", "q_
 K_NAMES = ("k", "wk", "w_k", "k_proj", "key", "to_k", "k_lin", "linear_k", "k_linear", "key_proj")
 QKV_NAMES = ("qkv", "wqkv", "w_qkv", "qkv_proj", "c_attn", "to_qkv", "in_proj", "query_key_value", "qkv_linear")
 HEAD_ATTRS = ("num_heads", "n_heads", "heads", "n_head", "nhead", "num_attention_heads")
+HEAD_DIM_ATTRS = ("head_dim", "d_head", "head_size", "attention_head_size")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads", "n_kv_head")
 
 
@@ -387,7 +388,12 @@ def find_projections(module: nn.Module, name: str, cfg: AttentionConfig | None =
             "nn.MultiheadAttention",
         )
     q, k = _child(module, Q_NAMES), _child(module, K_NAMES)
+    head_dim = _int_attr(module, HEAD_DIM_ATTRS)  # Llama-style modules declare this, not a count
     if q is not None and k is not None:
+        if head_dim and not heads and q[1].out_features % head_dim == 0:
+            heads = q[1].out_features // head_dim
+        if head_dim and not kv_heads and k[1].out_features % head_dim == 0:
+            kv_heads = k[1].out_features // head_dim
         return _separate(q[1], k[1], _prefixed(name, q[0]), _prefixed(name, k[0]), heads, kv_heads), (
             f"children {q[0]!r}, {k[0]!r}"
         )
@@ -561,7 +567,10 @@ def _clip_facts(spec: QKSpec, module: str, head_max: list[float], tau: float, ca
     kv = spec.kv_heads if H > 1 else 1
     k_rows = spec.k_rows[1] - spec.k_rows[0]
     if H > 1 and (not kv or k_rows % kv):
-        kv = H if k_rows % H == 0 else 1
+        # Key heads the module does not declare: as many as the key rows hold heads of the query
+        # heads' width (grouped keys: fewer), else the module is clipped as one head.
+        d_head = q_rows // H
+        kv = k_rows // d_head if k_rows % d_head == 0 and H % (k_rows // d_head) == 0 else 1
         if kv == 1 and H > 1:
             head_max, H = [max(head_max)], 1
     gammas, q_scale, k_scale = qk_clip_factors(head_max, cap, kv)

@@ -361,6 +361,31 @@ def test_qk_clip_with_grouped_keys_gives_every_head_its_own_factor():
     assert after == pytest.approx([min(b, tau) for b in before], rel=1e-5)
 
 
+@pytest.mark.parametrize("declares", ["head_dim", "nothing"])
+def test_qk_clip_with_grouped_keys_the_module_does_not_count(declares):
+    """HF Llama's attention declares its head_dim, not its head counts; other modules declare
+    neither. The key heads follow from the query heads' width (the logits show how many query
+    heads there are): each key head is scaled as one, and every query head gets its gamma."""
+    torch.manual_seed(5)
+    model = Block(SdpaAttention(kv_heads=2))
+    if declares == "head_dim":
+        model.attn.head_dim = model.attn.dh
+    with torch.no_grad():
+        model.attn.q_proj.weight.mul_(3)
+    x = torch.randn(2, 5, 16)
+
+    def logits():
+        q, k, _ = model.attn.qk(x)
+        return (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)).detach() / 2
+
+    spec, _ = find_projections(model.attn, "attn")
+    assert (spec.heads, spec.kv_heads) == ((4, 2) if declares == "head_dim" else (None, None))
+    before = _per_head(logits())
+    tau = sorted(before)[0] * 1.01
+    _clip_once(model, x, tau)
+    assert _per_head(logits()) == pytest.approx([min(b, tau) for b in before], rel=1e-5)
+
+
 def test_qk_clip_on_multihead_attention_and_now_when_the_update_is_skipped():
     torch.manual_seed(6)
     mha = nn.MultiheadAttention(16, 4, batch_first=True)
