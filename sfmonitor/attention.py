@@ -627,15 +627,16 @@ def _clip_after_update(
     """Run right after the update: size the clip from the logits the updated weights give on the
     sampled step's input (one host read, on steps with a clip only), or from the logits measured
     before the update when they cannot be recomputed; tell the watch what is left."""
-    after = None
+    after, remeasured = None, False
     # Re-measured on this process's own input only: with several processes (DDP: a full copy of
     # the weights each, a different batch each) every rank would size its own clip and the copies
     # would part for good. There the logits read before the update, reduced across ranks, decide.
     dist = torch.distributed
     alone = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
     if watch is not None and not sharded and alone:
-        after = watch.remeasure(module)
+        after = watch.remeasure(module, keep=True)  # kept: the clip is checked on the same input
     if after is not None and len(after) == len(head_max):
+        remeasured = True
         new = _clip_facts(spec, module, after, tau, cap)
         facts.update(new, measured="after the update, on this step's input", max_logit_before_update=max(head_max))
         for key in ("applied", "reason"):
@@ -650,12 +651,38 @@ def _clip_after_update(
             facts.pop("reason", None)
         after = head_max
     factors = facts.pop("_factors", None)
+    gammas = facts["gamma"]
+    left = [m * g for m, g in zip(after, gammas)] if len(gammas) == len(after) else [min(max(after), cap)]
     if factors is not None:
+        saved = _qk_tensors(model, spec) if remeasured else None
         apply_qk_clip(model, spec, *factors)
+        check = watch.remeasure(module) if saved is not None else None
+        if saved is not None and check is not None and max(check) > max(after) - 0.5 * (max(after) - max(left)):
+            # Less than half the reduction it was sized for: the logits do not scale with these
+            # rows (queries and keys normalised after the projections: qk-layernorm; or a layout
+            # the spec misreads). Clipping again and again would only shrink the weights under the
+            # norm. Put them back exactly and stop clipping this module.
+            with torch.no_grad():
+                for t, copy_ in saved:
+                    t.copy_(copy_)
+            reason = (
+                f"QK-Clip did not lower {module!r}'s logits (max {max(after):.4g}, {max(check):.4g} after a clip "
+                f"sized for {max(left):.4g}): its queries and keys do not scale with {spec.q_weight} and "
+                f"{spec.k_weight} (normalised after the projections?); put back, not tried again"
+            )
+            facts.update(applied=False, reason=reason, max_logit_after_clip=max(check))
+            watch.unclippable(module, reason)
+            return
     if watch is not None:
-        gammas = facts["gamma"]
-        left = [m * g for m, g in zip(after, gammas)] if len(gammas) == len(after) else [min(max(after), cap)]
         watch.clipped(module, max(left), max(after) > cap)
+
+
+def _qk_tensors(model: nn.Module, spec: QKSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, copy) of every tensor a clip of ``spec`` scales, to put them back exactly."""
+    params = dict(model.named_parameters())
+    names = [spec.q_weight, spec.k_weight, spec.q_bias, spec.k_bias, *spec.k_extra]
+    with torch.no_grad():
+        return [(params[n], params[n].detach().clone()) for n in dict.fromkeys(names) if n is not None]
 
 
 # Clips waiting for their optimizer's step to land, and the one post-hook per optimizer that

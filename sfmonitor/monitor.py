@@ -463,6 +463,7 @@ class Monitor:
         self._watch = ActivationWatch(self.config.watch)
         self._recorder = BatchRecorder()
         self._first_buffers: Any = None  # the one-shot hook of _arm_first_buffers
+        self._unwritten: list[Event] = []  # events whose actions finish after the update (_emit)
         # The user's own clip before optimizer.step(): its gradients measured before it (userclip.py).
         self._user_clip = UserClip(
             lambda: self._record.step if self._record.phase is Phase.OPEN else None,
@@ -795,6 +796,7 @@ class Monitor:
             undo()
         self._undo.clear()
         if self._router is not None:
+            self._write_unwritten()
             self._router.flush()
             self._router.close()
             self._router = None
@@ -1121,6 +1123,7 @@ class Monitor:
         rec = self._record
         if self.model is None or rec.phase is not Phase.OPEN:
             return
+        self._write_unwritten()  # the last step's actions that finished after its update
         ctx = self._live()
         if ctx.stopped:  # the run was stopped: further steps are skipped, without new events
             rec.phase = Phase.DECIDED
@@ -1715,8 +1718,19 @@ class Monitor:
         if len(self.events) > self.config.max_events:  # bounded in memory; the files keep all
             del self.events[: len(self.events) - self.config.max_events]
         if self._router is not None:
-            self._router.log_event(event)
+            # An action that finishes after the update (qk_clip sizes its clip from the updated
+            # weights) is written once it has: the files say what was done, not what was planned.
+            # Later events wait behind it, in order, until the next step (or detach) writes them.
+            results = (event.data or {}).get("action_results") or {}
+            if self._unwritten or any(isinstance(f, dict) and f.get("measured") == "pending" for f in results.values()):
+                self._unwritten.append(event)
+            else:
+                self._router.log_event(event)
         return event
+
+    def _write_unwritten(self) -> None:
+        while self._unwritten and self._router is not None:
+            self._router.log_event(self._unwritten.pop(0))
 
     # ------------------------------------------------------------------------------------------
     # state

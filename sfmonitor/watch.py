@@ -1033,12 +1033,16 @@ class ActivationWatch:
         if facts is not None:
             self._pre_clips[name] = facts
 
-    def remeasure(self, name: str) -> list[float] | None:
+    def remeasure(self, name: str, keep: bool = False) -> list[float] | None:
         """The max logit per head that ``name`` gives now (after the update) on the input of its
         last sampled forward, or None (no input kept). Exact for that input: the module's own
         forward runs again (eval mode: no dropout, no running statistics; no grad; the random
-        state put back), measured as on a sampled step. One host read."""
-        kept = self._last_inputs.pop(name, None) or self._inputs.pop(name, None)
+        state put back), measured as on a sampled step. One host read. ``keep``: the input stays
+        for another measure (qk_clip checks its clip on it)."""
+        if keep:
+            kept = self._last_inputs.get(name) or self._inputs.get(name)
+        else:
+            kept = self._last_inputs.pop(name, None) or self._inputs.pop(name, None)
         module = self._modules.get(name)
         if kept is None or module is None:
             return None
@@ -1066,6 +1070,18 @@ class ActivationWatch:
             self._remeasuring = False
             self._sampled, self._due, self._stack, self._mode, self._attn, self._records, self._seq = saved
         return heads
+
+    def unclippable(self, name: str, reason: str) -> None:
+        """QK-Clip cannot lower ``name``'s logits (qk_clip checked a clip and put it back): its
+        projections are dropped (later findings say why, no clip is tried), and it is no longer
+        held or checked before its forward."""
+        info = self.attention.get(name)
+        if info is not None:
+            info.spec, info.reason = None, reason
+        self._modules.pop(name, None)
+        self._held.pop(name, None)
+        self._inputs.pop(name, None)
+        self._last_inputs.pop(name, None)
 
     def clipped(self, name: str, left: float, needed: bool, now: bool = False) -> None:
         """qk_clip's report: ``left`` is the max logit the module has now on the measured input;
@@ -1165,7 +1181,7 @@ def _without_caches(kwargs: dict) -> dict:
     cache left out (None; ``use_cache`` False), so the run neither feeds the forward's keys into it
     a second time nor reads keys that are not this input's. A cache is told by its name
     (``past_key_values``, ``layer_past``, ``*cache*``) or its type (``...Cache``)."""
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in kwargs.items():
         if k == "use_cache":
             out[k] = False

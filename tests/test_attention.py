@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 
 import pytest
@@ -840,3 +841,58 @@ def test_a_module_run_again_to_measure_or_clip_never_touches_a_cache_it_was_give
         opt.zero_grad()
     assert any(e.data.get("action_results", {}).get("qk_clip", {}).get("applied") for e in mon.events)
     mon.detach()
+
+
+class QKNormAttention(nn.Module):
+    """Queries and keys layer-normalised after their projections (qk-layernorm, as OLMo-2 and
+    the LR sweep's fix): scaling W_q or W_k cannot change the logits."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.num_heads, self.hd = heads, d // heads
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.q_norm, self.k_norm = nn.LayerNorm(self.hd), nn.LayerNorm(self.hd)
+
+    def forward(self, x):
+        B, T, D = x.shape
+
+        def split(t):
+            return t.view(B, T, self.num_heads, self.hd).transpose(1, 2)
+
+        q, k, v = self.q_norm(split(self.q_proj(x))), self.k_norm(split(self.k_proj(x))), split(self.v_proj(x))
+        a = torch.softmax(q @ k.transpose(-1, -2) / self.hd**0.5, dim=-1)
+        return (a @ v).transpose(1, 2).reshape(B, T, D)
+
+
+def _qk_norm_run(tmp_path, monitored, steps=12):
+    torch.manual_seed(0)
+    model = Block(QKNormAttention())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = {"console": False, "watch": {"stride": 1, "attention": {"tau": 1.5}}}
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=["jsonl"], config=cfg) if monitored else None
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 6, 16, generator=g)).pow(2).mean()
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return model, events
+
+
+def test_a_qk_clip_that_does_not_lower_the_logits_is_undone_and_not_tried_again(tmp_path):
+    """With qk-layernorm the logits do not scale with W_q and W_k: a clip would only shrink the
+    weights under the norm (raising Adam's relative steps on them) step after step. The clip is
+    checked on the input it was sized on; one that did not lower the logits is put back exactly,
+    and the module is reported as one QK-Clip cannot act on."""
+    model, events = _qk_norm_run(tmp_path / "m", True)
+    bare, _ = _qk_norm_run(tmp_path / "b", False)
+    clips = [e.data["action_results"]["qk_clip"] for e in events if "qk_clip" in e.actions]
+    assert clips and not any(c.get("applied") for c in clips), clips[:2]
+    assert any("did not lower" in c.get("reason", "") for c in clips)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+    written = [json.loads(line) for line in (tmp_path / "m" / "events.jsonl").read_text().splitlines()]
+    results = [e["data"]["action_results"]["qk_clip"] for e in written if "qk_clip" in e.get("actions", [])]
+    assert results and not any(r.get("measured") == "pending" for r in results)  # the file says what was done
