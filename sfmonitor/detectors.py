@@ -646,13 +646,21 @@ class UpdateRatioSpike(_Windowed):
                 self.zero_init.add(key)
             if not S.finite(value) or value <= 0:
                 continue
+            # The relative test reads the update per unit of the LR it was made with: a schedule
+            # that raises the LR (a warm restart, an unfrozen layer, a warm-up's step) raises the
+            # ratio with it; an update far larger at the same LR is the spike. The ceiling reads
+            # the ratio itself (an update larger than the weights, whatever the LR).
+            lr = stats.get(S.UPDATE_LR.format(group))
+            per_lr = S.finite(lr) and lr > 0
+            x = value / lr if per_lr else value
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
-            rel_limit = cfg.factor * med if med is not None else math.inf
+            rel_limit = cfg.factor * med * (lr if per_lr else 1.0) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
                 why = (
-                    f"{cfg.factor:g} x its rolling median {_fmt(med or 0.0)}"
+                    f"{cfg.factor:g} x its rolling median {_fmt((med or 0.0) * (lr if per_lr else 1.0))}"
+                    + (f" at its LR {_fmt(lr)}" if per_lr else "")
                     if rel_limit <= cfg.ceiling
                     else f"the ceiling {cfg.ceiling:g}"
                 )
@@ -666,7 +674,8 @@ class UpdateRatioSpike(_Windowed):
                         data={
                             "key": key,
                             "value": value,
-                            "median": med,
+                            "median": med * (lr if per_lr else 1.0) if med is not None else None,
+                            "lr": lr if per_lr else None,
                             "factor": cfg.factor,
                             "ceiling": cfg.ceiling,
                             "threshold_value": limit,
@@ -674,10 +683,10 @@ class UpdateRatioSpike(_Windowed):
                         },
                     )
                 )
-                if math.isfinite(rel_limit):
-                    w.append(rel_limit)  # clamped
+                if med is not None:
+                    w.append(cfg.factor * med)  # clamped (per unit of LR, as the window)
                 continue
-            w.append(value)
+            w.append(x)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -464,6 +464,8 @@ class Monitor:
         self._recorder = BatchRecorder()
         self._first_buffers: Any = None  # the one-shot hook of _arm_first_buffers
         self._unwritten: list[Event] = []  # events whose actions finish after the update (_emit)
+        self._group_pgs: dict[str, list[int]] = {}  # group -> optimizer param groups (_group_lrs)
+        self._group_pgs_key: tuple[int, ...] | None = None
         # The user's own clip before optimizer.step(): its gradients measured before it (userclip.py).
         self._user_clip = UserClip(
             lambda: self._record.step if self._record.phase is Phase.OPEN else None,
@@ -1184,7 +1186,8 @@ class Monitor:
         findings = self._nonfinite_findings(rec, grad_index)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
-            judged = [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, prev_rec.stats)]
+            seen = {**prev_rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in prev_rec.group_lr.items()}}
+            judged = [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, seen)]
             findings += judged
             if prev_rec.update_landed:  # was the update the state comes from judged, and sound?
                 measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
@@ -1372,6 +1375,7 @@ class Monitor:
                     rec.before_params = ctx.undo.params
                 for i, pg in enumerate(ctx.optimizer.param_groups):
                     self._stats[S.LR.format(i)] = float(pg["lr"])
+                rec.group_lr = self._group_lrs(ctx.optimizer)
         finally:
             ctx.skip = False
 
@@ -1760,6 +1764,20 @@ class Monitor:
                 else self._pending_ctx.get("lr_recovery", {})
             ),
         }
+
+    def _group_lrs(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """The LR each group's update is made with: the largest LR of the param groups holding its
+        parameters (the LR drop applied). The param groups' membership is looked up again only
+        when their sizes change (add_param_group)."""
+        groups = optimizer.param_groups
+        key = tuple(len(pg["params"]) for pg in groups)
+        if key != self._group_pgs_key:
+            pg_of = {id(p): j for j, pg in enumerate(groups) for p in pg["params"]}
+            self._group_pgs = {
+                g: sorted({pg_of[id(p)] for _, p in ps if id(p) in pg_of}) for g, ps in self.groups.items()
+            }
+            self._group_pgs_key = key
+        return {g: max(float(groups[j]["lr"]) for j in js) for g, js in self._group_pgs.items() if js}
 
     def _arm_first_buffers(self) -> None:
         """The undo copy holds the model's buffers as they were before the step's forward from the

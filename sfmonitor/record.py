@@ -100,6 +100,7 @@ class StepRecord:
     scaler_skips: bool = False  # the GradScaler found inf/NaN and skips the step itself
     hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
+    group_lr: dict[str, float] = field(default_factory=dict)  # the LR each group's update is made with
     before_params: list[torch.Tensor] | None = None  # parameters before the update
     ratio_live: list[torch.Tensor] | None = None  # views of the parameters the update ratio measures (slices)
     before_norms: torch.Tensor | None = None  # their norms per group

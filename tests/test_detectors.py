@@ -432,3 +432,15 @@ def test_a_component_spike_is_its_own_kind_told_not_acted_on():
     assert Policy().decide(40, out) == []  # an event, no action (policy.ladders opts in)
     out = det.check(41, {"loss/total": 20.0, "loss/fusion": 1.0})
     assert [(f.kind, f.where) for f in out] == [("loss_spike", "total")]
+
+
+def test_update_ratio_spike_judges_updates_per_unit_of_lr():
+    """The relative test reads update_ratio / the LR the update was made with: a schedule that
+    raises the LR (a warm restart, an unfrozen layer, a warm-up's step) raises the ratio with
+    it and is no spike; an update 100x its usual size at the same LR is one."""
+    det = D.UpdateRatioSpike()
+    for s in range(40):
+        assert det.check(s, {"update_ratio/a": 1e-5 * (1 + 0.1 * (s % 3)), "update_lr/a": 1e-4}) == []
+    assert det.check(40, {"update_ratio/a": 1e-3, "update_lr/a": 1e-2}) == []  # the LR went up 100x
+    out = det.check(41, {"update_ratio/a": 1e-1, "update_lr/a": 1e-2})  # 100x at that LR
+    assert out and out[0].data["value"] == 1e-1 and out[0].data["lr"] == 1e-2

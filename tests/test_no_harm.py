@@ -554,3 +554,33 @@ def test_healthy_runs_across_optimizers_and_loops_are_untouched(tmp_path):
         model, events = _healthy_setup_run(tmp_path / "mon", name, True)
         assert events == [], name
         assert same_state(model, bare), name
+
+
+def _restart_run(tmp_path, monitored, steps=330):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=300)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(10, 4, generator=g)
+    for _ in range(steps):
+        x = torch.randn(16, 10, generator=g)
+        loss = nn.functional.cross_entropy(model(x), (x @ w).argmax(1))
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return model, events
+
+
+def test_a_warm_restart_of_the_lr_schedule_is_no_spike(tmp_path):
+    """SGDR: the LR falls to ~0 over 300 steps and jumps back to its peak. The update ratio jumps
+    with it (~10^4 x the window's tail); the update per unit of LR does not. No undo, no LR cut."""
+    model, events = _restart_run(tmp_path / "m", True)
+    bare, _ = _restart_run(tmp_path / "b", False)
+    assert [(e.step, e.kind, e.actions) for e in events if e.actions] == []
+    assert same_state(model, bare)
