@@ -650,16 +650,17 @@ class UpdateRatioSpike(_Windowed):
             # that raises the LR (a warm restart, an unfrozen layer, a warm-up's step) raises the
             # ratio with it; an update far larger at the same LR is the spike. The ceiling reads
             # the ratio itself (an update larger than the weights, whatever the LR).
-            lr = stats.get(S.UPDATE_LR.format(group))
-            per_lr = S.finite(lr) and lr > 0
-            x = value / lr if per_lr else value
+            given = stats.get(S.UPDATE_LR.format(group))
+            per_lr = given is not None and S.finite(given) and given > 0
+            lr = float(given) if per_lr and given is not None else 1.0
+            x = value / lr
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
-            rel_limit = cfg.factor * med * (lr if per_lr else 1.0) if med is not None else math.inf
+            rel_limit = cfg.factor * med * lr if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
                 why = (
-                    f"{cfg.factor:g} x its rolling median {_fmt((med or 0.0) * (lr if per_lr else 1.0))}"
+                    f"{cfg.factor:g} x its rolling median {_fmt((med or 0.0) * lr)}"
                     + (f" at its LR {_fmt(lr)}" if per_lr else "")
                     if rel_limit <= cfg.ceiling
                     else f"the ceiling {cfg.ceiling:g}"
@@ -674,7 +675,7 @@ class UpdateRatioSpike(_Windowed):
                         data={
                             "key": key,
                             "value": value,
-                            "median": med * (lr if per_lr else 1.0) if med is not None else None,
+                            "median": med * lr if med is not None else None,
                             "lr": lr if per_lr else None,
                             "factor": cfg.factor,
                             "ceiling": cfg.ceiling,
