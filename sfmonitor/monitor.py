@@ -1367,6 +1367,9 @@ class Monitor:
                     )
                 # The LR scale (lr_drop) applies around this update only; the user's own LR and
                 # scheduler are put back when the step closes (see actions.py).
+                # The user's LR per group (before the drop): the update-ratio test reads updates per
+                # unit of it, so the user's schedule is no spike and the monitor's own drop a remedy.
+                rec.group_lr = self._group_lrs(ctx.optimizer)
                 rec.saved_lr = A.apply_lr_scale(ctx.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
                 if ctx.undo is not None and not ctx.stopped:
                     # The state this update starts from: an exact undo of it, and the update ratio's
@@ -1375,7 +1378,6 @@ class Monitor:
                     rec.before_params = ctx.undo.params
                 for i, pg in enumerate(ctx.optimizer.param_groups):
                     self._stats[S.LR.format(i)] = float(pg["lr"])
-                rec.group_lr = self._group_lrs(ctx.optimizer)
         finally:
             ctx.skip = False
 
@@ -1766,9 +1768,9 @@ class Monitor:
         }
 
     def _group_lrs(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """The LR each group's update is made with: the largest LR of the param groups holding its
-        parameters (the LR drop applied). The param groups' membership is looked up again only
-        when their sizes change (add_param_group)."""
+        """The user's LR for each group: the largest LR of the param groups holding its parameters
+        (before the monitor's LR drop). The param groups' membership is looked up again only when
+        their sizes change (add_param_group)."""
         groups = optimizer.param_groups
         key = tuple(len(pg["params"]) for pg in groups)
         if key != self._group_pgs_key:

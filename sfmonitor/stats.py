@@ -54,8 +54,9 @@ GRAD_NORM_TOTAL = "grad_norm/total"
 GRAD_NORM = "grad_norm/{}"
 PARAM_NORM = "param_norm/{}"
 UPDATE_RATIO = "update_ratio/{}"
-# The LR a group's update was made with (the largest of its parameters' param groups): given to
-# the after-update detectors with the step's values, not published (lr/<i> is, per param group).
+# The user's LR of a group's update (the largest of its parameters' param groups, before the
+# monitor's LR drop): given to the after-update detectors with the step's values, not published
+# (lr/<i> is: the LR used, per param group).
 UPDATE_LR = "update_lr/{}"
 GRAD_RATIO = "grad_ratio/{}/{}"
 GRAD_COS = "grad_cos/{}/{}"
