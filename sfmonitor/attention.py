@@ -285,9 +285,11 @@ class QKSpec:
     heads: int | None = None
     kv_heads: int | None = None
     layout: str = "separate"
+    transposed: bool = False  # weights laid out (in, out): HF's Conv1D (GPT-2's c_attn); rows are columns
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "transposed": self.transposed,
             "layout": self.layout,
             "q_weight": self.q_weight,
             "k_weight": self.k_weight,
@@ -313,6 +315,7 @@ class QKSpec:
             heads=d.get("heads"),
             kv_heads=d.get("kv_heads"),
             layout=d.get("layout", "separate"),
+            transposed=bool(d.get("transposed", False)),
         )
 
 
@@ -329,9 +332,21 @@ def module_heads(module: nn.Module) -> int | None:
     return _int_attr(module, HEAD_ATTRS)
 
 
-def _child(module: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Linear] | None:
+def _out_features(m: nn.Module) -> tuple[int, bool] | None:
+    """(output width, transposed) of a linear projection: an ``nn.Linear``, or a module with a 2-d
+    weight laid out (in, out) and its width in ``nf`` (transformers' ``Conv1D``: GPT-2's
+    ``c_attn``); None for anything else."""
+    if isinstance(m, nn.Linear):
+        return m.out_features, False
+    w, nf = getattr(m, "weight", None), getattr(m, "nf", None)
+    if isinstance(w, torch.Tensor) and w.ndim == 2 and isinstance(nf, int) and w.shape[1] == nf:
+        return nf, True
+    return None
+
+
+def _child(module: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] | None:
     for child_name, child in module.named_children():
-        if child_name.lower() in names and isinstance(child, nn.Linear):
+        if child_name.lower() in names and _out_features(child) is not None:
             return child_name, child
     return None
 
@@ -357,8 +372,8 @@ def find_projections(module: nn.Module, name: str, cfg: AttentionConfig | None =
             q_mod, k_mod = module.get_submodule(user["q"]), module.get_submodule(user["k"])
         except AttributeError as e:
             return None, f"watch.attention.projections names a child {name!r} does not have ({e})"
-        if not isinstance(q_mod, nn.Linear) or not isinstance(k_mod, nn.Linear):
-            return None, "watch.attention.projections must name nn.Linear children"
+        if _out_features(q_mod) is None or _out_features(k_mod) is None:
+            return None, "watch.attention.projections must name nn.Linear (or Conv1D) children"
         return _separate(q_mod, k_mod, _prefixed(name, user["q"]), _prefixed(name, user["k"]), heads, kv_heads), (
             "configured"
         )
@@ -390,10 +405,11 @@ def find_projections(module: nn.Module, name: str, cfg: AttentionConfig | None =
     q, k = _child(module, Q_NAMES), _child(module, K_NAMES)
     head_dim = _int_attr(module, HEAD_DIM_ATTRS)  # Llama-style modules declare this, not a count
     if q is not None and k is not None:
-        if head_dim and not heads and q[1].out_features % head_dim == 0:
-            heads = q[1].out_features // head_dim
-        if head_dim and not kv_heads and k[1].out_features % head_dim == 0:
-            kv_heads = k[1].out_features // head_dim
+        q_out, k_out = _out_features(q[1])[0], _out_features(k[1])[0]  # type: ignore[index]
+        if head_dim and not heads and q_out % head_dim == 0:
+            heads = q_out // head_dim
+        if head_dim and not kv_heads and k_out % head_dim == 0:
+            kv_heads = k_out // head_dim
         return _separate(q[1], k[1], _prefixed(name, q[0]), _prefixed(name, k[0]), heads, kv_heads), (
             f"children {q[0]!r}, {k[0]!r}"
         )
@@ -409,26 +425,29 @@ def find_projections(module: nn.Module, name: str, cfg: AttentionConfig | None =
     )
 
 
-def _separate(q: nn.Linear, k: nn.Linear, q_name: str, k_name: str, heads: int | None, kv_heads: int | None) -> QKSpec:
-    if heads and not kv_heads and q.out_features % heads == 0:
-        kv_heads = max(1, k.out_features // (q.out_features // heads))
+def _separate(q: nn.Module, k: nn.Module, q_name: str, k_name: str, heads: int | None, kv_heads: int | None) -> QKSpec:
+    (q_out, transposed), (k_out, _) = _out_features(q), _out_features(k)  # type: ignore[misc]
+    if heads and not kv_heads and q_out % heads == 0:
+        kv_heads = max(1, k_out // (q_out // heads))
     return QKSpec(
         q_weight=q_name + ".weight",
         k_weight=k_name + ".weight",
-        q_rows=(0, q.out_features),
-        k_rows=(0, k.out_features),
-        q_bias=q_name + ".bias" if q.bias is not None else None,
-        k_bias=k_name + ".bias" if k.bias is not None else None,
+        q_rows=(0, q_out),
+        k_rows=(0, k_out),
+        q_bias=q_name + ".bias" if getattr(q, "bias", None) is not None else None,
+        k_bias=k_name + ".bias" if getattr(k, "bias", None) is not None else None,
         heads=heads,
         kv_heads=kv_heads or heads,
+        transposed=transposed,
     )
 
 
 def _fused(lin: nn.Module, name: str, heads: int | None, kv_heads: int | None) -> QKSpec | None:
     """q|k|v blocks of rows; with GQA (kv_heads < heads) the k and v blocks are smaller."""
-    if not isinstance(lin, nn.Linear):
+    shape = _out_features(lin)
+    if shape is None:
         return None
-    out = lin.out_features
+    out, transposed = shape
     if heads and kv_heads and kv_heads != heads:
         unit = out // (heads + 2 * kv_heads)  # rows per head
         if unit * (heads + 2 * kv_heads) != out:
@@ -443,11 +462,12 @@ def _fused(lin: nn.Module, name: str, heads: int | None, kv_heads: int | None) -
         k_weight=name + ".weight",
         q_rows=(0, qn),
         k_rows=(qn, qn + kn),
-        q_bias=name + ".bias" if lin.bias is not None else None,
-        k_bias=name + ".bias" if lin.bias is not None else None,
+        q_bias=name + ".bias" if getattr(lin, "bias", None) is not None else None,
+        k_bias=name + ".bias" if getattr(lin, "bias", None) is not None else None,
         heads=heads,
         kv_heads=kv_heads or heads,
         layout="fused",
+        transposed=transposed,
     )
 
 
@@ -490,7 +510,7 @@ def apply_qk_clip(model: nn.Module, spec: QKSpec, q_scale: list[float], k_scale:
             (spec.q_weight, spec.q_bias, spec.q_rows, q_scale),
             (spec.k_weight, spec.k_bias, spec.k_rows, k_scale),
         ):
-            _rows_scale(params[w], rows[0], rows[1], scales)
+            _rows_scale(params[w], rows[0], rows[1], scales, dim=1 if spec.transposed else 0)
             if b is not None:
                 _rows_scale(params[b], rows[0], rows[1], scales)
         for name in spec.k_extra:

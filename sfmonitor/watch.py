@@ -702,11 +702,18 @@ class ActivationWatch:
             self._busy = False
 
     def _attention_running(self) -> str | None:
-        """The innermost attention module on the stack (None: no attention module is running)."""
+        """The innermost attention module on the stack whose projections are known, else the
+        innermost attention module (None: none is running). A part of an attention module that
+        the name patterns also match (Swin's ``attn.softmax``, a parameterless core) must not take
+        the logits from the module QK-Clip can act on."""
+        inner = None
         for name in reversed(self._stack):
-            if name in self.attention:
-                return name
-        return None
+            info = self.attention.get(name)
+            if info is not None:
+                if info.spec is not None:
+                    return name
+                inner = inner or name
+        return inner
 
     def _record_inline_logits(self, func: Any, args: tuple, kwargs: dict) -> None:
         name = self._attention_running()

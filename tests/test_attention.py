@@ -896,3 +896,56 @@ def test_a_qk_clip_that_does_not_lower_the_logits_is_undone_and_not_tried_again(
     written = [json.loads(line) for line in (tmp_path / "m" / "events.jsonl").read_text().splitlines()]
     results = [e["data"]["action_results"]["qk_clip"] for e in written if "qk_clip" in e.get("actions", [])]
     assert results and not any(r.get("measured") == "pending" for r in results)  # the file says what was done
+
+
+class Conv1D(nn.Module):
+    """transformers' Conv1D (GPT-2's c_attn): a linear layer whose weight is laid out (in, out)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class GPT2StyleAttention(nn.Module):
+    """GPT-2's layout: a fused Conv1D c_attn, and (as Swin's window attention) an nn.Softmax child
+    that the name patterns match too."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.num_heads, self.hd = heads, d // heads
+        self.c_attn = Conv1D(3 * d, d)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def logits(self, x):
+        B, T, D = x.shape
+        q, k, _ = self.c_attn(x).split(D, dim=-1)
+        q, k = (t.view(B, T, self.num_heads, self.hd).transpose(1, 2) for t in (q, k))
+        return q @ k.transpose(-1, -2) / self.hd**0.5
+
+    def forward(self, x):
+        B, T, D = x.shape
+        v = self.c_attn(x)[..., 2 * D :].view(B, T, self.num_heads, self.hd).transpose(1, 2)
+        return (self.softmax(self.logits(x)) @ v).transpose(1, 2).reshape(B, T, D)
+
+
+def test_qk_clip_on_a_transposed_fused_projection_measured_past_a_softmax_child():
+    """GPT-2's c_attn (Conv1D, weight (in, out)): its q and k blocks are columns. The logits
+    belong to the attention module, not to its nn.Softmax child (named ...attn.softmax)."""
+    torch.manual_seed(7)
+    model = Block(GPT2StyleAttention())
+    spec, how = find_projections(model.attn, "attn")
+    assert spec is not None and spec.transposed and spec.q_rows == (0, 16) and spec.k_rows == (16, 32), how
+    x = torch.randn(2, 6, 16)
+    before = _per_head(model.attn.logits(x).detach())
+    tau = sorted(before)[1] * 1.01
+    ref = copy.deepcopy(model.state_dict())
+    f, facts = _clip_once(model, x, tau)
+    assert f.data["module"] == "attn" and facts["applied"]
+    after = _per_head(model.attn.logits(x).detach())
+    assert after == pytest.approx([min(b, tau) for b in before], rel=1e-5)
+    assert torch.equal(model.attn.c_attn.weight[:, 32:], ref["attn.c_attn.weight"][:, 32:])  # values untouched
