@@ -439,6 +439,7 @@ class ActivationWatch:
         self._inputs: dict[str, tuple[int, tuple, dict]] = {}  # this step's (step, args, kwargs)
         self._last_inputs: dict[str, tuple[int, tuple, dict]] = {}  # the previous step's, for qk_clip
         self._held: dict[str, _Hold] = {}
+        self._told: dict[str, float] = {}  # modules QK-Clip cannot act on: the max last reported
         self._remeasuring = False
         self._model: nn.Module | None = None
         self._regime_until = -1  # the last step of the growth regime (a clip was needed lately)
@@ -955,7 +956,17 @@ class ActivationWatch:
                 # In the growth regime a module within reach of tau is held too: the next update
                 # can take it over (its logits are checked after it).
                 near = regime and max(heads) >= tau / MAX_HEADROOM
-                if info.spec is None and not over:
+                if info.spec is None:
+                    # Nothing QK-Clip can act on: told when the max first passes tau, then again
+                    # only when it has doubled since (not on every sampled step), and not held.
+                    told = self._told.get(name)
+                    top = max(heads)
+                    if not over or (told is not None and not (finite(top) and top > 2 * told)):
+                        continue
+                    self._told[name] = top if finite(top) else math.inf
+                    limit = dtype_limit(self._attn_dtypes.get(name, torch.float32))
+                    fc = self._trends.get(ATTN_LOGIT_MAX_PREFIX + name, _Trend()).forecast(limit)
+                    out.append(AT.finding(step, name, heads, tau, None, info.reason, {"limit": limit, **fc}))
                     continue
                 if not over and not near and (hold is None or step > hold.until):
                     continue
