@@ -341,6 +341,7 @@ class ActionContext:
     undo_params: list[nn.Parameter] = field(default_factory=list)  # the parameters it holds, in order
     undo_buffers: list[torch.Tensor] = field(default_factory=list)  # the model's buffers it holds
     lr_dropped_at: int | None = None  # step of the last lr_drop (recovery counts from it)
+    restored_at: int | None = None  # step in which an undo or a rollback put the state back
     lr_drop_kind: str = ""  # the kind that caused it
     lr_permanent: bool = False  # the trouble came back while the LR was still lowered
     should_stop: bool = False
@@ -760,6 +761,7 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         ctx.scaler_restore = [t.clone() for t in state.scaler_state]
     ctx.skip = True
     ctx.repeat_batch = True
+    ctx.restored_at = ctx.step
     return {"restored": True, "undone_step": target, "steps_back": ctx.step - target, "skipped_step": ctx.step}
 
 
@@ -792,18 +794,23 @@ DAMAGED_STATE_KINDS = (NONFINITE_PARAM, LOSS_SPIKE, ACCURACY_COLLAPSE)
 
 def _live_state_healthy(ctx: ActionContext, cause: Any) -> bool:
     """Whether the live weights are a state worth saving: the finding is about this step's
-    update (not one that landed), and every parameter is finite (one host read: emergencies only)."""
-    if not cause.before_update or cause.kind in DAMAGED_STATE_KINDS:
+    update (not one that landed), or an undo or a rollback of this step put the state back, and
+    every parameter is finite (one host read: emergencies only)."""
+    restored = ctx.restored_at == ctx.step
+    if not restored and (not cause.before_update or cause.kind in DAMAGED_STATE_KINDS):
         return False
     params = [p.detach() for p in ctx.model.parameters()] + [p.detach() for _, p in ctx.outside_params]
     return sharding.all_finite(params)  # FSDP2: over every rank's shards, one answer everywhere
 
 
-# Cooldown 100: emergency checkpoints are big; one per incident.
-@register_action(CHECKPOINT, order=10, cooldown=100, config=CheckpointConfig)
+# Cooldown 100: emergency checkpoints are big; one per incident. After undo and rollback (order
+# 35): when they put the state back in this step, the live state is the last healthy one (an undo
+# holds it exactly; an older snapshot would throw away the steps since).
+@register_action(CHECKPOINT, order=35, cooldown=100, config=CheckpointConfig)
 def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Emergency checkpoint of the last good state: the live state when the finding is about an
-    update not yet applied; otherwise the newest snapshot from before the offending update."""
+    update not yet applied, or an undo or a rollback of this step put it back; otherwise the
+    newest snapshot from before the offending update."""
     folder = _checkpoint_dir(ctx)
     if folder is None:
         return {"saved": False, "reason": "no run_dir: the monitor has nowhere to write"}
@@ -886,6 +893,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     label, state = snap
     restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=cfg.restore_rng)
     ctx.restore_outside_params(state)
+    ctx.restored_at = ctx.step
     assert ctx.snapshots is not None  # snap came from it
     ctx.snapshots.discard_after(label)
     ctx.batches_to_skip += cfg.skip_batches

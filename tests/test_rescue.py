@@ -332,7 +332,7 @@ def test_spent_budget_saves_a_checkpoint_and_stops_with_the_reason(tmp_path):
     with pytest.raises(sfmonitor.StopTraining, match="budget") as ei:
         step(model, opt, mon, xs[46])
     ev = ei.value.event
-    assert ev.kind == "update_ratio_spike" and ev.actions == ["checkpoint", "undo", "stop"]
+    assert ev.kind == "update_ratio_spike" and ev.actions == ["undo", "checkpoint", "stop"]
     path = ev.data["action_results"]["checkpoint"]["path"]
     assert os.path.exists(path) and "model" in str(load_checkpoint(path).keys()).lower()
     assert mon.should_stop

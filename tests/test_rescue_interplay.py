@@ -293,3 +293,32 @@ def test_a_nan_that_arrives_with_a_modules_input_is_not_that_modules_overflow(tm
     acted = [(e.step, e.kind, e.actions) for e in events if e.actions]
     assert acted == [(10, "nonfinite_loss", ["skip_step"])], acted
     assert same(model, twin)
+
+
+def test_an_emergency_checkpoint_decided_with_an_undo_holds_the_state_the_undo_restores(tmp_path):
+    """A landed bad update answered by an emergency checkpoint and an undo in one step (as when
+    the budget runs out): the checkpoint holds the state just before the bad update, which the
+    undo copy holds exactly, not an older snapshot (snapshot_every 50: step 0)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ladder = {"update_ratio_spike": {"rungs": [{"after": 1, "actions": ["checkpoint", "undo"]}]}}
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(policy={"ladders": ladder}))
+    before_bad = None
+    for i in mon.batches(range(16)):
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(16, 10, generator=g), torch.randn(16, 1, generator=g)
+        mon.combine(F.mse_loss(model(x), y)).backward()
+        if i == 12 and before_bad is None:
+            before_bad = {k: v.clone() for k, v in model.state_dict().items()}
+            opt.param_groups[0]["lr"] *= 1e4
+            opt.step()
+            opt.param_groups[0]["lr"] /= 1e4
+        else:
+            opt.step()
+        opt.zero_grad()
+    mon.detach()
+    (event,) = [e for e in mon.events if "checkpoint" in e.actions]
+    saved = torch.load(event.data["action_results"]["checkpoint"]["path"], weights_only=True)
+    assert saved["model"].keys() == before_bad.keys()
+    assert all(torch.equal(saved["model"][k], before_bad[k]) for k in before_bad)
