@@ -195,6 +195,12 @@ class UpdateRatioSpikeConfig(Section):
         lo_open=True,
     )
     warmup: int = option(25, "values collected before the relative test (ZClip: 25 warm-up steps)", lo=2)
+    min_ratio: float = option(
+        1e-5,
+        "an update under this fraction of the weights is never a relative spike (a model that memorised "
+        "its data moves by ~1e-10 and wiggles 10x: nothing to undo)",
+        lo=0,
+    )
 
     def validate(self) -> None:
         _at_most(self, "warmup", "window")
@@ -656,7 +662,7 @@ class UpdateRatioSpike(_Windowed):
             x = value / lr
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
-            rel_limit = cfg.factor * med * lr if med is not None else math.inf
+            rel_limit = max(cfg.factor * med * lr, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
                 why = (

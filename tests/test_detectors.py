@@ -444,3 +444,13 @@ def test_update_ratio_spike_judges_updates_per_unit_of_lr():
     assert det.check(40, {"update_ratio/a": 1e-3, "update_lr/a": 1e-2}) == []  # the LR went up 100x
     out = det.check(41, {"update_ratio/a": 1e-1, "update_lr/a": 1e-2})  # 100x at that LR
     assert out and out[0].data["value"] == 1e-1 and out[0].data["lr"] == 1e-2
+
+
+def test_update_ratio_spike_leaves_updates_too_small_to_matter_alone():
+    """A model that memorised its data: Adam's updates are ~1e-10 of the weights and wiggle 10x.
+    An update under min_ratio of the weights is no spike, however far above its median."""
+    det = D.UpdateRatioSpike()
+    for s in range(40):
+        assert det.check(s, {"update_ratio/a": 9e-11 * (1 + 0.1 * (s % 3))}) == []
+    assert det.check(40, {"update_ratio/a": 1.1e-9}) == []
+    assert det.check(41, {"update_ratio/a": 1e-3})  # a real jump from that floor still is one
