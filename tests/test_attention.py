@@ -343,30 +343,12 @@ def test_qk_clip_brings_heads_over_tau_to_tau_and_leaves_the_rest_bit_identical(
     )
 
 
-def test_qk_clip_with_grouped_keys_gives_every_head_its_own_factor():
-    torch.manual_seed(5)
-    model = Block(SdpaAttention(kv_heads=2))
-    with torch.no_grad():
-        model.attn.q_proj.weight.mul_(3)
-    x = torch.randn(2, 5, 16)
-
-    def logits():
-        q, k, _ = model.attn.qk(x)
-        return (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)).detach() / 2
-
-    before = _per_head(logits())
-    tau = sorted(before)[0] * 1.01
-    model.attn.num_heads = 4  # heads named by the module: the spec knows them
-    _clip_once(model, x, tau)
-    after = _per_head(logits())
-    assert after == pytest.approx([min(b, tau) for b in before], rel=1e-5)
-
-
-@pytest.mark.parametrize("declares", ["head_dim", "nothing"])
-def test_qk_clip_with_grouped_keys_the_module_does_not_count(declares):
-    """HF Llama's attention declares its head_dim, not its head counts; other modules declare
-    neither. The key heads follow from the query heads' width (the logits show how many query
-    heads there are): each key head is scaled as one, and every query head gets its gamma."""
+@pytest.mark.parametrize("declares", ["num_heads", "head_dim", "nothing"])
+def test_qk_clip_with_grouped_keys_gives_every_head_its_own_factor(declares):
+    """Four query heads share two key heads. The module names its head count, or (HF Llama) only
+    its head_dim, or neither: the key heads then follow from the query heads' width (the logits
+    show how many query heads there are). Each key head is scaled as one, and every query head
+    gets exactly its gamma."""
     torch.manual_seed(5)
     model = Block(SdpaAttention(kv_heads=2))
     if declares == "head_dim":
@@ -379,10 +361,12 @@ def test_qk_clip_with_grouped_keys_the_module_does_not_count(declares):
         q, k, _ = model.attn.qk(x)
         return (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)).detach() / 2
 
-    spec, _ = find_projections(model.attn, "attn")
-    assert (spec.heads, spec.kv_heads) == ((4, 2) if declares == "head_dim" else (None, None))
     before = _per_head(logits())
     tau = sorted(before)[0] * 1.01
+    if declares == "num_heads":
+        model.attn.num_heads = 4  # heads named by the module: the spec knows them
+    spec, _ = find_projections(model.attn, "attn")
+    assert (spec.heads, spec.kv_heads) == ((None, None) if declares == "nothing" else (4, 2))
     _clip_once(model, x, tau)
     assert _per_head(logits()) == pytest.approx([min(b, tau) for b in before], rel=1e-5)
 
