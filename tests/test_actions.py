@@ -420,3 +420,14 @@ def test_global_clip_of_fp16_gradients_whose_norm_exceeds_fp16():
     before, after, _ = A.clip_gradients({"all": [w]}, A.ClipConfig(mode="global", max_grad_norm=1.0))
     assert float(before["all"]) == pytest.approx(240000.0, rel=1e-3)  # not inf
     assert float(after["all"]) == pytest.approx(1.0, rel=1e-2)  # scaled, not zeroed
+
+
+def test_a_rank_that_does_not_write_says_so_in_its_checkpoint_facts(monkeypatch):
+    """Under torch.distributed only rank 0 writes (DDP): the other ranks' events say that, not
+    that the monitor has no run_dir."""
+    m = Tri()
+    assert "no run_dir" in A.apply(ctx_for(m), D("checkpoint"))["reason"]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    facts = A.apply(ctx_for(m), D("checkpoint"))
+    assert facts["saved"] is False and facts["reason"].startswith("rank 1 does not write")
