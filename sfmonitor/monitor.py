@@ -109,6 +109,18 @@ from .watch import ActivationWatch
 # the state that made them (the step is skipped with it).
 _MOOT_AFTER_RESTORE = (SKIP_STEP, CLIP, GRAD_NOISE, QK_CLIP, PRECISION_FALLBACK, REWEIGHT)
 
+
+def _drop_moot(decisions: list[Decision], actions: tuple[str, ...], answered_by: str) -> list[Decision]:
+    """``decisions`` without those taking ``actions``; each dropped one's finding says what answered it."""
+    kept = []
+    for d in decisions:
+        if d.action in actions:
+            d.cause.data["answered_by"] = answered_by
+        else:
+            kept.append(d)
+    return kept
+
+
 _RUN_COUNTER = itertools.count()
 LOCK_FILE = ".sfmonitor.lock"  # in run_dir while a monitor writes there
 DISABLE_ENV = "SFMONITOR_DISABLED"  # set to 1: attach() does nothing (one line on stderr)
@@ -1078,30 +1090,28 @@ class Monitor:
             self._close(aborted=True)
         # With a scaler the pipeline already ran inside scaler.step; driven externally, the
         # framework calls before_update() where its gradients are ready.
+        changed: tuple[tuple, dict] | None = None
         if self.scaler is None and not self._driven_externally:
             # args[0] is the optimizer itself (the hook sees step's own arguments)
             closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-            if closure is None:
-                self.before_update()
-                self._record.stepped = True
-                return None
-            # step(closure): the closure makes this step's gradients inside the step. It runs here,
-            # as the optimizer would have run it first (SGD, Adam and the like call it once; LBFGS
-            # is refused at attach), the pipeline reads what it made, and the optimizer gets its
-            # loss back instead of running it again (which would also undo a skip's hidden grads).
-            with torch.enable_grad():
-                loss = closure()
+            if closure is not None:
+                # step(closure): the closure makes this step's gradients inside the step. It runs
+                # here, as the optimizer would have run it first (SGD, Adam and the like call it
+                # once; LBFGS is refused at attach), the pipeline reads what it made, and the
+                # optimizer gets its loss back instead of running it again (which would also undo
+                # a skip's hidden gradients).
+                with torch.enable_grad():
+                    loss = closure()
+
+                def done() -> Any:
+                    return loss
+
+                changed = (
+                    (args, {**kwargs, "closure": done}) if "closure" in kwargs else ((args[0], done, *args[2:]), kwargs)
+                )
             self.before_update()
-            self._record.stepped = True
-
-            def done() -> Any:
-                return loss
-
-            if "closure" in kwargs:
-                return args, {**kwargs, "closure": done}
-            return (args[0], done, *args[2:]), kwargs
         self._record.stepped = True
-        return None
+        return changed
 
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         self.after_update()
@@ -1272,20 +1282,15 @@ class Monitor:
             # loss jump, a gradient spike, attention logits or activations its forward made, loss
             # ratios) are symptoms of the state being left. No separate answer: a QK-Clip, a
             # precision fallback or a reweighting would change the restored state for them.
-            moot = [d for d in decisions if d.action in _MOOT_AFTER_RESTORE]
-            for d in moot:
-                d.cause.data["answered_by"] = next(d.action for d in decisions if d.action in (UNDO, ROLLBACK))
-            decisions = [d for d in decisions if d not in moot]
+            restore = next(d.action for d in decisions if d.action in (UNDO, ROLLBACK))
+            decisions = _drop_moot(decisions, _MOOT_AFTER_RESTORE, restore)
         if rec is not None and nonfinite and not any(d.action in (SKIP_STEP, UNDO, ROLLBACK) for d in decisions):
             # The promise holds whatever the ladder says: a non-finite step never lands.
             decisions.insert(0, Decision(SKIP_STEP, nonfinite[0], {"enforced": True}))
         if any(d.action == SKIP_STEP for d in decisions):
             # The update does not land: a clip or gradient noise would only change the gradients
             # the loop gets back after optimizer.step().
-            moot = [d for d in decisions if d.action in (CLIP, GRAD_NOISE)]
-            for d in moot:
-                d.cause.data["answered_by"] = SKIP_STEP
-            decisions = [d for d in decisions if d not in moot]
+            decisions = _drop_moot(decisions, (CLIP, GRAD_NOISE), SKIP_STEP)
         if self.config.dry_run:
             # Say what would have been done; change nothing. The policy still counts, so the
             # ladders, cooldowns and budget show what a live run would have reached.

@@ -224,7 +224,4 @@ def update_norms(
             chunk.append(i)
             used += n
     done = [o for o in out if o is not None]
-    if not done:
-        return torch.zeros(0)
-    dtype = torch.float64 if any(o.dtype == torch.float64 for o in done) else torch.float32
-    return torch.stack([o.to(dtype) for o in done])
+    return torch.stack(done) if done else torch.zeros(0)  # float64 when any chunk is (stack promotes)
