@@ -697,10 +697,14 @@ class UpdateRatioSpike(_Windowed):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "zero_init": sorted(self.zero_init)}
+        return {**super().state_dict(), "zero_init": sorted(self.zero_init), "per_lr": True}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
+        if not state.get("per_lr"):
+            # Saved by a version whose windows held the ratios themselves, not per unit of LR:
+            # judged against them, every update would read as a spike. The windows start afresh.
+            self.windows = {}
         self.zero_init = {str(k) for k in state.get("zero_init", [])}
 
 

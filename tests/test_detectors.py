@@ -454,3 +454,19 @@ def test_update_ratio_spike_leaves_updates_too_small_to_matter_alone():
         assert det.check(s, {"update_ratio/a": 9e-11 * (1 + 0.1 * (s % 3))}) == []
     assert det.check(40, {"update_ratio/a": 1.1e-9}) == []
     assert det.check(41, {"update_ratio/a": 1e-3})  # a real jump from that floor still is one
+
+
+def test_update_ratio_windows_saved_before_the_per_lr_test_start_afresh():
+    """A state saved when the windows held raw ratios (no "per_lr"): read per unit of an LR of
+    1e-3, every update would be 1000x its median. Those windows are dropped; the current format
+    round-trips."""
+    old = D.UpdateRatioSpike()
+    old.load_state_dict({"windows": {"update_ratio/a": [1e-3] * 40}, "zero_init": []})
+    assert old.windows == {}
+    assert old.check(0, {"update_ratio/a": 1e-3, "update_lr/a": 1e-3}) == []
+    det = D.UpdateRatioSpike()
+    for s in range(30):
+        det.check(s, {"update_ratio/a": 1e-3, "update_lr/a": 1e-3})
+    again = D.UpdateRatioSpike()
+    again.load_state_dict(det.state_dict())
+    assert again.windows == det.windows and len(again.windows["update_ratio/a"]) == 30
