@@ -1,10 +1,13 @@
-"""A training state to compare bit for bit: the model's and the optimizer's state dicts."""
+"""A training state to compare bit for bit (the model's and the optimizer's state dicts), and the
+small training loop that twin tests run with and without the monitor."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
+
+import sfmonitor
 
 
 def snapshot(model, opt):
@@ -26,3 +29,31 @@ def assert_identical(a, b):
                 assert torch.equal(v, w), (pid, k)
             else:
                 assert v == w, (pid, k)
+
+
+def train(
+    tmp_path, model, opt, monitored, order, loss_of, *, config=None, sinks=None, lr_spike_at=None, after_step=None
+):
+    """Train on batches ``order`` (through ``monitor.batches()`` when monitored): ``loss_of(i)`` is
+    batch i's loss; the update of ``lr_spike_at`` is made once at 1e4 x the LR; ``after_step()``
+    runs after each update (a scheduler). Returns the monitor's events (none when bare)."""
+    cfg = {"console": False, **(config or {})}
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=sinks, config=cfg) if monitored else None
+    spiked = False
+    for i in mon.batches(order) if mon else order:
+        loss = loss_of(i)
+        (mon.combine(loss) if mon else loss).backward()
+        spike = i == lr_spike_at and not spiked
+        if spike:
+            spiked = True
+            opt.param_groups[0]["lr"] *= 1e4
+        opt.step()
+        if spike:
+            opt.param_groups[0]["lr"] /= 1e4
+        opt.zero_grad()
+        if after_step is not None:
+            after_step()
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return events

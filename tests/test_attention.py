@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _state import train
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -852,18 +853,13 @@ def _qk_norm_run(tmp_path, monitored, steps=12):
     torch.manual_seed(0)
     model = Block(QKNormAttention())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = {"console": False, "watch": {"stride": 1, "attention": {"tau": 1.5}}}
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=["jsonl"], config=cfg) if monitored else None
     g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        loss = model(torch.randn(4, 6, 16, generator=g)).pow(2).mean()
-        (mon.combine(loss) if mon else loss).backward()
-        opt.step()
-        opt.zero_grad()
-    events = list(mon.events) if mon else []
-    if mon:
-        mon.detach()
-    return model, events
+
+    def loss_of(i):
+        return model(torch.randn(4, 6, 16, generator=g)).pow(2).mean()
+
+    cfg = {"watch": {"stride": 1, "attention": {"tau": 1.5}}}
+    return model, train(tmp_path, model, opt, monitored, range(steps), loss_of, config=cfg, sinks=["jsonl"])
 
 
 def test_a_qk_clip_that_does_not_lower_the_logits_is_undone_and_not_tried_again(tmp_path):

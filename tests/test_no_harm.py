@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from _state import train
 from torch import nn
 
 import sfmonitor
@@ -561,20 +562,14 @@ def _restart_run(tmp_path, monitored, steps=330):
     model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 4))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=300)
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
     g = torch.Generator().manual_seed(1)
     w = torch.randn(10, 4, generator=g)
-    for _ in range(steps):
+
+    def loss_of(i):
         x = torch.randn(16, 10, generator=g)
-        loss = nn.functional.cross_entropy(model(x), (x @ w).argmax(1))
-        (mon.combine(loss) if mon else loss).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-    events = list(mon.events) if mon else []
-    if mon:
-        mon.detach()
-    return model, events
+        return nn.functional.cross_entropy(model(x), (x @ w).argmax(1))
+
+    return model, train(tmp_path, model, opt, monitored, range(steps), loss_of, after_step=sched.step)
 
 
 def test_a_warm_restart_of_the_lr_schedule_is_no_spike(tmp_path):

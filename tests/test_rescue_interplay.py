@@ -5,6 +5,7 @@ run must end as its twin that never saw the bad step, bit for bit."""
 from __future__ import annotations
 
 import torch
+from _state import train
 from torch import nn
 from torch.nn import functional as F
 
@@ -18,28 +19,6 @@ def quiet(**cfg):
 def same(a: nn.Module, b: nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def _train(tmp_path, model, opt, monitored, order, loss_of, lr_spike_at=None):
-    """Train on batches ``order`` (through ``monitor.batches()`` when monitored); the update of
-    ``lr_spike_at`` is made once at 1e4 x the LR. Returns the monitor's events."""
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
-    spiked = False
-    for i in mon.batches(order) if mon else order:
-        loss = loss_of(i)
-        (mon.combine(loss) if mon else loss).backward()
-        spike = i == lr_spike_at and not spiked
-        if spike:
-            spiked = True
-            opt.param_groups[0]["lr"] *= 1e4
-        opt.step()
-        if spike:
-            opt.param_groups[0]["lr"] /= 1e4
-        opt.zero_grad()
-    events = list(mon.events) if mon else []
-    if mon:
-        mon.detach()
-    return events
 
 
 class Attn(nn.Module):
@@ -72,7 +51,7 @@ def _attn_run(tmp_path, monitored, spike_at=None, omit=None, n=30):
         x, y = attn_batch(i)
         return F.cross_entropy(model(x), y)
 
-    return model, _train(tmp_path, model, opt, monitored, order, loss_of, lr_spike_at=spike_at)
+    return model, train(tmp_path, model, opt, monitored, order, loss_of, lr_spike_at=spike_at)
 
 
 def test_an_undo_voids_what_the_watch_saw_in_the_forward_of_the_state_it_leaves(tmp_path):
@@ -115,7 +94,7 @@ def _bn_run(tmp_path, monitored, fault=None, at=None, omit=None, n=12):
             x = torch.full_like(x, float("nan"))
         return F.cross_entropy(model(x), y)
 
-    _train(tmp_path, model, opt, monitored, order, loss_of, lr_spike_at=at if fault == "lr" else None)
+    train(tmp_path, model, opt, monitored, order, loss_of, lr_spike_at=at if fault == "lr" else None)
     return model
 
 
@@ -164,7 +143,7 @@ def _lm_run(tmp_path, monitored, bad=(), omit=(), n=45):
             y = torch.full_like(y, -100)
         return F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), ignore_index=-100)
 
-    return model, _train(tmp_path, model, opt, monitored, order, loss_of)
+    return model, train(tmp_path, model, opt, monitored, order, loss_of)
 
 
 def test_non_finite_losses_in_a_row_from_a_healthy_state_are_skipped_not_rolled_back(tmp_path):
@@ -281,7 +260,7 @@ def _token_run(tmp_path, monitored, bad=None, omit=None, n=14):
             logits = model(x)
         return F.cross_entropy(logits.float().reshape(-1, V), y.reshape(-1))
 
-    return model, _train(tmp_path, model, opt, monitored, order, loss_of)
+    return model, train(tmp_path, model, opt, monitored, order, loss_of)
 
 
 def test_a_nan_that_arrives_with_a_modules_input_is_not_that_modules_overflow(tmp_path):
