@@ -33,7 +33,9 @@ from .events import (
     CLIP,
     GRAD_RATIO_IMBALANCE,
     GRAD_SPIKE,
+    LARGE_UPDATE,
     LOSS_COMPONENT_SPIKE,
+    LOSS_LEVEL_SHIFT,
     LOSS_RATIO_IMBALANCE,
     LOSS_SCALE_FLOOR,
     LOSS_SPIKE,
@@ -104,7 +106,10 @@ class LossSpikeConfig(Section):
     window: int = option(128, "rolling window in steps (OLMo-core stability monitor: 128 steps)", lo=8)
     z: float = option(6.0, "fire above median + z * sigma of log(loss) (OLMo-core: 6 sigma)", lo=0, lo_open=True)
     warmup: int = option(
-        25, "finite values collected before the tight test (ZClip: 25 warm-up steps); the prior judges before", lo=2
+        25,
+        "values judged against the level (from the prior_after-th on) before the tight test (ZClip: 25 "
+        "warm-up steps); the prior judges before",
+        lo=2,
     )
     min_sigma: float = option(
         0.01,
@@ -139,6 +144,15 @@ class LossSpikeConfig(Section):
         "loss that has not fallen below its start is judged by z alone",
         lo=0,
         hi=1,
+    )
+
+    shift_after: int = option(
+        8,
+        "a loss that jumps and stays: once this many spikes in a row agree on a level (their spread "
+        "in log under their jump), the next value at that level is a level shift (the data or the task "
+        "changed: event loss_level_shift, no action), and the detector follows the new level. 0: never "
+        "(a level is only followed through the clamped values, ~20-30 steps)",
+        lo=0,
     )
 
     def validate(self) -> None:
@@ -199,6 +213,14 @@ class UpdateRatioSpikeConfig(Section):
         1e-5,
         "an update under this fraction of the weights is never a relative spike (a model that memorised "
         "its data moves by ~1e-10 and wiggles 10x: nothing to undo)",
+        lo=0,
+    )
+    harm_rise: float = option(
+        1.5,
+        "a relative spike is undone only when the loss measured after it (the next step's) is non-finite "
+        "or over this many times the loss before it; else it is told (large_update): an update that did not "
+        "raise the loss did no harm to undo (a model relearning after its data changed makes large updates "
+        "that lower the loss). 0: always undo. The ceiling needs no such evidence",
         lo=0,
     )
 
@@ -398,7 +420,11 @@ class _Windowed(Detector):
     "loss_spike",
     config=LossSpikeConfig,
     window=10,
-    kinds={LOSS_SPIKE: [(1, [SKIP_STEP]), (3, [ROLLBACK, LR_DROP])], LOSS_COMPONENT_SPIKE: [(1, [])]},
+    kinds={
+        LOSS_SPIKE: [(1, [SKIP_STEP]), (3, [ROLLBACK, LR_DROP])],
+        LOSS_COMPONENT_SPIKE: [(1, [])],
+        LOSS_LEVEL_SHIFT: [(1, [])],
+    },
 )
 class LossSpike(_Windowed):
     """log(loss) above its expected value + z * max(noise, min_sigma).
@@ -417,9 +443,16 @@ class LossSpike(_Windowed):
     such a jump is a z-outlier in log space but a few percent of what was learnt, and acting on it
     would change a healthy run.
 
+    A loss that jumps and stays is the data changing, not a batch: a new task, a curriculum's next
+    stage, a new data mix. Once ``shift_after`` spikes in a row agree on a level (the spread of
+    their logs under their jump above the expected value), the next value that agrees too is a
+    level shift (kind ``loss_level_shift``, told, no action): the window starts afresh from the
+    run's values and the loss's start is the new level. Spikes that disagree (a loss that climbs
+    or swings) never form a level; the policy's ladder goes on judging them.
+
     Watches ``loss/total`` (kind ``loss_spike``) and, with ``components``, every ``loss/<c>``
     (kind ``loss_component_spike``). Losses <= 0 are ignored (their log is undefined). One finding
-    per key that spikes.
+    per key that spikes or shifts.
     """
 
     kind = LOSS_SPIKE
@@ -428,6 +461,7 @@ class LossSpike(_Windowed):
         super().__init__(config or LossSpikeConfig())
         self.errors: dict[str, collections.deque[float]] = {}  # key -> value minus the level it had
         self.start: dict[str, float] = {}  # key -> log of the loss at its start (the largest first value)
+        self.run: dict[str, list[float]] = {}  # key -> logs of its spikes in a row, and the expected value
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         return _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
@@ -451,8 +485,11 @@ class LossSpike(_Windowed):
             bias, mad = _median_mad(list(errors)) if len(errors) >= 2 else (0.0, 0.0)
             expected = level + bias
             sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma)
-            if len(w) < cfg.warmup:
-                # The prior, while a few values say little about the noise: a wider floor, and the
+            if len(errors) < cfg.warmup:
+                # The prior, until the errors' tail can judge (below; the errors start prior_after
+                # values after the window, so a prior ending with the window's warm-up left steps
+                # judged by the MAD of a few errors alone: a noisy batch-16 run's 2.6 at step 25 was
+                # 6.0 sigma). While few values say little about the noise: a wider floor, and the
                 # widest swing from the level seen so far, widened for few values (the largest of n
                 # deviations is ~1 sigma at n = 4 and still under it by chance: x (1 + 2 / (n - 1)),
                 # 2x at 3 values, 1.1x at 24). A MAD of a handful of errors can be near zero; half
@@ -468,8 +505,15 @@ class LossSpike(_Windowed):
                 sigma = max(sigma, dev[int(0.95 * (len(dev) - 1))] / 1.96)
             z = (x - expected) / sigma
             if z <= cfg.z or self._small_setback(key, value, expected):
+                self.run.pop(key, None)
                 w.append(x)
                 errors.append(x - level)
+                continue
+            run = self.run.setdefault(key, [expected])  # [expected before the jump, spikes...]
+            run.append(x)
+            shift = self._level_shift(key, run, step)
+            if shift is not None:
+                out.append(shift)
                 continue
             limit = expected + cfg.z * sigma
             # Clamped into the level's window (a run that moves to a new level is followed, slowly);
@@ -506,6 +550,49 @@ class LossSpike(_Windowed):
             },
         )
 
+    def _level_shift(self, key: str, run: list[float], step: int) -> Finding | None:
+        """The finding of a level shift when the run (expected before the jump, then the spikes in
+        a row, this value last) holds more than ``shift_after`` values that agree on a level: their
+        logs lie in a band narrower than the gap between its bottom and the expected value before
+        the jump, without a trend (the medians of the band's two halves differ by at most half its
+        width: a climb of any slope differs by more). The window then starts afresh from them, and
+        the loss's start is their largest. Else None (the value is a spike)."""
+        cfg = self.config
+        before, values = run[0], run[1:]
+        if not cfg.shift_after or len(values) <= cfg.shift_after:
+            return None
+        values = values[-(cfg.shift_after + 1) :]
+        level = _median(values)
+        spread = max(values) - min(values)
+        half = len(values) // 2
+        trend = _median(values[-half:]) - _median(values[:half])
+        if spread >= min(values) - before or abs(trend) > spread / 2:
+            return None  # no one level: a band wider than the jump, or a loss that climbs
+        del self.run[key]
+        self.windows[key] = collections.deque(values, maxlen=cfg.window)
+        self.start[key] = max(values)
+        skipped = len(values) - 1
+        return Finding(
+            kind=LOSS_LEVEL_SHIFT,
+            where=key[len(LOSS_PREFIX) :],
+            message=(
+                f"{key} has stayed near {_fmt(math.exp(level))} (expected {_fmt(math.exp(before))} before it "
+                f"jumped) for {len(values)} steps, within {math.exp(spread):.3g}x of each other: a new level "
+                f"(the data or the task changed), not a spike. The detector follows it from here "
+                f"({skipped} jumps before it were judged as spikes)"
+            ),
+            data={
+                "key": key,
+                "value": math.exp(values[-1]),
+                "level": math.exp(level),
+                "expected_before": math.exp(before),
+                "spread_factor": math.exp(spread),
+                "steps": len(values),
+                "skipped": skipped,
+                "step": step,
+            },
+        )
+
     def _small_setback(self, key: str, value: float, expected: float) -> bool:
         """The jump gives back less than ``min_setback`` of the progress since the start (a loss
         that never fell below its start makes no progress to give back: False)."""
@@ -517,6 +604,7 @@ class LossSpike(_Windowed):
             **super().state_dict(),
             "errors": {k: list(e) for k, e in self.errors.items()},
             "start": dict(self.start),
+            "run": {k: list(r) for k, r in self.run.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -525,6 +613,7 @@ class LossSpike(_Windowed):
             k: collections.deque((float(v) for v in e), maxlen=self.config.window)
             for k, e in state.get("errors", {}).items()
         }
+        self.run = {k: [float(v) for v in r] for k, r in state.get("run", {}).items()}
         if "start" in state:
             self.start = {k: float(v) for k, v in state["start"].items()}
         else:  # saved by a version that kept no start: the window's largest value stands in
@@ -623,13 +712,20 @@ class GradSpike(Detector):
     "update_ratio_spike",
     config=UpdateRatioSpikeConfig,
     window=50,
-    kinds={UPDATE_RATIO_SPIKE: [(1, [UNDO]), (2, [UNDO, LR_DROP])]},
+    kinds={UPDATE_RATIO_SPIKE: [(1, [UNDO]), (2, [UNDO, LR_DROP])], LARGE_UPDATE: [(1, [])]},
 )
 class UpdateRatioSpike(_Windowed):
     """update_ratio/<group> above ``factor`` x its rolling median, or above ``ceiling``.
 
     ``after_update``: the monitor calls ``check(prev_step, prev_stats)``; the update already landed,
     so findings have ``before_update=False`` and ``data["step"]`` names the step whose update spiked.
+
+    Past the relative test alone, an update is undone for what it did: the loss measured after it
+    (``loss_after_update``, the next step's loss) is non-finite or over ``harm_rise`` x the loss
+    before it. An update that left the loss where it was (or lowered it) is told, as kind
+    ``large_update``, and left alone: large updates that lower the loss are a model relearning
+    (after a change of data or task, measured: undone, then the LR cut for good). Without a loss
+    (no ``combine()``) the relative test alone decides, as the ceiling always does.
     """
 
     kind = UPDATE_RATIO_SPIKE
@@ -665,20 +761,29 @@ class UpdateRatioSpike(_Windowed):
             rel_limit = max(cfg.factor * med * lr, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
+                kind, harm = self.kind, self._harm(stats, value <= cfg.ceiling or key in self.zero_init)
+                if harm is not None and not harm["harm"]:
+                    kind = LARGE_UPDATE
                 why = (
                     f"{cfg.factor:g} x its rolling median {_fmt((med or 0.0) * lr)}"
                     + (f" at its LR {_fmt(lr)}" if per_lr else "")
                     if rel_limit <= cfg.ceiling
                     else f"the ceiling {cfg.ceiling:g}"
                 )
+                told = ""
+                if harm is not None:
+                    told = f"; the loss went from {_fmt(harm['loss_before'])} to {_fmt(harm['loss_after'])} " + (
+                        "after it" if harm["harm"] else "after it: no harm to undo"
+                    )
                 out.append(
                     Finding(
-                        kind=self.kind,
+                        kind=kind,
                         where=group,
                         before_update=False,
                         step=step,
-                        message=f"{key} = {_fmt(value)} at step {step} is above {why} (limit {_fmt(limit)})",
+                        message=f"{key} = {_fmt(value)} at step {step} is above {why} (limit {_fmt(limit)}){told}",
                         data={
+                            **(harm or {}),
                             "key": key,
                             "value": value,
                             "median": med * lr if med is not None else None,
@@ -695,6 +800,17 @@ class UpdateRatioSpike(_Windowed):
                 continue
             w.append(x)
         return out
+
+    def _harm(self, stats: Mapping[str, float], relative: bool) -> dict[str, Any] | None:
+        """What the update did to the loss, for a spike of the relative test alone (``relative``):
+        {"loss_before", "loss_after", "harm_rise", "harm"}; None when the test needs no evidence
+        (the ceiling, ``harm_rise`` 0) or no loss was given to judge by."""
+        rise = self.config.harm_rise
+        before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)
+        if not relative or not rise or before is None or after is None or not S.finite(before):
+            return None
+        harm = not S.finite(after) or after > rise * before
+        return {"loss_before": before, "loss_after": after, "harm_rise": rise, "harm": harm}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "zero_init": sorted(self.zero_init), "per_lr": True}

@@ -57,6 +57,7 @@ from .events import (
     BAD_BATCH,
     CLIP,
     GRAD_NOISE,
+    LARGE_UPDATE,
     LOSS_RATIO_IMBALANCE,
     LOSS_SPIKE,
     LR_DROP,
@@ -1197,11 +1198,14 @@ class Monitor:
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
             seen = {**prev_rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in prev_rec.group_lr.items()}}
+            if S.LOSS_TOTAL in rec.stats:  # what the update did to the loss
+                seen[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
             judged = [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, seen)]
             findings += judged
             if prev_rec.update_landed:  # was the update the state comes from judged, and sound?
                 measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
-                self._last_update_sound = measured and not judged
+                # (a large update that did not raise the loss is told, and sound)
+                self._last_update_sound = measured and all(f.kind == LARGE_UPDATE for f in judged)
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
         self._bad_batches_on_a_sound_state(findings)
         if self._watch.attached:

@@ -58,6 +58,9 @@ UPDATE_RATIO = "update_ratio/{}"
 # monitor's LR drop): given to the after-update detectors with the step's values, not published
 # (lr/<i> is: the LR used, per param group).
 UPDATE_LR = "update_lr/{}"
+# The loss measured after that update (the next step's loss/total, on the updated weights): given
+# to the after-update detectors with the update's step, not published (it is that step's loss).
+LOSS_AFTER_UPDATE = "loss_after_update"
 GRAD_RATIO = "grad_ratio/{}/{}"
 GRAD_COS = "grad_cos/{}/{}"
 AMP_LOSS_SCALE = "amp/loss_scale"

@@ -470,3 +470,68 @@ def test_update_ratio_windows_saved_before_the_per_lr_test_start_afresh():
     again = D.UpdateRatioSpike()
     again.load_state_dict(det.state_dict())
     assert again.windows == det.windows and len(again.windows["update_ratio/a"]) == 30
+
+
+def test_update_ratio_spike_is_undone_only_when_the_loss_after_it_rose():
+    """A relative spike with the loss after it (the next step's) over harm_rise x the loss before
+    it, or non-finite, is a spike; one that left the loss where it was is told (large_update). The
+    ceiling needs no evidence; without a loss the relative test alone decides."""
+
+    def warmed():
+        det = D.UpdateRatioSpike()
+        for s in range(30):
+            det.check(s, {"update_ratio/a": 1e-3 * (1 + 0.1 * (s % 3)), "loss/total": 1.0})
+        return det
+
+    def kind(stats):
+        out = warmed().check(30, {"update_ratio/a": 2e-2, **stats})
+        return [f.kind for f in out]
+
+    assert kind({"loss/total": 1.0, "loss_after_update": 0.9}) == ["large_update"]
+    assert kind({"loss/total": 1.0, "loss_after_update": 1.49}) == ["large_update"]
+    assert kind({"loss/total": 1.0, "loss_after_update": 1.6}) == [UPDATE_RATIO_SPIKE]
+    assert kind({"loss/total": 1.0, "loss_after_update": float("nan")}) == [UPDATE_RATIO_SPIKE]
+    assert kind({"loss/total": 1.0}) == [UPDATE_RATIO_SPIKE]  # nothing measured after it
+    out = warmed().check(30, {"update_ratio/a": 2.0, "loss/total": 1.0, "loss_after_update": 0.5})
+    assert [f.kind for f in out] == [UPDATE_RATIO_SPIKE]  # the ceiling
+    told = warmed().check(30, {"update_ratio/a": 2e-2, "loss/total": 1.0, "loss_after_update": 0.9})[0]
+    assert told.data["loss_before"] == 1.0 and told.data["loss_after"] == 0.9 and told.data["harm"] is False
+    assert "no harm to undo" in told.message
+    off = D.UpdateRatioSpike(D.UpdateRatioSpikeConfig(harm_rise=0))
+    for s in range(30):
+        off.check(s, {"update_ratio/a": 1e-3, "loss/total": 1.0})
+    out = off.check(30, {"update_ratio/a": 2e-2, "loss/total": 1.0, "loss_after_update": 0.9})
+    assert [f.kind for f in out] == [UPDATE_RATIO_SPIKE]
+
+
+def _level_run(det, values, start=0):
+    return [(start + s, f) for s, v in enumerate(values) for f in det.check(start + s, {"loss/total": v})]
+
+
+def test_loss_that_jumps_and_stays_is_a_level_shift_after_shift_after_spikes():
+    """shift_after spikes in a row that agree on a level (a task switch): the next value at that
+    level is a loss_level_shift, and from there the new level is normal. Spikes that climb (each
+    2x the last) never agree on a level; shift_after 0 never shifts."""
+    rng = np.random.default_rng(3)
+    before = (0.5 * np.exp(rng.normal(0, 0.05, 200))).tolist()
+    after = (2.0 * np.exp(rng.normal(0, 0.05, 100))).tolist()
+    det = D.LossSpike()
+    assert _level_run(det, before) == []
+    fired = _level_run(det, after, 200)
+    assert [(s, f.kind) for s, f in fired] == [(200 + i, LOSS_SPIKE) for i in range(8)] + [(208, "loss_level_shift")]
+    shift = fired[-1][1]
+    assert shift.data["skipped"] == 8 and 1.8 < shift.data["level"] < 2.2 and shift.data["expected_before"] < 0.6
+    # the state round-trips mid-run (the run of spikes is part of it)
+    det = D.LossSpike()
+    _level_run(det, before + after[:5])
+    again = D.LossSpike()
+    again.load_state_dict(copy.deepcopy(det.state_dict()))
+    assert [(s, f.kind) for s, f in _level_run(again, after[5:], 205)][-1] == (208, "loss_level_shift")
+
+    climbing = [0.5 * 2**k for k in range(1, 20)]
+    det = D.LossSpike()
+    _level_run(det, before)
+    assert {f.kind for _, f in _level_run(det, climbing, 200)} == {LOSS_SPIKE}
+    det = D.LossSpike(D.LossSpikeConfig(shift_after=0))
+    _level_run(det, before)
+    assert "loss_level_shift" not in {f.kind for _, f in _level_run(det, after, 200)}
