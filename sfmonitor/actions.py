@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dcp as sharded_checkpoint
 from . import sharding
 from . import stats as S
 from .checkpoint import (
@@ -839,6 +838,10 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         else:
             target = cause.step if cause.step is not None else ctx.step
         snap = ctx.snapshots.latest_before(target)
+    # Imported here: importing the package must not import sfmonitor.dcp, which also runs as
+    # `python -m sfmonitor.dcp` (runpy warns when the module is already in sys.modules).
+    from . import dcp as sharded_checkpoint
+
     if sharded_checkpoint.holds_shards(ctx.model):  # FSDP2: every rank writes its own shards
         return sharded_checkpoint.save_emergency(ctx, folder, EMERGENCY_PREFIX, snap, extra)
     if snap is not None:

@@ -407,6 +407,18 @@ def test_a_folder_that_is_not_a_dcp_checkpoint_is_a_checkpoint_error(tmp_path, c
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_python_m_sfmonitor_dcp_runs_without_a_runpy_warning(tmp_path):
+    """The documented shell command: importing the package must not import the module first
+    (runpy then warns that it was found in sys.modules before its execution)."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-W", "error::RuntimeWarning", "-m", "sfmonitor.dcp"]
+    done = subprocess.run([*args, str(tmp_path / "missing"), str(tmp_path / "out.pt")], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert "RuntimeWarning" not in done.stderr and "not a DCP checkpoint folder" in done.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # evaluation metrics agree across ranks (DDP and FSDP2)
 # --------------------------------------------------------------------------------------------
