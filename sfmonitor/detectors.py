@@ -223,6 +223,15 @@ class UpdateRatioSpikeConfig(Section):
         "that lower the loss). 0: always undo. The ceiling needs no such evidence",
         lo=0,
     )
+    harm_setback: float = option(
+        0.05,
+        "the rise must also give back at least this share of the progress the loss made since its start "
+        "(after - before >= harm_setback * (start - before), start: the largest of its first 3 values), as "
+        "loss_spike.min_setback: near a loss floor one batch's loss is 10x the next's by chance (SGD on "
+        "imbalanced classes at loss 1e-3). 0: off",
+        lo=0,
+        hi=1,
+    )
 
     def validate(self) -> None:
         _at_most(self, "warmup", "window")
@@ -734,10 +743,14 @@ class UpdateRatioSpike(_Windowed):
     def __init__(self, config: UpdateRatioSpikeConfig | None = None):
         super().__init__(config or UpdateRatioSpikeConfig())
         self.zero_init: set[str] = set()  # groups first seen with all parameters at zero: no ceiling
+        self.losses_seen: list[float] = []  # the first (up to 3) losses: the largest is the start
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
+        loss = stats.get(LOSS_TOTAL)
+        if loss is not None and S.finite(loss) and len(self.losses_seen) < 3:
+            self.losses_seen.append(float(loss))
         for key, value in stats.items():
             if not key.startswith(UPDATE_RATIO_PREFIX):
                 continue
@@ -803,17 +816,33 @@ class UpdateRatioSpike(_Windowed):
 
     def _harm(self, stats: Mapping[str, float], relative: bool) -> dict[str, Any] | None:
         """What the update did to the loss, for a spike of the relative test alone (``relative``):
-        {"loss_before", "loss_after", "harm_rise", "harm"}; None when the test needs no evidence
-        (the ceiling, ``harm_rise`` 0) or no loss was given to judge by."""
-        rise = self.config.harm_rise
+        {"loss_before", "loss_after", "loss_start", "harm_rise", "harm"}; None when the test needs no
+        evidence (the ceiling, ``harm_rise`` 0) or no loss was given to judge by. Harm: the loss after
+        is non-finite, or over ``harm_rise`` x the loss before and the rise gives back at least
+        ``harm_setback`` of the progress since the start (a loss that never fell below its start:
+        the ratio alone)."""
+        cfg = self.config
         before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)
-        if not relative or not rise or before is None or after is None or not S.finite(before):
+        if not relative or not cfg.harm_rise or before is None or after is None or not S.finite(before):
             return None
-        harm = not S.finite(after) or after > rise * before
-        return {"loss_before": before, "loss_after": after, "harm_rise": rise, "harm": harm}
+        start = max(self.losses_seen, default=before)
+        material = start <= before or after - before >= cfg.harm_setback * (start - before)
+        harm = not S.finite(after) or (after > cfg.harm_rise * before and material)
+        return {
+            "loss_before": before,
+            "loss_after": after,
+            "loss_start": start,
+            "harm_rise": cfg.harm_rise,
+            "harm": harm,
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "zero_init": sorted(self.zero_init), "per_lr": True}
+        return {
+            **super().state_dict(),
+            "zero_init": sorted(self.zero_init),
+            "per_lr": True,
+            "losses_seen": list(self.losses_seen),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
@@ -822,6 +851,7 @@ class UpdateRatioSpike(_Windowed):
             # judged against them, every update would read as a spike. The windows start afresh.
             self.windows = {}
         self.zero_init = {str(k) for k in state.get("zero_init", [])}
+        self.losses_seen = [float(v) for v in state.get("losses_seen", [])]
 
 
 class _RatioImbalance(Detector):

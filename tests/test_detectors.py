@@ -535,3 +535,27 @@ def test_loss_that_jumps_and_stays_is_a_level_shift_after_shift_after_spikes():
     det = D.LossSpike(D.LossSpikeConfig(shift_after=0))
     _level_run(det, before)
     assert "loss_level_shift" not in {f.kind for _, f in _level_run(det, after, 200)}
+
+
+def test_update_ratio_harm_near_a_loss_floor_must_give_back_progress():
+    """A loss that fell from 2 to 1e-3 (SGD at convergence on imbalanced classes): the next batch
+    at 10x the loss before the update is chance, 0.5% of the progress; a rise to 0.5 gives back a
+    quarter of it and is harm."""
+
+    def warmed():
+        det = D.UpdateRatioSpike()
+        for s in range(30):
+            loss = 2.0 if s < 3 else 1e-3
+            det.check(s, {"update_ratio/a": 1e-3 * (1 + 0.1 * (s % 3)), "loss/total": loss})
+        return det
+
+    def kind(after):
+        out = warmed().check(30, {"update_ratio/a": 2e-2, "loss/total": 1e-3, "loss_after_update": after})
+        return [f.kind for f in out]
+
+    assert kind(1e-2) == ["large_update"]
+    assert kind(0.5) == [UPDATE_RATIO_SPIKE]
+    det = warmed()
+    again = D.UpdateRatioSpike()
+    again.load_state_dict(copy.deepcopy(det.state_dict()))
+    assert again.losses_seen == [2.0, 2.0, 2.0]
