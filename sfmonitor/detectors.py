@@ -395,6 +395,11 @@ class Detector:
         """Findings from a validation result taken at optimizer step ``step``."""
         return []
 
+    def new_regime(self, step: int) -> None:
+        """The data changed at optimizer step ``step`` (the loss moved to a new level and stayed:
+        ``loss_level_shift``): forget what was usual before it. Optional; the monitor calls it on
+        the detectors that have it."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -707,6 +712,11 @@ class GradSpike(Detector):
             },
         )
 
+    def new_regime(self, step: int) -> None:
+        """After a change of data the gradients have a new usual size: the warm-up starts afresh
+        (its prior judges meanwhile)."""
+        self.ema, self.warm = {}, {}
+
     def state_dict(self) -> dict[str, Any]:
         return {"ema": {k: list(v) for k, v in self.ema.items()}, "warm": {k: list(v) for k, v in self.warm.items()}}
 
@@ -835,6 +845,12 @@ class UpdateRatioSpike(_Windowed):
             "harm_rise": cfg.harm_rise,
             "harm": harm,
         }
+
+    def new_regime(self, step: int) -> None:
+        """After a change of data a model relearns with larger updates: the relative test learns
+        their usual size afresh (its warm-up; the ceiling judges meanwhile), and the loss's start
+        is the new level's."""
+        self.windows, self.losses_seen = {}, []
 
     def state_dict(self) -> dict[str, Any]:
         return {

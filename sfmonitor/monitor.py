@@ -58,6 +58,7 @@ from .events import (
     CLIP,
     GRAD_NOISE,
     LARGE_UPDATE,
+    LOSS_LEVEL_SHIFT,
     LOSS_RATIO_IMBALANCE,
     LOSS_SPIKE,
     LR_DROP,
@@ -109,6 +110,7 @@ from .watch import ActivationWatch
 # Answers to what a step's forward and backward showed: void once an undo or a rollback leaves
 # the state that made them (the step is skipped with it).
 _MOOT_AFTER_RESTORE = (SKIP_STEP, CLIP, GRAD_NOISE, QK_CLIP, PRECISION_FALLBACK, REWEIGHT)
+_TOTAL = S.LOSS_TOTAL.removeprefix(S.LOSS.format(""))  # the `where` of a finding about loss/total
 
 
 def _drop_moot(decisions: list[Decision], actions: tuple[str, ...], answered_by: str) -> list[Decision]:
@@ -1207,6 +1209,11 @@ class Monitor:
                 # (a large update that did not raise the loss is told, and sound)
                 self._last_update_sound = measured and all(f.kind == LARGE_UPDATE for f in judged)
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
+        if any(f.kind == LOSS_LEVEL_SHIFT and f.where == _TOTAL for f in findings):
+            for d in self._detectors:  # the data changed: what was usual before no longer is
+                new_regime = getattr(d, "new_regime", None)
+                if new_regime is not None:
+                    new_regime(step)
         self._bad_batches_on_a_sound_state(findings)
         if self._watch.attached:
             watched = self._watch.findings(step, {**rec.stats, **rec.internal})

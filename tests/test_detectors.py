@@ -559,3 +559,22 @@ def test_update_ratio_harm_near_a_loss_floor_must_give_back_progress():
     again = D.UpdateRatioSpike()
     again.load_state_dict(copy.deepcopy(det.state_dict()))
     assert again.losses_seen == [2.0, 2.0, 2.0]
+
+
+def test_new_regime_forgets_the_usual_sizes_of_updates_and_gradients():
+    """After a change of data (the monitor calls new_regime on a loss level shift) an update or a
+    gradient 20x the old regime's is judged against the new regime's values, not the old ones."""
+    ur, gs = D.UpdateRatioSpike(), D.GradSpike()
+    for s in range(40):
+        ur.check(s, {"update_ratio/a": 1e-3 * (1 + 0.1 * (s % 3)), "loss/total": 1.0})
+        gs.check(s, {"grad_norm/total": 1.0 + 0.1 * (s % 3)})
+    assert ur.check(40, {"update_ratio/a": 2e-2})  # 20x: a spike in the old regime
+    assert gs.check(40, {"grad_norm/total": 1e3})
+    ur.new_regime(41)
+    gs.new_regime(41)
+    assert ur.windows == {} and ur.losses_seen == []
+    assert gs.ema == {} and gs.warm == {}
+    for s in range(41, 81):
+        assert ur.check(s, {"update_ratio/a": 2e-2 * (1 + 0.1 * (s % 3))}) == []
+        assert gs.check(s, {"grad_norm/total": 20.0 + 2 * (s % 3)}) == []
+    assert ur.check(81, {"update_ratio/a": 0.5})  # 25x the new usual: a spike again

@@ -90,3 +90,44 @@ def test_a_switch_to_a_new_task_is_followed_not_rolled_back(tmp_path):
         assert [e.step for e in shifts] == [150 + shift_after], optimizer
         assert shifts[0].data["skipped"] == shift_after
         assert held_out < 1.1 * bare, (optimizer, held_out, bare)
+
+
+def _rescaled_target_run(tmp_path, monitored, seed=0, switch=400, steps=600):
+    """A regression whose targets become 10x larger at ``switch`` (a new unit, a new data source):
+    the loss jumps ~100x and the model relearns its output scale with updates far larger than
+    before, some of them followed by a noisy batch's higher loss."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    w = torch.randn(10, 1, generator=torch.Generator().manual_seed(555 + seed))
+
+    def batch(i):
+        g = torch.Generator().manual_seed(seed * 1000003 + i)
+        x = torch.randn(16, 10, generator=g)
+        y = torch.tanh(x @ w / 3) * 3 + 0.05 * torch.randn(16, 1, generator=g)
+        return x, y * (10.0 if i >= switch else 1.0)
+
+    def loss_of(i):
+        x, y = batch(i)
+        return nn.functional.mse_loss(model(x), y)
+
+    events = train(tmp_path, model, opt, monitored, range(steps), loss_of)
+    with torch.no_grad():
+        held = [batch(10_000 + i) for i in range(8)]
+        held_out = sum(float(nn.functional.mse_loss(model(x), y)) for x, y in held) / len(held)
+    return held_out, events
+
+
+def test_after_a_change_of_data_the_update_sizes_are_learnt_afresh(tmp_path):
+    """Once the loss detector takes the new level, the update-ratio and gradient tests forget the
+    old regime's usual sizes and learn the new ones (their warm-up; the ceiling guards): the
+    relearning model's updates, 10x the old task's, are neither undone nor answered by an LR cut,
+    and the run ends near the bare run."""
+    bare, _ = _rescaled_target_run(tmp_path / "b", False)
+    held_out, events = _rescaled_target_run(tmp_path / "m", True)
+    acted = [(e.step, e.kind, tuple(e.actions)) for e in events if e.actions]
+    assert {a for _, _, a in acted} == {("skip_step",)}, acted
+    assert [e.step for e in events if e.kind == "loss_level_shift" and e.data["key"] == "loss/total"] == [408]
+    # (bare 14.2; monitored 16.6 for the 8 batches skipped before the shift was taken: the loss
+    # still falls fast; with the old regime's update sizes: undone, the LR cut, 180.5)
+    assert held_out < 1.3 * bare, (held_out, bare)
