@@ -223,6 +223,14 @@ class UpdateRatioSpikeConfig(Section):
         "that lower the loss). 0: always undo. The ceiling needs no such evidence",
         lo=0,
     )
+    harm_noise: float = option(
+        6.0,
+        "the rise must also pass exp(harm_noise x the median of |log(loss after / loss before)| over the "
+        "sound updates landed so far) (once warmup of them are seen; for normal noise 6 medians are ~4 "
+        "sigma): on batch-8 classification one batch's loss is often 2-3x the next one's, so a 1.5x rise "
+        "is not the update's doing. 0: off",
+        lo=0,
+    )
     harm_setback: float = option(
         0.05,
         "the rise must also give back at least this share of the progress the loss made since its start "
@@ -754,8 +762,21 @@ class UpdateRatioSpike(_Windowed):
         super().__init__(config or UpdateRatioSpikeConfig())
         self.zero_init: set[str] = set()  # groups first seen with all parameters at zero: no ceiling
         self.losses_seen: list[float] = []  # the first (up to 3) losses: the largest is the start
+        # |log(loss after an update / loss before it)| of the updates that landed and were judged
+        # sound: how much one batch's loss differs from the next one's in this run (the noise a
+        # harm must rise above)
+        self.loss_moves: collections.deque[float] = collections.deque(maxlen=self.config.window)
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        out = self._check(step, stats)
+        before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)
+        landed = any(k.startswith(UPDATE_RATIO_PREFIX) and S.finite(v) and v > 0 for k, v in stats.items())
+        if not out and landed and before is not None and after is not None and S.finite(before) and S.finite(after):
+            if before > 0 and after > 0:
+                self.loss_moves.append(abs(math.log(after / before)))
+        return out
+
+    def _check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
         loss = stats.get(LOSS_TOTAL)
@@ -837,12 +858,17 @@ class UpdateRatioSpike(_Windowed):
             return None
         start = max(self.losses_seen, default=before)
         material = start <= before or after - before >= cfg.harm_setback * (start - before)
-        harm = not S.finite(after) or (after > cfg.harm_rise * before and material)
+        rise = cfg.harm_rise
+        if cfg.harm_noise and len(self.loss_moves) >= cfg.warmup:
+            # and above how much one batch's loss differs from the next one's in this run (the
+            # median: a bad batch next to a sound update makes a move too, and must not widen it)
+            rise = max(rise, math.exp(cfg.harm_noise * _median(list(self.loss_moves))))
+        harm = not S.finite(after) or (after > rise * before and material)
         return {
             "loss_before": before,
             "loss_after": after,
             "loss_start": start,
-            "harm_rise": cfg.harm_rise,
+            "harm_rise": rise,
             "harm": harm,
         }
 
@@ -851,6 +877,7 @@ class UpdateRatioSpike(_Windowed):
         their usual size afresh (its warm-up; the ceiling judges meanwhile), and the loss's start
         is the new level's."""
         self.windows, self.losses_seen = {}, []
+        self.loss_moves.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -858,6 +885,7 @@ class UpdateRatioSpike(_Windowed):
             "zero_init": sorted(self.zero_init),
             "per_lr": True,
             "losses_seen": list(self.losses_seen),
+            "loss_moves": list(self.loss_moves),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -868,6 +896,7 @@ class UpdateRatioSpike(_Windowed):
             self.windows = {}
         self.zero_init = {str(k) for k in state.get("zero_init", [])}
         self.losses_seen = [float(v) for v in state.get("losses_seen", [])]
+        self.loss_moves = collections.deque((float(v) for v in state.get("loss_moves", [])), maxlen=self.config.window)
 
 
 class _RatioImbalance(Detector):

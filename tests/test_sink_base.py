@@ -92,3 +92,22 @@ def test_the_error_lists_the_methods():
         make_sink(object())
     for m in SINK_METHODS:
         assert m in str(e.value)
+
+
+def test_console_prints_a_told_only_kind_once_per_hundred_steps_and_counts_the_rest():
+    import io
+
+    from sfmonitor.events import Event
+    from sfmonitor.sinks.console import ConsoleSink
+
+    out = io.StringIO()
+    sink = ConsoleSink(out)
+    for step in range(10, 60):  # told only: the first is printed, 49 are held
+        sink.log_event(Event(step, "large_update", "an update 12x its median"))
+    sink.log_event(Event(60, "update_ratio_spike", "undone", actions=["undo"]))  # acted on: printed
+    sink.log_event(Event(61, "large_update", "an update 12x its median"))  # held
+    sink.log_event(Event(112, "large_update", "an update 11x its median"))  # 102 steps on: printed
+    lines = out.getvalue().splitlines()
+    assert [ln.split(": ")[1] for ln in lines] == ["large_update", "update_ratio_spike", "large_update"]
+    assert lines[0].startswith("[sfmonitor] step 10:") and "more" not in lines[0]
+    assert lines[2].startswith("[sfmonitor] step 112:") and "(50 more large_update events" in lines[2]
