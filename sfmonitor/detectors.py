@@ -749,7 +749,8 @@ class UpdateRatioSpike(_Windowed):
 
     Past the relative test alone, an update is undone for what it did: the loss measured after it
     (``loss_after_update``, the next step's loss) is non-finite or over ``harm_rise`` x the loss
-    before it. An update that left the loss where it was (or lowered it) is told, as kind
+    before it, a rise beyond the run's own batch-to-batch noise (``harm_noise``) that gives back
+    part of the progress (``harm_setback``). An update that did not do that is told, as kind
     ``large_update``, and left alone: large updates that lower the loss are a model relearning
     (after a change of data or task, measured: undone, then the LR cut for good). Without a loss
     (no ``combine()``) the relative test alone decides, as the ceiling always does.
