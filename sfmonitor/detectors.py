@@ -231,6 +231,13 @@ class UpdateRatioSpikeConfig(Section):
         "is not the update's doing. 0: off",
         lo=0,
     )
+    harm_rise_max: float = option(
+        4.0,
+        "the noise never asks for more than this: a loss over 4x the one before it, right after an update "
+        "10x its usual size, is harm however noisy the run (a diverging SGD run's own swings would "
+        "otherwise hide it: its loss moves 3-100x from batch to batch)",
+        lo=1,
+    )
     harm_setback: float = option(
         0.05,
         "the rise must also give back at least this share of the progress the loss made since its start "
@@ -863,7 +870,8 @@ class UpdateRatioSpike(_Windowed):
         if cfg.harm_noise and len(self.loss_moves) >= cfg.warmup:
             # and above how much one batch's loss differs from the next one's in this run (the
             # median: a bad batch next to a sound update makes a move too, and must not widen it)
-            rise = max(rise, math.exp(cfg.harm_noise * _median(list(self.loss_moves))))
+            noise = math.exp(cfg.harm_noise * _median(list(self.loss_moves)))
+            rise = max(rise, min(noise, cfg.harm_rise_max))
         harm = not S.finite(after) or (after > rise * before and material)
         return {
             "loss_before": before,

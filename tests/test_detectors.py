@@ -578,3 +578,26 @@ def test_new_regime_forgets_the_usual_sizes_of_updates_and_gradients():
         assert ur.check(s, {"update_ratio/a": 2e-2 * (1 + 0.1 * (s % 3))}) == []
         assert gs.check(s, {"grad_norm/total": 20.0 + 2 * (s % 3)}) == []
     assert ur.check(81, {"update_ratio/a": 0.5})  # 25x the new usual: a spike again
+
+
+def test_update_ratio_harm_rises_above_the_runs_batch_to_batch_noise_up_to_a_cap():
+    """Losses that move ~2x from one batch to the next: a 1.8x rise after a large update is that
+    noise (large_update); a 5x rise is harm (over harm_rise_max, however noisy the run)."""
+
+    def warmed():
+        det = D.UpdateRatioSpike()
+        for s in range(40):
+            before, after = (1.0, 2.0) if s % 2 else (2.0, 1.0)
+            ratio = 1e-3 * (1 + 0.1 * (s % 3))
+            assert det.check(s, {"update_ratio/a": ratio, "loss/total": before, "loss_after_update": after}) == []
+        return det
+
+    def kind(after):
+        out = warmed().check(40, {"update_ratio/a": 2e-2, "loss/total": 1.0, "loss_after_update": after})
+        return [f.kind for f in out]
+
+    assert kind(1.8) == ["large_update"]
+    assert kind(5.0) == [UPDATE_RATIO_SPIKE]
+    assert D.UpdateRatioSpike(D.UpdateRatioSpikeConfig(harm_noise=0))._harm(
+        {"loss/total": 1.0, "loss_after_update": 1.8}, True
+    )["harm"]
