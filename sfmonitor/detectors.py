@@ -540,6 +540,7 @@ class LossSpike(_Windowed):
                 continue
             run = self.run.setdefault(key, [expected])  # [expected before the jump, spikes...]
             run.append(x)
+            del run[1 : -(cfg.shift_after + 1)]  # only the last shift_after + 1 spikes can form a level
             shift = self._level_shift(key, run, step)
             if shift is not None:
                 out.append(shift)

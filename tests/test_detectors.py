@@ -601,3 +601,16 @@ def test_update_ratio_harm_rises_above_the_runs_batch_to_batch_noise_up_to_a_cap
     assert D.UpdateRatioSpike(D.UpdateRatioSpikeConfig(harm_noise=0))._harm(
         {"loss/total": 1.0, "loss_after_update": 1.8}, True
     )["harm"]
+
+
+def test_a_long_run_of_spikes_that_never_agree_keeps_a_bounded_state():
+    """A loss that climbs 1.3x a step for 60 steps: every value a spike, never one level. The
+    detector keeps only the last shift_after + 1 of them (and the expected value before the
+    first), so its state stays small however long the climb."""
+    det = D.LossSpike()
+    for s in range(200):
+        det.check(s, {"loss/total": 1.0 + 0.01 * (s % 3)})
+    kinds = [f.kind for s in range(200, 260) for f in det.check(s, {"loss/total": 2.0 * 1.3 ** (s - 200)})]
+    assert kinds == [LOSS_SPIKE] * 60
+    assert len(det.run["loss/total"]) <= det.config.shift_after + 2
+    assert len(det.state_dict()["run"]["loss/total"]) <= det.config.shift_after + 2
