@@ -378,6 +378,14 @@ def _median_mad(values: list[float]) -> tuple[float, float]:
     return med, _median([abs(v - med) for v in values])
 
 
+def _gives_back(value: float, now: float, start: float, share: float) -> bool:
+    """A rise from ``now`` to ``value`` gives back at least ``share`` of the progress a loss made
+    from ``start`` down to ``now`` (a loss that never fell below its start made none: True).
+    Near a loss floor relative noise grows; a jump that gives back little of what was learnt is
+    that noise (loss_spike.min_setback, update_ratio_spike.harm_setback)."""
+    return start <= now or value - now >= share * (start - now)
+
+
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
@@ -626,8 +634,7 @@ class LossSpike(_Windowed):
     def _small_setback(self, key: str, value: float, expected: float) -> bool:
         """The jump gives back less than ``min_setback`` of the progress since the start (a loss
         that never fell below its start makes no progress to give back: False)."""
-        start, now = math.exp(self.start[key]), math.exp(expected)
-        return start > now and value - now < self.config.min_setback * (start - now)
+        return not _gives_back(value, math.exp(expected), math.exp(self.start[key]), self.config.min_setback)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -778,9 +785,8 @@ class UpdateRatioSpike(_Windowed):
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         out = self._check(step, stats)
-        before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)
-        landed = any(k.startswith(UPDATE_RATIO_PREFIX) and S.finite(v) and v > 0 for k, v in stats.items())
-        if not out and landed and before is not None and after is not None and S.finite(before) and S.finite(after):
+        before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)  # (given once it landed)
+        if not out and before is not None and after is not None and S.finite(before) and S.finite(after):
             if before > 0 and after > 0:
                 self.loss_moves.append(abs(math.log(after / before)))
         return out
@@ -866,7 +872,7 @@ class UpdateRatioSpike(_Windowed):
         if not relative or not cfg.harm_rise or before is None or after is None or not S.finite(before):
             return None
         start = max(self.losses_seen, default=before)
-        material = start <= before or after - before >= cfg.harm_setback * (start - before)
+        material = _gives_back(after, before, start, cfg.harm_setback)
         rise = cfg.harm_rise
         if cfg.harm_noise and len(self.loss_moves) >= cfg.warmup:
             # and above how much one batch's loss differs from the next one's in this run (the

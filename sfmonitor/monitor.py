@@ -1200,7 +1200,7 @@ class Monitor:
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
             seen = {**prev_rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in prev_rec.group_lr.items()}}
-            if S.LOSS_TOTAL in rec.stats:  # what the update did to the loss
+            if prev_rec.update_landed and S.LOSS_TOTAL in rec.stats:  # what that update did to the loss
                 seen[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
             judged = [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, seen)]
             findings += judged

@@ -59,7 +59,8 @@ UPDATE_RATIO = "update_ratio/{}"
 # (lr/<i> is: the LR used, per param group).
 UPDATE_LR = "update_lr/{}"
 # The loss measured after that update (the next step's loss/total, on the updated weights): given
-# to the after-update detectors with the update's step, not published (it is that step's loss).
+# to the after-update detectors with the update's step when the update landed, not published (it
+# is that step's loss).
 LOSS_AFTER_UPDATE = "loss_after_update"
 GRAD_RATIO = "grad_ratio/{}/{}"
 GRAD_COS = "grad_cos/{}/{}"

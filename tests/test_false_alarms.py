@@ -145,3 +145,29 @@ def test_a_large_update_is_not_undone_for_a_rise_within_the_runs_batch_to_batch_
         )
         assert [(e.step, e.kind, e.actions) for e in events if e.actions] == [], seed
         assert held_out == bare, seed
+
+
+def test_a_skipped_step_is_no_measure_of_the_runs_batch_to_batch_noise(tmp_path):
+    """The update-ratio detector's noise reads what landed updates did to the loss. A batch skipped
+    for a 1e3x loss changed nothing: the move from it to the next batch (~1e3x down) must not be
+    read as one; the move onto it from the sound update before it is one (the median absorbs it)."""
+    import math
+
+    import sfmonitor
+    from sfmonitor.detectors import UpdateRatioSpike
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config={"console": False})
+    g = torch.Generator().manual_seed(1)
+    for i in range(40):
+        loss = model(torch.randn(8, 4, generator=g)).pow(2).mean() * (1e3 if i == 35 else 1.0)
+        mon.combine(loss).backward()
+        opt.step()
+        opt.zero_grad()
+    assert [(e.step, e.actions) for e in mon.events if e.actions] == [(35, ["skip_step"])]
+    det = next(d for d in mon._detectors if isinstance(d, UpdateRatioSpike))
+    assert len(det.loss_moves) == 38  # the updates of steps 0-38 but 35, each judged at the next step
+    assert sum(m > math.log(100) for m in det.loss_moves) == 1  # 34 -> 35, not 35 -> 36
+    mon.detach()
