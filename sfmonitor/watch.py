@@ -627,6 +627,12 @@ class ActivationWatch:
         name = self._name_of[module]
         if self._due is not None and name not in self._due and not self._stack:
             return None  # a forecast-only step: nothing asked for runs here
+        if name in self._records and torch._C._current_graph_task_id() != -1:
+            # Activation checkpointing recomputing, inside the backward, a forward the watch saw
+            # (non-reentrant; a reentrant one's first forward ran without grad: this is its only
+            # sight). Torch may stop that recomputation midway, and the autograd engine drops a mode
+            # entered there when it leaves the node: nothing to record, nothing to enter.
+            return None
         self._stack.append(name)
         if self.config.inline and self._mode is None:
             self._mode = _InlineMode(self)
@@ -673,7 +679,11 @@ class ActivationWatch:
         self._stack.clear()
         if self._mode is not None:
             mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+            depth = torch._C._len_torch_function_stack()
+            # Only the mode on top is this watch's to pop; one already dropped (entered in a
+            # forward torch aborted, whose state the autograd engine reset) is forgotten.
+            if depth and torch._C._get_function_stack_at(depth - 1) is mode:
+                mode.__exit__(None, None, None)
 
     def _wanted(self, name: str) -> bool:
         return self._due is None or name in self._due

@@ -308,3 +308,59 @@ def test_class_patterns_match_a_wrapped_class_by_what_it_derives_from():
         model[i].__class__ = fsdp_linear
     names = ActivationWatch(WatchConfig(classes=["Linear"])).select(model)
     assert names == ["0", "2"]
+
+
+class Checkpointed(nn.Module):
+    """A block under activation checkpointing: torch recomputes its forward inside the backward."""
+
+    def __init__(self, reentrant: bool, d=8):
+        super().__init__()
+        self.reentrant = reentrant
+        self.mlp = nn.Sequential(nn.Linear(d, 16), nn.GELU(), nn.Linear(16, d))
+        self.fusion = Fusion(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.mlp, x, use_reentrant=self.reentrant)
+        return self.head(checkpoint(self.fusion, h, use_reentrant=self.reentrant)).pow(2).mean()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_trains_as_without_the_monitor_and_the_watch_sees_the_forward(tmp_path, reentrant):
+    """Non-reentrant checkpointing (torch's recommended mode; Hugging Face's gradient checkpointing)
+    stops the recomputation inside the backward as soon as the saved tensors exist: a watch that
+    entered its mode there was left holding a mode torch had dropped, and the next step raised
+    "trying to pop from empty mode stack" from optimizer.step(). Every step is sampled here; the
+    watch's maxima are those of the forward, and the run ends bit-identical to the bare one."""
+    import sfmonitor
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = Checkpointed(reentrant)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        cfg = {"console": False, "watch": {"stride": 1}}
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=cfg) if monitored else None
+        seen = []
+        for step in range(4):
+            x = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(step)).requires_grad_()
+            with torch.no_grad():
+                want = float(model.fusion.q(model.mlp(x)).abs().max())  # the forward, before the update
+            loss = model(x)
+            (mon.combine(loss) if mon else loss).backward()
+            if mon:  # nothing of an aborted recomputation left behind in the watch
+                assert (mon._watch._stack, mon._watch._mode) == ([], None)
+            opt.step()
+            opt.zero_grad()
+            if mon:
+                seen.append((mon.stats[ACT_ABSMAX_PREFIX + "fusion.q"], want))
+        if mon:
+            mon.detach()
+        return model, seen
+
+    bare, _ = run(False)
+    model, seen = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+    assert torch._C._len_torch_function_stack() == 0
+    assert len(seen) == 4 and all(v == pytest.approx(want, rel=1e-6) for v, want in seen)
