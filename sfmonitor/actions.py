@@ -22,6 +22,7 @@ working and the drop multiplies whatever it sets. With ``lr_scale == 1`` nothing
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import re
@@ -205,6 +206,21 @@ class LRDropConfig(Section):
         lo=0,
     )
     recover_steps: int = option(200, "optimizer steps the LR scale takes to climb back to 1 (geometrically)", lo=1)
+    halt_rise: float = option(
+        1.5,
+        "while the LR climbs back, a median loss of the last halt_window steps this many times its lowest "
+        "since the climb began (the last halt_window steps before it included) halts the climb: the LR "
+        "goes back to the scale of that lowest median and the cut is permanent (the trouble came back "
+        "with the LR); 0: never halted",
+        lo=0,
+    )
+    halt_window: int = option(20, "steps whose median loss the climb's halt compares", lo=2)
+
+    def validate(self) -> None:
+        if 0 < self.halt_rise <= 1:
+            raise ConfigError(
+                f"{self._prefix}halt_rise: {self.halt_rise:g} must be above 1 (a rise), or 0 to never halt the climb"
+            )
 
 
 @dataclass
@@ -343,6 +359,11 @@ class ActionContext:
     restored_at: int | None = None  # step in which an undo or a rollback put the state back
     lr_drop_kind: str = ""  # the kind that caused it
     lr_permanent: bool = False  # the trouble came back while the LR was still lowered
+    # The losses (logs) and LR scales of the last halt_window steps, from halt_window steps before
+    # the LR starts to climb back; and the lowest median of those losses so far with the lowest
+    # scale of its window: what the climb is judged against (relax_lr).
+    lr_climb: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
+    lr_climb_best: tuple[float, float] | None = None
     should_stop: bool = False
     stopped: bool = False  # set by stop (not early stopping): every later step is skipped
     graceful_stop: bool = False  # set by the monitor: a loop draws from batches(), so stop ends it
@@ -714,14 +735,46 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     }
 
 
-def relax_lr(ctx: ActionContext) -> dict[str, Any]:
-    """Call once per step: after a transient, the LR scale climbs back to 1 over ``recover_steps``
-    steps, starting ``recover_after`` steps after the drop (never once the cut is permanent).
-    Returns facts when the climb starts and when it ends (each is an event), else {}."""
+def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
+    """Call once per step, with the step's loss when there is one: after a transient, the LR scale
+    climbs back to 1 over ``recover_steps`` steps, starting ``recover_after`` steps after the drop
+    (never once the cut is permanent). While it climbs the loss is watched: when the median of the
+    last ``halt_window`` losses rises ``halt_rise`` x above the lowest such median since the climb
+    began (the LR's return brings the trouble back: weights that grew at the low LR, an LR the run
+    never could take), the climb halts at the scale of that lowest median, for good. Returns facts
+    when the climb starts, ends or halts (each is an event), else {}."""
     cfg = ctx.config.lr_drop
     if ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not cfg.recover_after:
+        ctx.lr_climb.clear()
+        ctx.lr_climb_best = None
         return {}
     since = ctx.step - ctx.lr_dropped_at
+    if since < cfg.recover_after - cfg.halt_window:
+        ctx.lr_climb.clear()  # (a new drop restarts the count)
+        ctx.lr_climb_best = None
+        return {}
+    if cfg.halt_rise and loss is not None and math.isfinite(loss) and loss > 0:
+        if ctx.lr_climb.maxlen != cfg.halt_window:
+            ctx.lr_climb = collections.deque(ctx.lr_climb, maxlen=cfg.halt_window)
+        ctx.lr_climb.append((math.log(loss), ctx.lr_scale))
+        if len(ctx.lr_climb) == cfg.halt_window:
+            logs = sorted(x for x, _ in ctx.lr_climb)
+            median = 0.5 * (logs[(len(logs) - 1) // 2] + logs[len(logs) // 2])
+            best = ctx.lr_climb_best
+            if since > cfg.recover_after and best is not None and median - best[0] > math.log(cfg.halt_rise):
+                old = ctx.lr_scale
+                ctx.lr_scale, ctx.lr_permanent = min(best[1], old), True
+                return {
+                    "halted": True,
+                    "old_scale": old,
+                    "new_scale": ctx.lr_scale,
+                    "permanent": True,
+                    "loss_median": math.exp(median),
+                    "lowest_loss_median": math.exp(best[0]),
+                    "rise": math.exp(median - best[0]),
+                }
+            if best is None or median < best[0]:
+                ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb))
     if since < cfg.recover_after:
         return {}
     old = ctx.lr_scale

@@ -28,6 +28,7 @@ docs/design.md walks through one step from hook to sink.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -1369,18 +1370,21 @@ class Monitor:
                             {REWEIGHT: relaxed},
                         )
                     )
-                recovered = A.relax_lr(ctx)  # after a transient the LR climbs back (an event each way)
-                if recovered:
-                    what = "is back to" if recovered.get("recovered") else "climbs back towards"
-                    outcomes.append(
-                        Outcome(
-                            Finding(
-                                ctx.lr_drop_kind, f"no trouble since the LR drop: the LR {what} the user's schedule"
-                            ),
-                            [LR_DROP],
-                            {LR_DROP: recovered},
-                        )
+                # After a transient the LR climbs back (an event each way), and halts for good
+                # where the loss rises with it (an event too).
+                recovered = A.relax_lr(ctx, self._stats.get(S.LOSS_TOTAL))
+                if recovered.get("halted"):
+                    message = (
+                        f"the loss rose {recovered['rise']:.3g}x (median of the last "
+                        f"{self.config.actions.lr_drop.halt_window} steps) while the LR climbed back: "
+                        f"the trouble came back with it; the LR stays at {recovered['new_scale']:.3g}x "
+                        "the user's schedule, where the loss was lowest"
                     )
+                elif recovered:
+                    what = "is back to" if recovered.get("recovered") else "climbs back towards"
+                    message = f"no trouble since the LR drop: the LR {what} the user's schedule"
+                if recovered:
+                    outcomes.append(Outcome(Finding(ctx.lr_drop_kind, message), [LR_DROP], {LR_DROP: recovered}))
                 # The LR scale (lr_drop) applies around this update only; the user's own LR and
                 # scheduler are put back when the step closes (see actions.py).
                 # The user's LR per group (before the drop): the update-ratio test reads updates per
@@ -1777,7 +1781,13 @@ class Monitor:
             "bundles": self._bundles.state_dict(),
             "epoch": ctx.epoch if ctx else self._pending_ctx.get("epoch", 0),
             "lr_recovery": (
-                {"dropped_at": ctx.lr_dropped_at, "kind": ctx.lr_drop_kind, "permanent": ctx.lr_permanent}
+                {
+                    "dropped_at": ctx.lr_dropped_at,
+                    "kind": ctx.lr_drop_kind,
+                    "permanent": ctx.lr_permanent,
+                    "climb": [list(v) for v in ctx.lr_climb],
+                    "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
+                }
                 if ctx
                 else self._pending_ctx.get("lr_recovery", {})
             ),
@@ -1857,6 +1867,12 @@ class Monitor:
             ctx.lr_dropped_at = int(dropped) if dropped is not None else None
             ctx.lr_drop_kind = str(recovery.get("kind", ""))
             ctx.lr_permanent = bool(recovery.get("permanent", False))
+            ctx.lr_climb = collections.deque(
+                ((float(x), float(scale)) for x, scale in recovery.get("climb", [])),
+                maxlen=self.config.actions.lr_drop.halt_window,
+            )
+            best = recovery.get("climb_best")
+            ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
             for name in sd.get("fp32_modules", []):
                 if name not in ctx.fp32_modules:
                     A.precision_fallback(

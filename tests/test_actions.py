@@ -205,6 +205,46 @@ def test_lr_drop_scale_floor_and_apply_restore_helpers():
     assert t_opt.param_groups[0]["lr"].item() == pytest.approx(0.01)
 
 
+def _climb(losses_at, halt_rise=1.5, steps=60):
+    """relax_lr over ``steps`` steps after a drop at step 0 (recover_after 20, recover_steps 20,
+    halt_window 5), the loss at each step ``losses_at(step, scale)``: the facts of each step."""
+    ctx = ctx_for(Tri())
+    ctx.config.lr_drop.recover_after, ctx.config.lr_drop.recover_steps = 20, 20
+    ctx.config.lr_drop.halt_window, ctx.config.lr_drop.halt_rise = 5, halt_rise
+    A.apply(ctx, D("lr_drop"))
+    out = []
+    for step in range(1, steps):
+        ctx.step = step
+        out.append((step, A.relax_lr(ctx, losses_at(step, ctx.lr_scale)), ctx.lr_scale))
+    return ctx, [(step, facts, scale) for step, facts, scale in out if facts]
+
+
+def test_the_lr_climbs_back_while_the_loss_holds_and_halts_for_good_where_it_rises():
+    ctx, told = _climb(lambda step, scale: 1.0 + 0.01 * (step % 3))  # noise, no rise: back to 1
+    assert [(s, sorted(f)) for s, f, _ in told] == [
+        (20, ["new_scale", "old_scale", "recovering", "steps"]),
+        (40, ["new_scale", "old_scale", "recovered"]),
+    ]
+    assert ctx.lr_scale == 1.0 and not ctx.lr_permanent
+    # the loss rises with the LR once the scale passes 0.5 (the last 5 before the climb: 0.2)
+    ctx, told = _climb(lambda step, scale: 3.0 if scale > 0.5 else 1.0)
+    step, halt, scale = told[-1]
+    assert halt["halted"] and halt["permanent"] and halt["rise"] == pytest.approx(3.0)
+    assert halt["new_scale"] == pytest.approx(0.2) and halt["old_scale"] > 0.5 and scale == pytest.approx(0.2)
+    assert 20 < step < 40 and ctx.lr_permanent and ctx.lr_scale == pytest.approx(0.2)
+    assert [f for _, f, _ in _climb(lambda step, scale: 3.0 if scale > 0.5 else 1.0, steps=80)[1]][-1] == halt
+    # a rise of the loss among the last halt_window values is not yet the median's
+    ctx, told = _climb(lambda step, scale: 3.0 if step in (25, 26) else 1.0)
+    assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
+    # halt_rise 0: the climb is never halted; without a loss it is not judged
+    ctx, told = _climb(lambda step, scale: 3.0 if scale > 0.5 else 1.0, halt_rise=0)
+    assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
+    ctx, told = _climb(lambda step, scale: None)
+    assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
+    with pytest.raises(ConfigError, match="halt_rise"):
+        A.ActionsConfig.from_dict({"lr_drop": {"halt_rise": 1.0}})
+
+
 def test_lr_scale_cooperates_with_a_scheduler():
     m = nn.Linear(2, 1)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
