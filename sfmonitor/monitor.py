@@ -467,6 +467,7 @@ class Monitor:
         self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
         self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
         self._driven_externally = False  # an integration calls before_update()/after_update()
+        self._closure_grads: list[weakref.ref[torch.Tensor] | None] | None = None  # what step(closure) left
         self._model_factory: tuple[str, dict[str, Any]] | None = None
         # The step in flight, and the last closed one: its update ratios are read with the next
         # step's single read, then its after-update detectors judge it and it goes to the sinks.
@@ -1098,12 +1099,30 @@ class Monitor:
         if self.scaler is None and not self._driven_externally:
             # args[0] is the optimizer itself (the hook sees step's own arguments)
             closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+            if closure is not None and self._made_this_step():
+                # step(closure) after the loop's own backward: the step's gradients are here, and
+                # the closure is the optimizer's to call where it wants (SAM: a second
+                # forward-backward at perturbed weights, in the middle of its step). A skip hides
+                # them; a closure run then would make new ones, so the optimizer gets none to run.
+                self.before_update()
+                if self._record.skip:
+
+                    def nothing() -> None:
+                        return None
+
+                    changed = (
+                        (args, {**kwargs, "closure": nothing})
+                        if "closure" in kwargs
+                        else ((args[0], nothing, *args[2:]), kwargs)
+                    )
+                self._record.stepped = True
+                return changed
             if closure is not None:
-                # step(closure): the closure makes this step's gradients inside the step. It runs
-                # here, as the optimizer would have run it first (SGD, Adam and the like call it
-                # once; LBFGS is refused at attach), the pipeline reads what it made, and the
-                # optimizer gets its loss back instead of running it again (which would also undo
-                # a skip's hidden gradients).
+                # step(closure) with no gradient yet: the closure makes this step's gradients
+                # inside the step. It runs here, as the optimizer would have run it first (SGD,
+                # Adam and the like call it once; LBFGS is refused at attach), the pipeline reads
+                # what it made, and the optimizer gets its loss back instead of running it again
+                # (which would also undo a skip's hidden gradients).
                 with torch.enable_grad():
                     loss = closure()
 
@@ -1119,6 +1138,24 @@ class Monitor:
 
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
         self.after_update()
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        # The gradients a step(closure) leaves (a skip's put back): the next step's are its own
+        # only if they differ (a loop whose closure zeroes and makes them leaves these till then).
+        self._closure_grads = (
+            [weakref.ref(p.grad) if p.grad is not None else None for p in self._params] if closure else None
+        )
+
+    def _made_this_step(self) -> bool:
+        """Whether the gradients present were made for the step about to run: a training loss went
+        through ``combine()`` in it, or gradients are there that the last step(closure) did not
+        leave (the loop's own backward before calling step(closure))."""
+        if self._record.losses.count:
+            return True
+        last = self._closure_grads
+        grads = [p.grad for p in self._params]
+        if last is None:
+            return any(g is not None for g in grads)
+        return any(g is not None and (ref is None or ref() is not g) for g, ref in zip(grads, last))
 
     def drive_externally(self) -> Monitor:
         """Let a framework tell the monitor where the unscaled gradients are ready.

@@ -653,3 +653,77 @@ def test_an_lr_that_climbs_back_into_the_trouble_stops_where_the_loss_was_lowest
     assert len(halts) == 1 and halts[0]["permanent"] and halts[0]["rise"] > 1.5
     assert halts[0]["new_scale"] < halts[0]["old_scale"] < 1
     assert held_out < bare
+
+
+class _SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its widely used implementation writes it (davda54/sam):
+    ``loss.backward(); optimizer.step(closure)``, the closure being the second forward-backward, at
+    the perturbed weights, which the step calls in its middle."""
+
+    def __init__(self, params, base, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([g.norm() for g in grads]))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.detach().clone()
+                    p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
+        self.zero_grad()
+        with torch.enable_grad():
+            closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+
+
+def test_an_optimizer_that_calls_its_closure_in_the_middle_of_its_step_trains_as_without_the_monitor(tmp_path):
+    """``step(closure)`` after the loop's own backward (SAM): the monitor ran the closure before the
+    step, so SAM's call made no gradient, its weights were never put back nor updated: every step an
+    ascent, the loss 31 against 0.11 bare, no event. The closure is the optimizer's to call when the
+    step's gradients are already there."""
+
+    def run(monitored, steps=60, combine=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = _SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=quiet()) if monitored else None
+        )
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(16, 4, generator=g)
+        for _ in range(steps):
+            x = torch.randn(32, 16, generator=g)
+            y = (x @ w).argmax(-1)
+
+            def closure(x=x, y=y):
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+
+            loss = nn.functional.cross_entropy(model(x), y)
+            (mon.combine(loss) if mon and combine else loss).backward()
+            opt.step(closure)
+            opt.zero_grad()
+        events = list(mon.events) if mon else []
+        if mon:
+            assert mon.step == steps
+            mon.detach()
+        return model, opt, events
+
+    bare, bare_opt, _ = run(False)
+    model, opt, events = run(True)
+    assert events == []
+    assert same_state(model, bare)
+    assert same_state(run(True, combine=False)[0], bare)  # no loss given: the gradients tell
+    assert all(
+        torch.equal(opt.base_optimizer.state[p]["momentum_buffer"], bare_opt.base_optimizer.state[q]["momentum_buffer"])
+        for p, q in zip(model.parameters(), bare.parameters())
+    )
