@@ -382,6 +382,22 @@ class _Trend:
         }
 
 
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off torch's function-mode stack wherever it lies: another watch (a second
+    monitor on the same model) may have entered its own mode above it around the same module, and
+    leaves later. A mode no longer there (entered in a forward torch aborted, in the backward's
+    recomputation, whose state the autograd engine reset) is forgotten."""
+    depth = torch._C._len_torch_function_stack()
+    if not any(torch._C._get_function_stack_at(i) is mode for i in range(depth)):
+        return
+    above = []
+    while torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is not mode:
+        above.append(torch._C._pop_torch_function_stack())
+    mode.__exit__(None, None, None)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
 class _InlineMode(TorchFunctionMode):
     """Records results of WATCHED_FUNCTIONS for the innermost watched module running, and the
     attention logits (softmax inputs, SDPA logits) of the innermost attention module running."""
@@ -679,11 +695,7 @@ class ActivationWatch:
         self._stack.clear()
         if self._mode is not None:
             mode, self._mode = self._mode, None
-            depth = torch._C._len_torch_function_stack()
-            # Only the mode on top is this watch's to pop; one already dropped (entered in a
-            # forward torch aborted, whose state the autograd engine reset) is forgotten.
-            if depth and torch._C._get_function_stack_at(depth - 1) is mode:
-                mode.__exit__(None, None, None)
+            _remove_mode(mode)
 
     def _wanted(self, name: str) -> bool:
         return self._due is None or name in self._due
