@@ -27,7 +27,7 @@ import os
 import pickle
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,17 +260,31 @@ def _detach_refs(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
+# Forwards of one optimizer step whose inputs the recorder keeps: gradient accumulation rarely
+# takes more micro-batches; more without a step says the loop steps another optimizer.
+MAX_STEP_BATCHES = 256
+
+
 class BatchRecorder:
     """References to the root model's forward inputs for the current optimizer step.
 
     ``attach(model)`` registers a forward pre-hook (with kwargs) on the root; every forward run with
-    autograd enabled appends ``{"args", "kwargs", "autocast"}`` (tensors detached, not copied).
+    autograd enabled appends ``{"args", "kwargs", "autocast"}`` (tensors detached, not copied), up
+    to ``max_batches`` a step; the first forward past them calls ``on_full()`` (once per recorder).
     ``clear()`` at each step start. The RNG state is captured at the step's first forward
     (``capture_rng``), so a replay draws the same dropout masks.
     """
 
-    def __init__(self, *, capture_rng: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        capture_rng: bool = True,
+        max_batches: int = MAX_STEP_BATCHES,
+        on_full: Callable[[], None] | None = None,
+    ) -> None:
         self.capture_rng = capture_rng
+        self.max_batches = max_batches
+        self.on_full = on_full
         self.batches: list[dict[str, Any]] = []
         self.rng_state: dict[str, Any] | None = None
         self._handle: RemovableHandle | None = None
@@ -308,6 +322,11 @@ class BatchRecorder:
     def _pre(self, module, args, kwargs):
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return None  # compiled: nothing is recorded (tracing this hook would break the graph)
+        if len(self.batches) >= self.max_batches:
+            if self.on_full is not None:
+                on_full, self.on_full = self.on_full, None
+                on_full()
+            return None
         if not self.batches and self.capture_rng:
             self.rng_state = forward_rng_state()
         dev = next((t.device.type for _, t in _named_tensors([args, kwargs], "")), "cpu")

@@ -78,7 +78,7 @@ from .events import (
     NonFiniteError,
     StopTraining,
 )
-from .forensics import BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
+from .forensics import MAX_STEP_BATCHES, BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
 from .integrations.distributed import (
     agree_metrics,
     rank,
@@ -478,7 +478,7 @@ class Monitor:
         self._detectors: list[Detector] = build_detectors(self.config.detectors) + extra
         self._policy = Policy(self.config.policy)
         self._watch = ActivationWatch(self.config.watch)
-        self._recorder = BatchRecorder()
+        self._recorder = BatchRecorder(on_full=self._warn_never_stepped)
         self._first_buffers: Any = None  # the one-shot hook of _arm_first_buffers
         self._unwritten: list[Event] = []  # events whose actions finish after the update (_emit)
         self._group_pgs: dict[str, list[int]] = {}  # group -> optimizer param groups (_group_lrs)
@@ -1143,6 +1143,18 @@ class Monitor:
         # only if they differ (a loop whose closure zeroes and makes them leaves these till then).
         self._closure_grads = (
             [weakref.ref(p.grad) if p.grad is not None else None for p in self._params] if closure else None
+        )
+
+    def _warn_never_stepped(self) -> None:
+        optimizer = self._live().optimizer if self._ctx is not None else self.optimizer
+        warnings.warn(
+            f"sfmonitor: {MAX_STEP_BATCHES} training forwards since monitor step {self.step} began, and the "
+            f"{type(optimizer).__name__} the monitor is attached to never stepped: the monitor measures nothing "
+            "until it does and keeps no more of these forwards' inputs. Attach it to the "
+            "optimizer whose step() the loop calls (SAM's first_step()/second_step() call its base "
+            "optimizer's step(), not its own)",
+            RuntimeWarning,
+            stacklevel=2,
         )
 
     def _made_this_step(self) -> bool:

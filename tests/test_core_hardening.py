@@ -262,3 +262,27 @@ def test_events_in_memory_are_bounded_the_file_keeps_all(tmp_path):
     mon.detach()
     lines = open(tmp_path / "events.jsonl").read().splitlines()
     assert len(lines) > 5 and len(mon.events) == 5
+
+
+def test_a_monitor_whose_optimizer_never_steps_says_so_and_holds_a_bounded_memory(tmp_path):
+    """Attached to an optimizer whose step() the loop never calls (SAM's first_step/second_step
+    call its base optimizer's): the monitor saw no step, said nothing, and kept every forward's
+    inputs for the step that never closed (0.4 MiB a forward, without bound). Past
+    ``forensics.MAX_STEP_BATCHES`` forwards it says once which optimizer it waits for, and keeps
+    no more of them."""
+    from sfmonitor.forensics import MAX_STEP_BATCHES
+
+    model = Net()
+    attached = torch.optim.SGD(model.parameters(), lr=0.01)
+    stepping = torch.optim.SGD(model.parameters(), lr=0.01)  # the one the loop steps
+    mon = sfmonitor.attach(model, attached, run_dir=str(tmp_path), config=quiet())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(MAX_STEP_BATCHES + 20):
+            mon.combine(model(torch.randn(4, 4)).pow(2).mean()).backward()
+            stepping.step()
+            stepping.zero_grad()
+    said = [str(w.message) for w in caught if "never stepped" in str(w.message)]
+    assert len(said) == 1 and "SGD" in said[0] and "first_step" in said[0]
+    assert len(mon._recorder.batches) == MAX_STEP_BATCHES and mon.step == 0
+    mon.detach()
