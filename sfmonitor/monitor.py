@@ -644,6 +644,14 @@ class Monitor:
                 "could not be kept bit-identical; use a first-order optimizer"
             )
         # Everything that can fail on bad input fails here, before any hook is registered.
+        lazy = [n for n, p in unwrap(model).named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise ConfigError(
+                f"attach: {len(lazy)} parameter(s) of the model are not initialised yet ({', '.join(lazy[:4])}"
+                f"{', ...' if len(lazy) > 4 else ''}: lazy modules, whose shapes come from their first input); "
+                "run one forward pass (a batch of your data) before attaching, so that the monitor can "
+                "measure them and hold their copies"
+            )
         self._model_groups = resolve_groups(model, groups)
         sharding.check_optimizer(unwrap(model), optimizer)  # FSDP2: built after fully_shard?
         sinks = [make_sink(s) for s in self._sink_specs]

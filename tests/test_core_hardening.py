@@ -286,3 +286,22 @@ def test_a_monitor_whose_optimizer_never_steps_says_so_and_holds_a_bounded_memor
     assert len(said) == 1 and "SGD" in said[0] and "first_step" in said[0]
     assert len(mon._recorder.batches) == MAX_STEP_BATCHES and mon.step == 0
     mon.detach()
+
+
+def test_attach_before_a_lazy_modules_first_forward_is_a_clear_error_and_changes_nothing(tmp_path):
+    """nn.LazyLinear before its first forward: attach raised a raw ValueError from its memory
+    report. Now a ConfigError that names the parameters and says what to do; nothing is attached,
+    and attach works after one forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = sfmonitor.Monitor(run_dir=str(tmp_path), config=quiet())
+    with pytest.raises(sfmonitor.ConfigError, match=r"4 parameter.*0\.weight.*forward pass"):
+        mon.attach(model, opt)
+    assert not opt._optimizer_step_pre_hooks and not model._forward_pre_hooks
+    model(torch.randn(4, 5))
+    mon.attach(model, opt)
+    mon.combine(model(torch.randn(4, 5)).pow(2).mean()).backward()
+    opt.step()
+    assert mon.step == 1 and "grad_norm/total" in mon.stats
+    mon.detach()
