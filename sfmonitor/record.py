@@ -17,6 +17,8 @@ closing a record -- by whatever path -- always leaves the optimizer as the user 
 from __future__ import annotations
 
 import enum
+import functools
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,42 +48,77 @@ class Outcome:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+class _Entry:
+    """One ``combine()`` call (or several folded into one): detached copies of its components and
+    total, and whether a backward has reached its loss (``used``)."""
+
+    __slots__ = ("calls", "components", "total", "used")
+
+    def __init__(self, components: dict[str, torch.Tensor], total: torch.Tensor, calls: int = 1) -> None:
+        self.components, self.total, self.calls, self.used = components, total, calls, False
+
+    def mark(self, grad: torch.Tensor) -> None:  # a tensor hook: a backward reached this loss
+        self.used = True
+
+
 class LossAccumulator:
-    """Loss components recorded by ``combine()`` over the micro-batches of one optimizer step."""
+    """Loss components recorded by ``combine()`` over the micro-batches of one optimizer step.
+
+    A loss counts towards the step when a backward reached it (a hook on the tensors ``combine()``
+    returns and was given): a loss computed with gradients on and never backpropagated (a
+    validation loss logged without ``torch.no_grad()``) is no micro-batch of the step. When no
+    backward reached any of them (a loop that backpropagates its own sum of the components it
+    logged elsewhere), every call counts."""
+
+    MAX_ENTRIES = 256  # calls kept apart in one step; older ones are folded into one that counts
 
     def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.total: torch.Tensor | None = None
+        self.entries: list[_Entry] = []
         self.count = 0
         self.weights: dict[str, float | torch.Tensor] = {}
 
     def add(
         self, components: Mapping[str, torch.Tensor], total: torch.Tensor, weights: Mapping[str, float | torch.Tensor]
     ) -> None:
-        for k, v in components.items():
-            v = v.detach().float()
-            self.sums[k] = v if k not in self.sums else self.sums[k] + v
-        t = total.detach().float()
-        self.total = t if self.total is None else self.total + t
+        entry = _Entry({k: v.detach().float() for k, v in components.items()}, total.detach().float())
+        for t in (total, *components.values()):
+            if t.requires_grad:
+                t.register_hook(entry.mark)
+        if len(self.entries) >= self.MAX_ENTRIES:
+            folded = _sum_entries(self.entries)
+            folded.used = True
+            self.entries = [folded]
+        self.entries.append(entry)
         self.count += 1
         self.weights = dict(weights)
 
     def tensors(self, pairs: list[list[str]]) -> dict[str, torch.Tensor | float]:
         """``loss/*``, ``loss_weight/*`` and ``loss_ratio/*`` as 0-d tensors (nothing is read)."""
-        if not self.count or self.total is None:
+        if not self.entries:
             return {}
-        n = self.count
-        means = {k: v if n == 1 else v / n for k, v in self.sums.items()}  # one micro-batch: no division
-        out: dict[str, torch.Tensor | float] = {S.LOSS_TOTAL: self.total if n == 1 else self.total / n}
+        used = [e for e in self.entries if e.used] or self.entries
+        step = used[0] if len(used) == 1 else _sum_entries(used)
+        n = step.calls
+        means = {k: v if n == 1 else v / n for k, v in step.components.items()}  # one micro-batch: no division
+        out: dict[str, torch.Tensor | float] = {S.LOSS_TOTAL: step.total if n == 1 else step.total / n}
         for k, v in means.items():
             if k != "total":
                 out[S.LOSS.format(k)] = v
-        if len(self.sums) > 1:
+        if len(means) > 1:
             for k, w in self.weights.items():
                 out[S.LOSS_WEIGHT.format(k)] = w if isinstance(w, torch.Tensor) else float(w)
-            for a, b in S.pair_keys(self.sums, pairs):
+            for a, b in S.pair_keys(means, pairs):
                 out[S.LOSS_RATIO.format(a, b)] = S.ratio(means[a], means[b])
         return out
+
+
+def _sum_entries(entries: list[_Entry]) -> _Entry:
+    components: dict[str, torch.Tensor] = {}
+    for e in entries:
+        for k, v in e.components.items():
+            components[k] = v if k not in components else components[k] + v
+    total = functools.reduce(operator.add, [e.total for e in entries])
+    return _Entry(components, total, sum(e.calls for e in entries))
 
 
 @dataclass(eq=False)

@@ -71,6 +71,38 @@ def test_evaluation_through_combine_never_counts_towards_a_training_step(tmp_pat
     assert same_state(model, bare), "a healthy monitored run ends bit-identical to the bare one"
 
 
+def test_a_loss_computed_with_gradients_on_and_never_backpropagated_is_no_micro_batch(tmp_path):
+    """A validation loss logged through combine() without torch.no_grad() (model.eval(), nothing
+    backpropagated) was averaged into the next training step's loss: 12 loss spikes and 12 healthy
+    batches skipped in 300 steps. A loss counts towards a step when a backward reaches it; the
+    components of a loop that backpropagates its own sum of them count (hooks on each)."""
+    batches = data(n=60)
+    bare, bare_opt = make()
+    for x, y, _ in batches:
+        nn.functional.mse_loss(bare(x), y).backward()
+        bare_opt.step()
+        bare_opt.zero_grad()
+    for own_sum in (False, True):
+        model, opt = make()
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(own_sum)), config=quiet())
+        seen = []
+        for i, (x, y, _) in enumerate(batches):
+            loss = nn.functional.mse_loss(model(x), y)
+            if own_sum:  # logged as a component; the loop backpropagates its own expression
+                mon.combine({"mse": loss})
+                (loss * 1.0).backward()
+            else:
+                mon.combine(loss).backward()
+            if i % 10 == 9:  # a validation pass with gradients on, its loss far above training's
+                mon.combine(nn.functional.mse_loss(model(x), y * 100))
+            opt.step()
+            opt.zero_grad()
+            seen.append((mon.stats["loss/total"], float(loss.detach())))
+        mon.detach()
+        assert mon.events == [] and same_state(model, bare), own_sum
+        assert all(a == b for a, b in seen), own_sum
+
+
 def test_a_bad_batch_every_few_steps_is_skipped_and_costs_nothing_else(tmp_path):
     batches = data(n=80, bad_every=5)
     twin, twin_opt = make()  # the fault-free twin: the same run without the bad batches
