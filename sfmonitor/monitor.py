@@ -680,6 +680,10 @@ class Monitor:
                 + (f" ({e.filename!r})" if e.filename else "")
             ) from e
         self.model, self.optimizer = model, optimizer
+        for d in self._detectors:
+            watch_optimizer = getattr(d, "watch_optimizer", None)
+            if watch_optimizer is not None:
+                watch_optimizer(optimizer)
         self._index_params()
         self._hooks.append(optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
         self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_post_step))

@@ -171,3 +171,51 @@ def test_a_skipped_step_is_no_measure_of_the_runs_batch_to_batch_noise(tmp_path)
     assert len(det.loss_moves) == 38  # the updates of steps 0-38 but 35, each judged at the next step
     assert sum(m > math.log(100) for m in det.loss_moves) == 1  # 34 -> 35, not 35 -> 36
     mon.detach()
+
+
+def _far_regression_run(tmp_path, monitored, optimizer, steps=150):
+    """A linear model at its default (small) initialisation fitting x @ W + 0.5 with W ~ N(0, 1):
+    under SGD its first updates are larger than its weights (the gradient, far from the solution)."""
+    g = torch.Generator().manual_seed(62)
+    w = torch.randn(8, 4, generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = optimizer(model.parameters())
+    xs = [torch.randn(32, 8, generator=g) for _ in range(steps)]
+
+    def loss_of(i):
+        return nn.functional.mse_loss(model(xs[i]), xs[i] @ w + 0.5)
+
+    events = train(tmp_path, model, opt, monitored, range(steps), loss_of)
+    return snapshot(model, opt), events
+
+
+def test_an_sgd_step_larger_than_small_initial_weights_is_left_alone_unless_it_does_harm(tmp_path):
+    """SGD's update is its gradient's size: the first steps of a regression far from its solution
+    passed the ceiling ||update|| > ||weights|| (1.27) and were undone twice, then the LR cut 5x,
+    on a healthy run whose loss fell 14.8 -> 5.4 with that very step. Under SGD the ceiling now asks
+    for the harm evidence too (told as large_update otherwise); an LR 1e4x too large is still
+    undone, the loss after it being non-finite."""
+    sgd = lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9)
+    bare, _ = _far_regression_run(tmp_path / "bare", False, sgd)
+    state, events = _far_regression_run(tmp_path / "mon", True, sgd)
+    assert_identical(state, bare)
+    assert {e.kind for e in events} == {"large_update"} and not any(e.actions for e in events)
+    assert events[0].data["loss_after"] < events[0].data["loss_before"]
+    # the same far regression, and one landed update at 1e4 x the LR: undone
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(62)
+    w = torch.randn(8, 4, generator=g)
+    xs = [torch.randn(32, 8, generator=g) for _ in range(40)]
+    events = train(
+        tmp_path / "spike",
+        model,
+        opt,
+        True,
+        range(40),
+        lambda i: nn.functional.mse_loss(model(xs[i]), xs[i] @ w + 0.5),
+        lr_spike_at=30,
+    )
+    assert [(e.step, e.actions) for e in events if e.actions][:1] == [(30, ["undo"])]
