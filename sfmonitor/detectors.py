@@ -250,6 +250,15 @@ class UpdateRatioSpikeConfig(Section):
         hi=1,
     )
 
+    relearn_after: int = option(
+        8,
+        "this many large_update findings of a group in a row (updates past the relative test that did "
+        "no harm: the group's usual update size changed) and its window restarts from them, as the "
+        "loss's after a level shift; without it the group was told on every step until the clamped values "
+        "fed to its window moved the median (78 times in a top-1 mixture-of-experts run). 0: never",
+        lo=0,
+    )
+
     def validate(self) -> None:
         _at_most(self, "warmup", "window")
 
@@ -790,6 +799,7 @@ class UpdateRatioSpike(_Windowed):
     def __init__(self, config: UpdateRatioSpikeConfig | None = None):
         super().__init__(config or UpdateRatioSpikeConfig())
         self.gradient_sized = False  # set by watch_optimizer
+        self.large_runs: dict[str, list[float]] = {}  # key -> its large_update values in a row (per LR)
         self.zero_init: set[str] = set()  # groups first seen with all parameters at zero: no ceiling
         self.losses_seen: list[float] = []  # the first (up to 3) losses: the largest is the start
         # |log(loss after an update / loss before it)| of the updates that landed and were judged
@@ -869,9 +879,19 @@ class UpdateRatioSpike(_Windowed):
                         },
                     )
                 )
-                if med is not None:
+                run = self.large_runs.setdefault(key, []) if kind == LARGE_UPDATE else []
+                run.append(x)
+                if kind != LARGE_UPDATE:
+                    self.large_runs.pop(key, None)
+                if cfg.relearn_after and len(run) >= cfg.relearn_after:
+                    # Harmless, and larger every time: this is the group's update size now. The
+                    # window restarts from these (the relative test waits for its warm-up again).
+                    self.windows[key] = collections.deque(run, maxlen=cfg.window)
+                    del self.large_runs[key]
+                elif med is not None:
                     w.append(cfg.factor * med)  # clamped (per unit of LR, as the window)
                 continue
+            self.large_runs.pop(key, None)
             w.append(x)
         return out
 
@@ -911,7 +931,7 @@ class UpdateRatioSpike(_Windowed):
         """After a change of data a model relearns with larger updates: the relative test learns
         their usual size afresh (its warm-up; the ceiling judges meanwhile), and the loss's start
         is the new level's."""
-        self.windows, self.losses_seen = {}, []
+        self.windows, self.losses_seen, self.large_runs = {}, [], {}
         self.loss_moves.clear()
 
     def state_dict(self) -> dict[str, Any]:
@@ -921,6 +941,7 @@ class UpdateRatioSpike(_Windowed):
             "per_lr": True,
             "losses_seen": list(self.losses_seen),
             "loss_moves": list(self.loss_moves),
+            "large_runs": {k: list(v) for k, v in self.large_runs.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -932,6 +953,7 @@ class UpdateRatioSpike(_Windowed):
         self.zero_init = {str(k) for k in state.get("zero_init", [])}
         self.losses_seen = [float(v) for v in state.get("losses_seen", [])]
         self.loss_moves = collections.deque((float(v) for v in state.get("loss_moves", [])), maxlen=self.config.window)
+        self.large_runs = {str(k): [float(x) for x in v] for k, v in state.get("large_runs", {}).items()}
 
 
 class _RatioImbalance(Detector):

@@ -614,3 +614,34 @@ def test_a_long_run_of_spikes_that_never_agree_keeps_a_bounded_state():
     assert kinds == [LOSS_SPIKE] * 60
     assert len(det.run["loss/total"]) <= det.config.shift_after + 2
     assert len(det.state_dict()["run"]["loss/total"]) <= det.config.shift_after + 2
+
+
+def test_update_ratio_updates_that_grew_and_did_no_harm_are_learnt_after_relearn_after():
+    """A group whose updates became 20x larger and stayed so, lowering the loss (a rarely routed
+    expert put to work, a model near convergence): told as large_update relearn_after (8) times in
+    a row, then its window restarts from them and it is no longer told (it was on every step until
+    the clamped values it fed its window moved the median: 40 here, 78 in a top-1 MoE run). A
+    harmful update later, past the new usual size: still a spike.
+    The run of told values round-trips through the state; relearn_after 0 tells on."""
+
+    def run(det, steps, ratio, loss=lambda s: 1.0, start=0):
+        out = []
+        for s in range(start, start + steps):
+            stats = {"update_ratio/a": ratio * (1 + 0.1 * (s % 3)), "loss/total": loss(s)}
+            stats["loss_after_update"] = loss(s + 1)
+            out += [(s, f.kind) for f in det.check(s, stats)]
+        return out
+
+    det = D.UpdateRatioSpike()
+    assert run(det, 40, 1e-3) == []
+    falling = lambda s: 1.0 - 0.001 * s
+    half = run(det, 5, 2e-2, falling, 40)
+    again = D.UpdateRatioSpike()
+    again.load_state_dict(copy.deepcopy(det.state_dict()))
+    told = half + run(again, 55, 2e-2, falling, 45)
+    assert told == [(s, "large_update") for s in range(40, 48)]
+    spike = again.check(100, {"update_ratio/a": 1.0, "loss/total": 1.0, "loss_after_update": 3.0})
+    assert [f.kind for f in spike] == [UPDATE_RATIO_SPIKE]
+    never = D.UpdateRatioSpike(D.UpdateRatioSpikeConfig(relearn_after=0))
+    run(never, 40, 1e-3)
+    assert len(run(never, 60, 2e-2, falling, 40)) == 40
