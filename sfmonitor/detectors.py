@@ -503,8 +503,9 @@ class LossSpike(_Windowed):
     or swings) never form a level; the policy's ladder goes on judging them.
 
     Watches ``loss/total`` (kind ``loss_spike``) and, with ``components``, every ``loss/<c>``
-    (kind ``loss_component_spike``). Losses <= 0 are ignored (their log is undefined). One finding
-    per key that spikes or shifts.
+    (kind ``loss_component_spike``). Losses <= 0 are ignored (their log is undefined); a component
+    seen at or below zero is no longer judged (it has no multiplicative scale). One finding per key
+    that spikes or shifts.
     """
 
     kind = LOSS_SPIKE
@@ -514,9 +515,20 @@ class LossSpike(_Windowed):
         self.errors: dict[str, collections.deque[float]] = {}  # key -> value minus the level it had
         self.start: dict[str, float] = {}  # key -> log of the loss at its start (the largest first value)
         self.run: dict[str, list[float]] = {}  # key -> logs of its spikes in a row, and the expected value
+        self.signed: set[str] = set()  # components seen at or below zero: no log scale, not judged
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
-        return _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
+        keys = _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
+        for key in keys:
+            value = stats[key]
+            if key != LOSS_TOTAL and key not in self.signed and S.finite(value) and value <= 0:
+                # A component that takes values at or below zero (a policy-gradient loss, a
+                # negative log-likelihood under a learnt variance) has no multiplicative scale: its
+                # log, judged on the positive values alone, calls each small positive one a jump.
+                self.signed.add(key)
+                for table in (self.windows, self.errors, self.start, self.run):
+                    table.pop(key, None)
+        return [k for k in keys if k not in self.signed]
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
@@ -657,10 +669,12 @@ class LossSpike(_Windowed):
             "errors": {k: list(e) for k, e in self.errors.items()},
             "start": dict(self.start),
             "run": {k: list(r) for k, r in self.run.items()},
+            "signed": sorted(self.signed),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
+        self.signed = {str(k) for k in state.get("signed", [])}
         self.errors = {
             k: collections.deque((float(v) for v in e), maxlen=self.config.window)
             for k, e in state.get("errors", {}).items()

@@ -645,3 +645,25 @@ def test_update_ratio_updates_that_grew_and_did_no_harm_are_learnt_after_relearn
     never = D.UpdateRatioSpike(D.UpdateRatioSpikeConfig(relearn_after=0))
     run(never, 40, 1e-3)
     assert len(run(never, 60, 2e-2, falling, 40)) == 40
+
+
+def test_a_loss_component_that_takes_values_at_or_below_zero_is_not_judged_by_its_log():
+    """PPO's policy loss starts near 1e-7 and is mostly negative: each later positive value was
+    'over 100x the largest loss so far' (7 loss_component_spike per run). A component seen at or
+    below zero has no multiplicative scale: it is no longer judged (its window dropped). A positive
+    component's jump still is, and so is the total's."""
+    det = D.LossSpike(D.LossSpikeConfig(components=True))
+    rng = np.random.default_rng(0)
+    found = []
+    for s in range(200):
+        policy = 1e-7 if s == 0 else float(rng.normal(-0.01, 0.01))
+        value = 0.5 * float(np.exp(rng.normal(0, 0.05)))
+        stats = {"loss/total": value + policy, "loss/value": value, "loss/policy": policy}
+        found += [(s, f.kind, f.where) for f in det.check(s, stats)]
+    assert found == []
+    assert "loss/policy" not in det.windows and "loss/value" in det.windows
+    out = det.check(200, {"loss/total": 50.0, "loss/value": 50.0, "loss/policy": 0.02})
+    assert sorted((f.kind, f.where) for f in out) == [("loss_component_spike", "value"), (LOSS_SPIKE, "total")]
+    again = D.LossSpike(D.LossSpikeConfig(components=True))
+    again.load_state_dict(copy.deepcopy(det.state_dict()))
+    assert again.check(201, {"loss/total": 0.5, "loss/value": 0.5, "loss/policy": 5.0}) == []
