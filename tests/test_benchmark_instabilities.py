@@ -1,0 +1,46 @@
+"""A small run of benchmarks/instabilities.py in the suite: the RNN and corrupt-batch scenarios,
+one seed, fewer steps, through the benchmark's own functions."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ins():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # its `import _checkout`
+    path = os.path.join(ROOT, "benchmarks", "instabilities.py")
+    spec = importlib.util.spec_from_file_location("instabilities", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["instabilities"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_an_exploding_rnn_is_rescued_to_near_the_clipped_run(ins):
+    r = ins.compare("rnn_exploding_gradients", 1, steps=120)  # seed 1: the bare run explodes by step 10
+    bare, mon, fixed = (r["held_out"][a] for a in ins.ARMS)
+    assert math.isfinite(fixed)
+    assert not math.isfinite(bare) or bare > 10 * fixed
+    assert r["bare_onset"] is not None and r["bare_onset"] < 60
+    assert math.isfinite(mon) and mon <= 2 * fixed
+    assert r["mon_within_2x_fixed"] and r["actions"].get("undo") and r["actions"].get("lr_drop")
+    assert r["gap_closed"] > 0.9
+
+
+def test_a_corrupt_batch_is_skipped_and_the_run_equals_the_one_without_it(ins):
+    r = ins.compare("corrupt_batch", 0, steps=200)  # the bad batch at step 100
+    assert r["bad_step"] == 100
+    assert {"step": 100, "kind": "loss_spike", "actions": ["skip_step"]} in r["events"]
+    assert r["actions"] == {"skip_step": 1}
+    assert r["identical_to_fixed"] is True
+    assert r["held_out"]["monitored"] == r["held_out"]["fixed"] < r["held_out"]["bare"]
+    text = ins.table([r])
+    assert "| corrupt_batch | 1 |" in text and "| 100% | 1/1 | 1/1 |" in text
