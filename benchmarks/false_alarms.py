@@ -17,17 +17,13 @@ Not a test: it prints a table. Latest results: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import fnmatch
-import json
 import math
-import platform
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import _checkout  # before sfmonitor: this checkout's code, not an editable install's
+import _tables
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -264,25 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setups", default="*", help=f"comma list of names or globs; names: {', '.join(SETUPS)}")
     p.add_argument("--json", default=None, help="also write the runs here")
     args = p.parse_args(argv)
-    pats = [x.strip() for x in args.setups.split(",") if x.strip()]
-    names = [n for n in SETUPS if any(fnmatch.fnmatch(n, q) for q in pats)]
-    if not names:
-        p.error(f"no setup matches {args.setups!r}; names: {', '.join(SETUPS)}")
-    torch.set_num_threads(1)
-    t0 = time.time()
-    rows = []
-    for name in names:
-        for seed in range(args.seeds):
-            rows.append(compare(name, seed, args.steps))
-        print(f"  {name}: done", flush=True)
-    print(
-        f"\ncode: {_checkout.describe()}; torch {torch.__version__}; {platform.machine()}; {time.time() - t0:.0f} s\n"
+    names = _tables.pick(p, SETUPS, args.setups, "setup")
+    return _tables.run_and_print(
+        names, args.seeds, lambda name, seed: compare(name, seed, args.steps), table, args.json
     )
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -42,18 +42,14 @@ minute on one core for the default 3 seeds.
 from __future__ import annotations
 
 import argparse
-import fnmatch
-import json
 import math
-import platform
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import _checkout  # before sfmonitor: this checkout's code, not an editable install's
+import _tables
 import torch
 from torch import nn
 
@@ -371,25 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default="*", help=f"comma list of names or globs; names: {', '.join(SCENARIOS)}")
     p.add_argument("--json", default=None, help="also write the per-seed rows here")
     args = p.parse_args(argv)
-    pats = [x.strip() for x in args.scenarios.split(",") if x.strip()]
-    names = [n for n in SCENARIOS if any(fnmatch.fnmatch(n, q) for q in pats)]
-    if not names:
-        p.error(f"no scenario matches {args.scenarios!r}; names: {', '.join(SCENARIOS)}")
-    torch.set_num_threads(1)
-    t0 = time.time()
-    rows = []
-    for name in names:
-        for seed in range(args.seeds):
-            rows.append(compare(name, seed))
-        print(f"  {name}: done", flush=True)
-    print(
-        f"\ncode: {_checkout.describe()}; torch {torch.__version__}; {platform.machine()}; {time.time() - t0:.0f} s\n"
-    )
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    names = _tables.pick(p, SCENARIOS, args.scenarios, "scenario")
+    return _tables.run_and_print(names, args.seeds, compare, table, args.json)
 
 
 if __name__ == "__main__":
