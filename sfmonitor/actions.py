@@ -687,12 +687,14 @@ def _scaled_lr(lr: float, scale: float, min_lr: float) -> float:
 def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, min_lr: float = 0.0) -> list[Any]:
     """Multiply every param group's LR by ``scale`` (not below ``min_lr``, nor above the group's own
     LR); returns what ``restore_lr`` needs. ``scale == 1``: touches nothing, returns []."""
-    if scale == 1.0:
+    if scale == 1.0 or all(g["lr"] is None for g in optimizer.param_groups):
         return []
-    saved = []
+    saved: list[Any] = []
     for group in optimizer.param_groups:
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
+        if lr is None:  # the optimizer sizes its steps itself (Adafactor's relative step)
+            saved.append(None)
+        elif isinstance(lr, torch.Tensor):
             saved.append(lr.clone())
             lr.copy_(torch.maximum(lr * scale, torch.clamp_max(lr, min_lr)))
         else:
@@ -722,16 +724,26 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if old < 1.0 or not cfg.recover_after:  # the trouble came back before the LR did: it stays cut
         ctx.lr_permanent = True
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
-    lrs = [float(g["lr"]) for g in ctx.optimizer.param_groups]
+    lrs = [None if g["lr"] is None else float(g["lr"]) for g in ctx.optimizer.param_groups]
+    unscalable = (
+        {}
+        if any(lr is not None for lr in lrs)
+        else {
+            "applied": False,
+            "reason": "every param group's lr is None (the optimizer sizes its steps itself, e.g. Adafactor's "
+            "relative step): there is no LR to lower",
+        }
+    )
     return {
+        **unscalable,
         "factor": factor,
         "old_scale": old,
         "new_scale": new,
         "permanent": ctx.lr_permanent,
         "recovers_from_step": None if ctx.lr_permanent else ctx.step + cfg.recover_after,
         "at_floor": new == cfg.min_scale,
-        "old_lr": [_scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
-        "new_lr": [_scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
+        "old_lr": [None if lr is None else _scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
+        "new_lr": [None if lr is None else _scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
     }
 
 

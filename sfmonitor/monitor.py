@@ -1458,7 +1458,8 @@ class Monitor:
                     ctx.undo.capture(step, self._params, ctx.optimizer, ctx.undo_buffers, ctx.scaler)
                     rec.before_params = ctx.undo.params
                 for i, pg in enumerate(ctx.optimizer.param_groups):
-                    self._stats[S.LR.format(i)] = float(pg["lr"])
+                    if pg["lr"] is not None:  # (None: the optimizer sizes its steps itself)
+                        self._stats[S.LR.format(i)] = float(pg["lr"])
         finally:
             ctx.skip = False
 
@@ -1580,7 +1581,8 @@ class Monitor:
         optimizer = self._live().optimizer
         for i, pg in enumerate(optimizer.param_groups):
             lr = pg["lr"]
-            out[S.LR.format(i)] = lr if isinstance(lr, torch.Tensor) else float(lr)
+            if lr is not None:  # (None: the optimizer sizes its steps itself, Adafactor's relative step)
+                out[S.LR.format(i)] = lr if isinstance(lr, torch.Tensor) else float(lr)
         out.update(rec.grad_ratio)
         if self.scaler is not None:
             scale = self.scaler._scale
@@ -1866,7 +1868,13 @@ class Monitor:
                 g: sorted({pg_of[id(p)] for _, p in ps if id(p) in pg_of}) for g, ps in self.groups.items()
             }
             self._group_pgs_key = key
-        return {g: max(float(groups[j]["lr"]) for j in js) for g, js in self._group_pgs.items() if js}
+        # A group whose param groups hold no LR (the optimizer sizes its steps itself) has none:
+        # the update-ratio test reads its raw ratios.
+        return {
+            g: max(float(groups[j]["lr"]) for j in js)
+            for g, js in self._group_pgs.items()
+            if js and all(groups[j]["lr"] is not None for j in js)
+        }
 
     def _arm_first_buffers(self) -> None:
         """The undo copy holds the model's buffers as they were before the step's forward from the

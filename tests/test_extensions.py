@@ -171,4 +171,10 @@ def test_detector_state_saved_as_a_list_by_an_older_version_is_ignored_with_a_wa
     sd["detectors"] = [{"windows": {"loss/total": [1.0] * 30}}]
     with pytest.warns(RuntimeWarning, match="older sfmonitor"):
         mon.load_state_dict(sd)
-    assert mon.state_dict()["detectors"]["loss_spike"] == {"windows": {}, "errors": {}, "start": {}, "run": {}, "signed": []}
+    assert mon.state_dict()["detectors"]["loss_spike"] == {
+        "windows": {},
+        "errors": {},
+        "start": {},
+        "run": {},
+        "signed": [],
+    }

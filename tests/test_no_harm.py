@@ -759,3 +759,41 @@ def test_an_optimizer_that_calls_its_closure_in_the_middle_of_its_step_trains_as
         torch.equal(opt.base_optimizer.state[p]["momentum_buffer"], bare_opt.base_optimizer.state[q]["momentum_buffer"])
         for p, q in zip(model.parameters(), bare.parameters())
     )
+
+
+def test_an_optimizer_that_computes_its_own_lr_trains_as_without_the_monitor(tmp_path):
+    """transformers' Adafactor in its relative-step mode (the T5 recipe: lr=None, the optimizer
+    sizes its steps itself) keeps lr None in its param groups: the first monitored step raised
+    TypeError (float(None)) from the monitor's statistics. No LR is recorded for such a group, the
+    update-ratio test reads raw ratios there, and an LR drop says it cannot act on it."""
+    from transformers.optimization import Adafactor
+
+    from sfmonitor import actions as A
+    from sfmonitor.events import Decision, Finding
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        opt = Adafactor(model.parameters(), scale_parameter=True, relative_step=True, warmup_init=True, lr=None)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=quiet()) if monitored else None
+        )
+        g = torch.Generator().manual_seed(3)
+        for _ in range(40):
+            x = torch.randn(16, 16, generator=g)
+            loss = nn.functional.cross_entropy(model(x), x[:, :4].argmax(1))
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, mon, opt
+
+    bare, _, _ = run(False)
+    model, mon, opt = run(True)
+    assert mon.events == [] and same_state(model, bare)
+    assert "grad_norm/total" in mon.stats and not any(k.startswith("lr/") for k in mon.stats)
+    ctx = mon._live()
+    facts = A.apply(ctx, Decision("lr_drop", Finding("update_ratio_spike", "test")))
+    assert facts["old_lr"] == [None] and facts["new_lr"] == [None]
+    saved = A.apply_lr_scale(opt, ctx.lr_scale)
+    assert opt.param_groups[0]["lr"] is None and saved == []
+    mon.detach()
