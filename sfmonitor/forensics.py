@@ -260,6 +260,15 @@ def _detach_refs(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
+_peek_transform = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
+
+
+def inside_func_transform() -> bool:
+    """Whether this runs inside a torch.func transform (``vmap``, ``grad``: per-sample gradients):
+    the tensors a forward sees there are the transform's own and must not be kept past it."""
+    return _peek_transform() is not None
+
+
 # Forwards of one optimizer step whose inputs the recorder keeps: gradient accumulation rarely
 # takes more micro-batches; more without a step says the loop steps another optimizer.
 MAX_STEP_BATCHES = 256
@@ -320,7 +329,7 @@ class BatchRecorder:
         return torch.stack([c.to(counts[0].device) for c in counts]).sum()
 
     def _pre(self, module, args, kwargs):
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or inside_func_transform():
             return None  # compiled: nothing is recorded (tracing this hook would break the graph)
         if len(self.batches) >= self.max_batches:
             if self.on_full is not None:

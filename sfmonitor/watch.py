@@ -82,6 +82,7 @@ from torch.overrides import TorchFunctionMode
 from . import attention as AT
 from .attention import ATTN_LOGIT_MAX_PREFIX, QK_CLIP, AttentionConfig
 from .events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError, Finding
+from .forensics import inside_func_transform
 from .registry import register_kind
 from .schema import Section, option
 from .sharding import is_sharded
@@ -596,7 +597,8 @@ class ActivationWatch:
         )
         warnings.warn(
             f"sfmonitor: the activation watch did not see {what} run in {BLIND_STEPS} sampled training steps. "
-            "Forward hooks do not run inside torch.compile'd code (nor TorchScript): activation maxima "
+            "Forward hooks do not run inside torch.compile'd code (nor TorchScript), and forwards inside "
+            "torch.func transforms (vmap, grad: per-sample gradients) are not recorded: activation maxima "
             "and attention logits there are not measured, and QK-Clip and precision_fallback cannot act "
             "on them; gradients, updates, losses and their rescues are unaffected. To watch them, train "
             "those modules uncompiled (or set watch.enabled: false to silence this)",
@@ -606,6 +608,8 @@ class ActivationWatch:
 
     # ---- hooks -----------------------------------------------------------------------------
     def _active(self) -> bool:
+        if inside_func_transform():  # per-sample forwards of torch.func: nothing may be kept
+            return False
         return self._remeasuring or (self._sampled and (torch.is_grad_enabled() or not self.config.grad_only))
 
     # The hooks are methods, the same function for every module (the module's name is looked up):
@@ -629,8 +633,8 @@ class ActivationWatch:
             return None
         if self._stack or self._mode is not None or not torch.is_grad_enabled():
             return None  # inside another watched module's forward, or not a training forward
-        if torch._C._current_graph_task_id() != -1:
-            return None  # a recomputation inside the backward (activation checkpointing)
+        if torch._C._current_graph_task_id() != -1 or inside_func_transform():
+            return None  # a recomputation inside the backward (activation checkpointing), or torch.func
         self._checked.add(name)  # the step's first forward only (accumulation, re-entrant calls)
         self._check_before_forward(name, module, args, kwargs)
         return None

@@ -4,6 +4,7 @@ more, and the rescue budget counts only rescues that changed something."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
 from _state import train
@@ -797,3 +798,49 @@ def test_an_optimizer_that_computes_its_own_lr_trains_as_without_the_monitor(tmp
     saved = A.apply_lr_scale(opt, ctx.lr_scale)
     assert opt.param_groups[0]["lr"] is None and saved == []
     mon.detach()
+
+
+def test_per_sample_gradients_made_with_torch_func_train_as_without_the_monitor(tmp_path):
+    """PyTorch's per-sample-gradients recipe (DP-SGD): vmap(grad(loss)) over functional_call(model),
+    then p.grad = their mean. The forwards inside the transform fired the monitor's forward hooks
+    with batched tensors, which the monitor kept and read at the step, outside the transform: the
+    first step raised RuntimeError. Forwards inside a torch.func transform are not recorded; the
+    step's gradients, parameters and updates are measured as always (every step sampled here)."""
+    from torch.func import functional_call, grad, vmap
+
+    def run(monitored, per_sample):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        cfg = quiet(watch={"stride": 1})
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=str(tmp_path / f"{monitored}{per_sample}"), config=cfg)
+            if monitored
+            else None
+        )
+
+        def loss_fn(p, x, y):
+            return nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
+
+        g = torch.Generator().manual_seed(5)
+        for _ in range(6):  # (the watch, which sees no forward here, says so once: silenced)
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            if per_sample:
+                each = vmap(grad(lambda p, xi, yi: loss_fn(p, xi[None], yi[None])), in_dims=(None, 0, 0))(params, x, y)
+                grads = {k: v.mean(0) for k, v in each.items()}
+            else:
+                grads = grad(loss_fn)(params, x, y)
+            for k, p in model.named_parameters():
+                p.grad = grads[k]
+            opt.step()
+            opt.zero_grad()
+        if mon:
+            assert mon.events == [] and mon.step == 6 and "grad_norm/total" in mon.stats
+            mon.detach()
+        return model
+
+    for per_sample in (True, False):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.func transforms.*", category=RuntimeWarning)
+            assert same_state(run(True, per_sample), run(False, per_sample)), per_sample
