@@ -685,8 +685,10 @@ class Monitor:
             if watch_optimizer is not None:
                 watch_optimizer(optimizer)
         self._index_params()
-        self._hooks.append(optimizer.register_step_pre_hook(self._on_optimizer_pre_step))
-        self._hooks.append(optimizer.register_step_post_hook(self._on_optimizer_post_step))
+        # Run eagerly under torch.compile(optimizer.step): dynamo would trace the whole pipeline
+        # (host reads, clocks, RNG captures), break the graph on each and recompile on snapshots.
+        self._hooks.append(optimizer.register_step_pre_hook(torch.compiler.disable(self._on_optimizer_pre_step)))
+        self._hooks.append(optimizer.register_step_post_hook(torch.compiler.disable(self._on_optimizer_post_step)))
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
             self.scaler = scaler
             self._wrap_scaler(scaler)

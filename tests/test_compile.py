@@ -174,3 +174,42 @@ def test_an_attention_submodule_a_fused_kernel_replaces_is_no_blind_spot(tmp_pat
         warnings.simplefilter("error")  # ...and no warning that it did not run
         steps(model, opt, mon, 4)
     mon.detach()
+
+
+def test_a_compiled_optimizer_step_does_not_trace_the_monitors_hooks(tmp_path):
+    """torch.compile(optimizer.step) (PyTorch's "compiling the optimizer" recipe): dynamo traced into
+    the monitor's step hooks, broke the graph 26 times in 120 steps on their host reads, clocks and
+    RNG captures, compiled new graphs on snapshot steps, and ran ~10x slower than uncompiled. The
+    hooks run eagerly (torch.compiler.disable): the graph breaks are the bare compiled step's, and
+    the run is bit-identical to it."""
+    import torch._dynamo.utils
+
+    def run(monitored):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config={"console": False})
+            if monitored
+            else None
+        )
+        step = torch.compile(opt.step, backend="eager")
+        g = torch.Generator().manual_seed(0)
+        for _ in range(30):
+            x = torch.randn(16, 16, generator=g)
+            loss = nn.functional.cross_entropy(model(x), x[:, :4].argmax(1))
+            (mon.combine(loss) if mon else loss).backward()
+            step()
+            opt.zero_grad()
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        if mon:
+            assert mon.step == 30 and any(k.startswith("update_ratio/") for k in mon.stats)
+            mon.detach()
+        return model, breaks
+
+    bare, bare_breaks = run(False)
+    model, breaks = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+    assert breaks <= bare_breaks + 2, (breaks, bare_breaks)
