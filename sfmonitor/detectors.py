@@ -1187,7 +1187,12 @@ class Plateau(Detector):
             Finding(
                 kind=self.kind,
                 where=cfg.metric,
-                message=f"validation {cfg.metric} {value} has not improved on {self.best} for {n} validations: {what}",
+                # What the report's early stopping would do now; what is done is the plateau
+                # ladder's (at the defaults: nothing, the event alone), and the event's actions say it.
+                message=(
+                    f"validation {cfg.metric} {value} has not improved on {self.best} for {n} validations "
+                    f"(the report's early stopping would now {what})"
+                ),
                 data={
                     "metric": cfg.metric,
                     "value": value,

@@ -667,3 +667,24 @@ def test_a_loss_component_that_takes_values_at_or_below_zero_is_not_judged_by_it
     again = D.LossSpike(D.LossSpikeConfig(components=True))
     again.load_state_dict(copy.deepcopy(det.state_dict()))
     assert again.check(201, {"loss/total": 0.5, "loss/value": 0.5, "loss/policy": 5.0}) == []
+
+
+def test_a_plateau_event_says_what_the_reports_rule_would_do_not_what_was_done(tmp_path):
+    """At the defaults the plateau ladder only tells, but its events read "...for 3 validations:
+    drop the learning rate" and then ": stop" with no action taken, the LR unchanged and the run
+    going on (a healthy 15-epoch Lightning GAN). The message says what the report's early
+    stopping would do; the event's actions say what was done."""
+    import torch
+
+    import sfmonitor
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config={"console": False})
+    for value in [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]:
+        mon.observe_eval({"loss": value})
+    told = [e for e in mon.events if e.kind == PLATEAU]
+    assert [e.actions for e in told] == [[], []] and not mon.should_stop
+    assert "would now drop the learning rate" in told[0].message and "would now stop" in told[1].message
+    assert not told[0].message.endswith(": drop the learning rate") and not told[1].message.endswith(": stop")
+    mon.detach()
