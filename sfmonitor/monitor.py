@@ -926,6 +926,16 @@ class Monitor:
         that computes no gradient (under ``torch.no_grad()`` / ``inference_mode``, or a loss that
         does not require grad: an evaluation loop) returns the total and records nothing.
         """
+        return self._combine(losses, weights)
+
+    def _combine(
+        self,
+        losses: Mapping[str, torch.Tensor] | torch.Tensor,
+        weights: Mapping[str, float | torch.Tensor] | None = None,
+        record_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """``combine``; ``record_scale`` multiplies what is recorded, never what is returned (an
+        integration whose framework normalises each micro-batch's loss to the whole batch)."""
         if isinstance(losses, torch.Tensor):
             _check_scalar(losses, "the loss")
             if weights is not None:
@@ -934,7 +944,7 @@ class Monitor:
                     "weigh; pass a dict {name: loss} or multiply the loss yourself"
                 )
             if _trains(losses):
-                self._open_record().losses.add({}, losses, {})
+                self._open_record().losses.add({}, losses, {}, record_scale)
             return losses
         if not isinstance(losses, Mapping) or not losses:
             raise TypeError("combine: expected a non-empty dict {name: loss tensor} or a tensor")
@@ -967,7 +977,10 @@ class Monitor:
         if rec.losses.count == 0 and self._grad_ratio_due():
             rec.grad_ratio = self._component_grad_stats(losses)
         rec.losses.add(
-            losses, total, {k: w.detach() if isinstance(w, torch.Tensor) else w for k, w in effective.items()}
+            losses,
+            total,
+            {k: w.detach() if isinstance(w, torch.Tensor) else w for k, w in effective.items()},
+            record_scale,
         )
         return total
 

@@ -78,9 +78,17 @@ class LossAccumulator:
         self.weights: dict[str, float | torch.Tensor] = {}
 
     def add(
-        self, components: Mapping[str, torch.Tensor], total: torch.Tensor, weights: Mapping[str, float | torch.Tensor]
+        self,
+        components: Mapping[str, torch.Tensor],
+        total: torch.Tensor,
+        weights: Mapping[str, float | torch.Tensor],
+        scale: float = 1.0,
     ) -> None:
-        entry = _Entry({k: v.detach().float() for k, v in components.items()}, total.detach().float())
+        """Record one call; ``scale`` multiplies what is recorded (not the tensors given)."""
+        entry = _Entry(
+            {k: v.detach().float() * scale if scale != 1.0 else v.detach().float() for k, v in components.items()},
+            total.detach().float() * scale if scale != 1.0 else total.detach().float(),
+        )
         for t in (total, *components.values()):
             if t.requires_grad:
                 t.register_hook(entry.mark)

@@ -212,7 +212,9 @@ def test_loss_statistics_match_the_trainers_loss_under_gradient_accumulation(tmp
 
 def test_combine_scales_the_record_not_the_gradients():
     """``cb.combine`` with n = 3 micro-batches, without a Trainer run: the gradients are those of
-    the plain weighted sum (a learnable weight's too: it is left unscaled, with a warning)."""
+    the plain weighted sum (a learnable weight's too), and so is the value, to the last bit: the
+    value was the scaled record's total divided by 3, which rounds differently on a third of the
+    draws (a Trainer's reported loss differed from the bare run's, its weights did not)."""
     from types import SimpleNamespace
 
     cb = SFMonitorTrainerCallback(config=QUIET)
@@ -231,11 +233,19 @@ def test_combine_scales_the_record_not_the_gradients():
     (0.5 * (x**2).sum() + 2.0 * x.sum()).backward()
     assert torch.equal(got, x.grad)
     assert loss.item() == pytest.approx(0.5 * 0.3**2 + 0.5 * 1.7**2 + 2.0 * 2.0, rel=1e-6)
+    recorded = cb.monitor._record.losses.entries[-1]
+    assert recorded.total.item() == pytest.approx(3 * loss.item(), rel=1e-6)  # the record: x 3
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        a, b = torch.rand(2, generator=g).tolist()
+        va, vb = torch.tensor(a), torch.tensor(b)
+        got = cb.combine({"a": va, "b": vb}, {"a": 0.7, "b": 1.3}, trainer=trainer, num_items_in_batch=5)
+        assert torch.equal(got, 0.7 * va + 1.3 * vb), (a, b)
 
     w = torch.nn.Parameter(torch.tensor(0.5))
-    with pytest.warns(RuntimeWarning, match="learnable loss weights"):
-        cb.combine({"a": (x**2).sum()}, {"a": w}, trainer=trainer, num_items_in_batch=5).backward()
+    cb.combine({"a": (x**2).sum()}, {"a": w}, trainer=trainer, num_items_in_batch=5).backward()
     assert w.grad.item() == pytest.approx(0.3**2 + 1.7**2)
+    assert cb.monitor._record.losses.entries[-1].components["a"].item() == pytest.approx(3 * (0.3**2 + 1.7**2))
     # the Trainer's own test: a per-micro-batch mean (no num_items_in_batch) is recorded as it is
     assert micro_batches_in_loss(trainer, 5) == 3 and micro_batches_in_loss(trainer, None) == 1
     assert micro_batches_in_loss(SimpleNamespace(**{**vars(trainer), "model_accepts_loss_kwargs": False}), 5) == 1

@@ -176,7 +176,6 @@ class SFMonitorTrainerCallback(TrainerCallback):
         self.groups = groups
         self.monitor = Monitor(**monitor_kwargs)  # cheap: sinks open on attach
         self.stop_reason: str | None = None
-        self._warned_learnable = False
 
     # -- attach / detach -----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -232,27 +231,9 @@ class SFMonitorTrainerCallback(TrainerCallback):
         backpropagates and reports, is the one it would get without the monitor, with the same
         gradients."""
         n = micro_batches_in_loss(trainer, num_items_in_batch)
-        if n == 1:
-            return self.monitor.combine(losses, weights)
-        if isinstance(losses, torch.Tensor):
-            self.monitor.combine(losses * n)  # a single loss is recorded, not changed
-            return losses
-        if any(isinstance(w, torch.Tensor) and w.requires_grad for w in (weights or {}).values()):
-            # A learnable weight's gradient is its component's value: that value cannot be scaled.
-            if not self._warned_learnable:
-                self._warned_learnable = True
-                warnings.warn(
-                    f"SFMonitorTrainerCallback.combine: with learnable loss weights, loss/* is recorded as "
-                    f"the Trainer computes each micro-batch's loss, i.e. divided by the {n} micro-batches "
-                    "of the step (each is normalised to the whole accumulated batch)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            return self.monitor.combine(losses, weights)
-        # Each component counts n times in the record, once in the gradient: v + (n-1) * v.detach().
-        total = self.monitor.combine({k: v + v.detach() * (n - 1) for k, v in losses.items()}, weights)
-        # The value of the unscaled total; the gradient of the weighted sum, as without the monitor.
-        return total - total.detach() + total.detach() / n
+        # Recorded x n, returned as computed: the Trainer backpropagates and reports the loss it
+        # would get without the monitor, to the last bit, with the same gradients.
+        return self.monitor._combine(losses, weights, record_scale=float(n))
 
     # -- the step ------------------------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
