@@ -290,10 +290,16 @@ class BatchRecorder:
         capture_rng: bool = True,
         max_batches: int = MAX_STEP_BATCHES,
         on_full: Callable[[], None] | None = None,
+        keep: bool = True,
     ) -> None:
         self.capture_rng = capture_rng
         self.max_batches = max_batches
         self.on_full = on_full
+        # keep False: no input is held (no anomaly bundle needs them); their non-finite values
+        # are counted as they come, and every input is freed as without the monitor
+        self.keep = keep
+        self.forwards = 0
+        self._nonfinite: torch.Tensor | None = None
         self.batches: list[dict[str, Any]] = []
         self.rng_state: dict[str, Any] | None = None
         self._handle: RemovableHandle | None = None
@@ -313,28 +319,30 @@ class BatchRecorder:
     def clear(self) -> None:
         self.batches = []
         self.rng_state = None
+        self.forwards = 0
+        self._nonfinite = None
 
     def nonfinite_inputs(self) -> torch.Tensor | None:
         """How many floating input values of this step's micro-batches are NaN or inf, as a 0-d
         tensor (no host read); None when no floating input was recorded. A NaN that arrives with
         the data is a bad batch, not an overflow inside the model."""
-        counts = [
-            (~torch.isfinite(t)).sum()
-            for b in self.batches
-            for _, t in _named_tensors([b.get("args", ()), b.get("kwargs", {})], "")
-            if t.is_floating_point() and t.numel()
-        ]
-        if not counts:
-            return None
-        return torch.stack([c.to(counts[0].device) for c in counts]).sum()
+        if not self.keep:
+            return self._nonfinite
+        return _count_nonfinite([[b.get("args", ()), b.get("kwargs", {})] for b in self.batches])
 
     def _pre(self, module, args, kwargs):
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or inside_func_transform():
             return None  # compiled: nothing is recorded (tracing this hook would break the graph)
-        if len(self.batches) >= self.max_batches:
+        if self.forwards >= self.max_batches:
             if self.on_full is not None:
                 on_full, self.on_full = self.on_full, None
                 on_full()
+            return None
+        self.forwards += 1
+        if not self.keep:
+            n = _count_nonfinite([[args, kwargs]])
+            if n is not None:
+                self._nonfinite = n if self._nonfinite is None else self._nonfinite + n.to(self._nonfinite.device)
             return None
         if not self.batches and self.capture_rng:
             self.rng_state = forward_rng_state()
@@ -344,6 +352,14 @@ class BatchRecorder:
             {"args": _detach_refs(tuple(args)), "kwargs": _detach_refs(dict(kwargs)), "autocast": amp, "device": dev}
         )
         return None
+
+
+def _count_nonfinite(inputs: list[Any]) -> torch.Tensor | None:
+    """How many floating values of ``inputs`` are NaN or inf, as a 0-d tensor; None without any."""
+    counts = [(~torch.isfinite(t)).sum() for _, t in _named_tensors(inputs, "") if t.is_floating_point() and t.numel()]
+    if not counts:
+        return None
+    return torch.stack([c.to(counts[0].device) for c in counts]).sum()
 
 
 def _dtype_str(d: torch.dtype) -> str:

@@ -478,7 +478,7 @@ class Monitor:
         self._detectors: list[Detector] = build_detectors(self.config.detectors) + extra
         self._policy = Policy(self.config.policy)
         self._watch = ActivationWatch(self.config.watch)
-        self._recorder = BatchRecorder(on_full=self._warn_never_stepped)
+        self._recorder = BatchRecorder(on_full=self._warn_never_stepped, keep=self.config.bundle.enabled)
         self._first_buffers: Any = None  # the one-shot hook of _arm_first_buffers
         self._unwritten: list[Event] = []  # events whose actions finish after the update (_emit)
         self._group_pgs: dict[str, list[int]] = {}  # group -> optimizer param groups (_group_lrs)

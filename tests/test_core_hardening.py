@@ -305,3 +305,34 @@ def test_attach_before_a_lazy_modules_first_forward_is_a_clear_error_and_changes
     opt.step()
     assert mon.step == 1 and "grad_norm/total" in mon.stats
     mon.detach()
+
+
+def test_without_bundles_no_input_is_held_past_its_forward_and_a_nan_input_is_still_a_bad_batch(tmp_path):
+    """The inputs of a step's forwards were held until the step closed, for the anomaly bundles and
+    the bad-batch check, bundles or not: under accumulation that is every micro-batch's input
+    (32 of 8 MiB: 256 MiB at the peak). With ``bundle.enabled: false`` the recorder keeps none,
+    counting non-finite inputs as they come; a NaN input is still a bad batch, skipped."""
+    for bundles, held in ((True, 3), (False, 0)):
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mon = sfmonitor.attach(
+            model, opt, run_dir=str(tmp_path / str(bundles)), config=quiet(bundle={"enabled": bundles})
+        )
+        for _ in range(3):  # three micro-batches of one step
+            mon.combine(model(torch.randn(4, 4)).pow(2).mean() / 3).backward()
+        # (detached views of each input: they keep its storage alive)
+        assert len(mon._recorder.batches) == held
+        opt.step()
+        opt.zero_grad()
+        if bundles:
+            mon.detach()
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 4)
+    x[1, 2] = float("nan")
+    mon.combine(model(x).pow(2).mean()).backward()
+    opt.step()
+    assert [(e.kind, e.actions) for e in mon.events] == [("bad_batch", ["skip_step"])]
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    mon.detach()
