@@ -877,8 +877,9 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     newest snapshot from before the offending update."""
     folder = _checkpoint_dir(ctx)
     if folder is None:
-        dist = torch.distributed
-        r = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        from .integrations.distributed import rank
+
+        r = rank()
         if r:  # DDP: rank 0 writes the run's files, this checkpoint too
             return {"saved": False, "reason": f"rank {r} does not write: rank 0 saves the emergency checkpoint"}
         return {"saved": False, "reason": "no run_dir: the monitor has nowhere to write"}

@@ -651,8 +651,9 @@ def _clip_after_update(
     # Re-measured on this process's own input only: with several processes (DDP: a full copy of
     # the weights each, a different batch each) every rank would size its own clip and the copies
     # would part for good. There the logits read before the update, reduced across ranks, decide.
-    dist = torch.distributed
-    alone = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    from .integrations.distributed import world_size
+
+    alone = world_size() == 1
     if watch is not None and not sharded and alone:
         after = watch.remeasure(module, keep=True)  # kept: the clip is checked on the same input
     if after is not None and len(after) == len(head_max):

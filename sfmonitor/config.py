@@ -35,6 +35,12 @@ class MonitorConfig(Section):
         "raise NonFiniteError on a non-finite loss or gradient instead of skipping the step (the report's assertions)",
     )
     console: bool = option(True, "print one line per event to stderr")
+    distributed: bool = option(
+        True,
+        "under an initialised process group, agree with the other ranks every step (attach on every "
+        "rank); false: this monitor is this process's alone (a model only this rank trains): no "
+        "collective, it writes its own files",
+    )
     dry_run: bool = option(
         False,
         "detectors and policy run and events say what would have been done, but nothing changes "

@@ -81,6 +81,7 @@ from .events import (
 from .forensics import MAX_STEP_BATCHES, BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
 from .integrations.distributed import (
     agree_metrics,
+    alone,
     rank,
     rank_slots,
     same_path,
@@ -413,6 +414,20 @@ class _ScalerPatch:
 _SCALER_PATCHES: weakref.WeakKeyDictionary[Any, _ScalerPatch] = weakref.WeakKeyDictionary()
 
 
+def _in_its_world(method: Any) -> Any:
+    """Run ``method`` in the monitor's world: with ``distributed: false``, a world of one (no
+    collective, rank 0 for its files) whatever process group exists."""
+
+    @functools.wraps(method)
+    def scoped(self: Monitor, *args: Any, **kwargs: Any) -> Any:
+        if self.config.distributed:
+            return method(self, *args, **kwargs)
+        with alone():
+            return method(self, *args, **kwargs)
+
+    return scoped
+
+
 class Monitor:
     """Watches a model and optimizer each optimizer step; see the module docstring.
 
@@ -596,6 +611,7 @@ class Monitor:
             raise RuntimeError("the monitor is not attached (call attach() first)")
         return self._ctx
 
+    @_in_its_world
     def attach(
         self,
         model: nn.Module,
@@ -803,6 +819,7 @@ class Monitor:
             self.config.dry_run,
         )
 
+    @_in_its_world
     def detach(self) -> None:
         """Remove every hook and restore what attach() replaced. Safe to call twice."""
         if self.model is None:
@@ -928,6 +945,7 @@ class Monitor:
         """
         return self._combine(losses, weights)
 
+    @_in_its_world
     def _combine(
         self,
         losses: Mapping[str, torch.Tensor] | torch.Tensor,
@@ -1097,6 +1115,7 @@ class Monitor:
             raise ConfigError(f"model factory must be 'module:function', got {factory!r}")
         self._model_factory = (factory, dict(kwargs))
 
+    @_in_its_world
     def observe_eval(self, metrics: Mapping[str, float], chance: float | None = None) -> list[Event]:
         """Feed validation results to the evaluation detectors (accuracy collapse, plateau);
         their findings go through the same policy and actions. Returns the new events."""
@@ -1208,6 +1227,7 @@ class Monitor:
         self._driven_externally = True
         return self
 
+    @_in_its_world
     def before_update(self) -> None:
         """Entry point 1: run the pipeline for the step in flight, where the unscaled gradients are
         ready and the update has not landed. A no-op when it already ran for this step. An
@@ -1233,6 +1253,7 @@ class Monitor:
             self._own_seconds += time.perf_counter() - started
             self._own_steps += 1
 
+    @_in_its_world
     def after_update(self, *, aborted: bool = False) -> None:
         """Entry point 2: close the step in flight once the optimizer ran or was skipped
         (``aborted``: an exception ended it before the update could land). A no-op when no step
@@ -1554,6 +1575,7 @@ class Monitor:
             dir_name=cfg.dir,
         )
 
+    @_in_its_world
     def request_bundle(self) -> None:
         """Write an anomaly bundle of the next optimizer step (its pre-step state and batch), as
         if something had gone wrong there: for reproducing a step by hand with `sfmonitor replay`.
@@ -1795,6 +1817,7 @@ class Monitor:
             self._recorder.clear()
             self._own_seconds += time.perf_counter() - started
 
+    @_in_its_world
     def _finish_pending(self, final: bool = False) -> None:
         """Read the last step's update ratios now (used by ``stats`` and, ``final``, ``detach``)."""
         last = self._last
@@ -1839,6 +1862,7 @@ class Monitor:
     # ------------------------------------------------------------------------------------------
     # state
     # ------------------------------------------------------------------------------------------
+    @_in_its_world
     def state_dict(self) -> dict[str, Any]:
         """Plain data: step, loss weights, LR scale, detector windows (by detector name), policy
         streaks and cooldowns, watch streaks, bundles written. Snapshots and hooks are not included."""
@@ -1916,6 +1940,7 @@ class Monitor:
             self._first_buffers.remove()
             self._first_buffers = None
 
+    @_in_its_world
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; works before or after ``attach``. Detector state
         is matched by detector name: state of a detector this monitor does not run is ignored

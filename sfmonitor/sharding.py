@@ -86,8 +86,9 @@ def locals_(tensors: Iterable[Any]) -> list[Any]:
 
 
 def _world() -> int:
-    d = torch.distributed
-    return d.get_world_size() if d.is_available() and d.is_initialized() else 1
+    from .integrations.distributed import world_size  # (the monitor's world: 1 for a monitor alone)
+
+    return world_size()
 
 
 def square_share(t: Any, world: int | None = None) -> float:

@@ -83,6 +83,7 @@ from . import attention as AT
 from .attention import ATTN_LOGIT_MAX_PREFIX, QK_CLIP, AttentionConfig
 from .events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError, Finding
 from .forensics import inside_func_transform
+from .integrations.distributed import world_size
 from .registry import register_kind
 from .schema import Section, option
 from .sharding import is_sharded
@@ -858,8 +859,7 @@ class ActivationWatch:
         out: list[Finding] = []
         seen = set()
         first_idx = int(stats.get(FIRST_NONFINITE_KEY, -1))
-        dist = torch.distributed
-        if not 0 <= first_idx < len(self._order) and dist.is_available() and dist.is_initialized():
+        if not 0 <= first_idx < len(self._order) and world_size() > 1:
             # Under torch.distributed the maxima are the max over ranks: another rank's overflow
             # shows here as a non-finite maximum without a local index; name the first such module.
             # (In one process no index means no watched module made it: it came with an input.)
@@ -1048,8 +1048,7 @@ class ActivationWatch:
             return False
         if name in self._sharded or self._model is None:
             return False
-        dist = torch.distributed
-        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        return world_size() == 1
 
     def _check_before_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A held module's check before its training forward: its exact max logit per head on this

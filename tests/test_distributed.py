@@ -246,3 +246,40 @@ def test_qk_clip_under_ddp_is_the_same_on_every_rank(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["clips"] and r0["clips"] == r1["clips"]
     assert torch.equal(r0["params"], r1["params"])
+
+
+def _alone_worker(rank, world, port, out_dir):
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    if rank == 0:  # an auxiliary model only rank 0 trains, its monitor this process's alone
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        cfg = {"console": False, "distributed": False, "watch": {"stride": 1}}
+        mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, "aux"), config=cfg)
+        g = torch.Generator().manual_seed(1)
+        for step in range(6):
+            loss = model(torch.randn(5, 4, generator=g)).pow(2).mean()
+            if step == 3:
+                loss = loss + torch.tensor(float("nan"))
+            mon.combine(loss).backward()
+            opt.step()
+            opt.zero_grad()
+        mon.observe_eval({"loss": 1.0})
+        mon.detach()
+        torch.save({"events": [(e.step, e.kind, e.actions) for e in mon.events], "steps": mon.step}, f"{out_dir}/r0.pt")
+    dist.barrier()  # rank 1 waits here (it attached nothing) while rank 0 trains
+    _leave()
+
+
+def test_a_monitor_alone_on_one_rank_needs_no_other_rank(tmp_path):
+    """A model only rank 0 trains, under a process group of 2: its monitor joined collectives that
+    rank 1 never entered and rank 0 waited in its first step until the group's timeout (30 min by
+    default). With ``distributed: false`` it is this process's alone: no collective, its own files."""
+    mp.spawn(_alone_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0 = torch.load(tmp_path / "r0.pt")
+    assert r0["steps"] == 6 and r0["events"] == [(3, "nonfinite_loss", ["skip_step"])]
+    assert (tmp_path / "aux" / "events.jsonl").exists() and (tmp_path / "aux" / "summary.json").exists()

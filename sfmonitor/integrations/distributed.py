@@ -21,9 +21,11 @@ vector: a constant number, whatever the number of statistics. ``agree_metrics`` 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,17 +34,32 @@ from torch import nn
 from ..errors import ConfigError
 from ..stats import Reduce
 
+# Set while a monitor configured ``distributed: false`` runs: it is this process's alone (a model
+# only this rank trains), and sees a world of one, itself rank 0, whatever process group exists.
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("sfmonitor_alone", default=False)
+
+
+@contextlib.contextmanager
+def alone(on: bool = True) -> Iterator[None]:
+    """Within: ``world_size()`` is 1 and ``rank()`` 0 when ``on`` (no collective, this process's files)."""
+    token = _ALONE.set(True) if on else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _ALONE.reset(token)
+
 
 def world_size() -> int:
     d = torch.distributed
-    if d.is_available() and d.is_initialized():
+    if not _ALONE.get() and d.is_available() and d.is_initialized():
         return d.get_world_size()
     return 1
 
 
 def rank() -> int:
     d = torch.distributed
-    if d.is_available() and d.is_initialized():
+    if not _ALONE.get() and d.is_available() and d.is_initialized():
         return d.get_rank()
     return 0
 
