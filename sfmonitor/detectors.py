@@ -27,8 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from . import stats as S
 from .events import (
     ACCURACY_COLLAPSE,
@@ -434,10 +432,6 @@ class Detector:
         ``loss_level_shift``): forget what was usual before it. Optional; the monitor calls it on
         the detectors that have it."""
 
-    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer whose steps it judges, at attach. Optional; the monitor calls it on the
-        detectors that have it."""
-
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -797,22 +791,14 @@ class UpdateRatioSpike(_Windowed):
     part of the progress (``harm_setback``). An update that did not do that is told, as kind
     ``large_update``, and left alone: large updates that lower the loss are a model relearning
     (after a change of data or task, measured: undone, then the LR cut for good). Without a loss
-    (no ``combine()``) the relative test alone decides, as the ceiling does, except under an
-    optimizer whose update is sized by the gradient (SGD): there the ceiling asks for the same
-    evidence.
+    (no ``combine()``) the relative test alone decides, as the ceiling always does.
     """
 
     kind = UPDATE_RATIO_SPIKE
     after_update = True
-    # Optimizers whose update is the gradient times the LR (momentum aside): its size is the
-    # gradient's, and a first step larger than small initial weights is a regression far from its
-    # solution, not a fault. The ceiling asks them for the harm evidence too. (Adam-like ones move
-    # each weight by about the LR whatever the gradient: past the weights' norm, the LR alone.)
-    GRADIENT_SIZED = (torch.optim.SGD, torch.optim.ASGD)
 
     def __init__(self, config: UpdateRatioSpikeConfig | None = None):
         super().__init__(config or UpdateRatioSpikeConfig())
-        self.gradient_sized = False  # set by watch_optimizer
         self.large_runs: dict[str, list[float]] = {}  # key -> its large_update values in a row (per LR)
         self.zero_init: set[str] = set()  # groups first seen with all parameters at zero: no ceiling
         self.losses_seen: list[float] = []  # the first (up to 3) losses: the largest is the start
@@ -858,8 +844,7 @@ class UpdateRatioSpike(_Windowed):
             rel_limit = max(cfg.factor * med * lr, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
-                judged = value <= cfg.ceiling or key in self.zero_init or self.gradient_sized
-                kind, harm = self.kind, self._harm(stats, judged)
+                kind, harm = self.kind, self._harm(stats, value <= cfg.ceiling or key in self.zero_init)
                 if harm is not None and not harm["harm"]:
                     kind = LARGE_UPDATE
                 why = (
@@ -910,10 +895,9 @@ class UpdateRatioSpike(_Windowed):
         return out
 
     def _harm(self, stats: Mapping[str, float], relative: bool) -> dict[str, Any] | None:
-        """What the update did to the loss, for a spike judged by it (``relative``: past the
-        relative test alone, or past the ceiling under a gradient-sized optimizer):
+        """What the update did to the loss, for a spike of the relative test alone (``relative``):
         {"loss_before", "loss_after", "loss_start", "harm_rise", "harm"}; None when the test needs no
-        evidence (the ceiling otherwise, ``harm_rise`` 0) or no loss was given to judge by. Harm: the loss after
+        evidence (the ceiling, ``harm_rise`` 0) or no loss was given to judge by. Harm: the loss after
         is non-finite, or over ``harm_rise`` x the loss before and the rise gives back at least
         ``harm_setback`` of the progress since the start (a loss that never fell below its start:
         the ratio alone)."""
@@ -937,9 +921,6 @@ class UpdateRatioSpike(_Windowed):
             "harm_rise": rise,
             "harm": harm,
         }
-
-    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self.gradient_sized = isinstance(optimizer, self.GRADIENT_SIZED)
 
     def new_regime(self, step: int) -> None:
         """After a change of data a model relearns with larger updates: the relative test learns

@@ -696,10 +696,6 @@ class Monitor:
                 + (f" ({e.filename!r})" if e.filename else "")
             ) from e
         self.model, self.optimizer = model, optimizer
-        for d in self._detectors:
-            watch_optimizer = getattr(d, "watch_optimizer", None)
-            if watch_optimizer is not None:
-                watch_optimizer(optimizer)
         self._index_params()
         # Run eagerly under torch.compile(optimizer.step): dynamo would trace the whole pipeline
         # (host reads, clocks, RNG captures), break the graph on each and recompile on snapshots.
