@@ -22,10 +22,10 @@ working and the drop multiplies whatever it sets. With ``lr_scale == 1`` nothing
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 import re
+import statistics
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -66,6 +66,7 @@ from .events import (
     Decision,
     StopTraining,
 )
+from .integrations.distributed import rank
 from .registry import ACTIONS, register_action
 from .schema import Section, SectionTable, option
 from .undo import UndoState
@@ -362,7 +363,7 @@ class ActionContext:
     # The losses (logs) and LR scales of the last halt_window steps, from halt_window steps before
     # the LR starts to climb back; and the lowest median of those losses so far with the lowest
     # scale of its window: what the climb is judged against (relax_lr).
-    lr_climb: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
+    lr_climb: list[tuple[float, float]] = field(default_factory=list)
     lr_climb_best: tuple[float, float] | None = None
     should_stop: bool = False
     stopped: bool = False  # set by stop (not early stopping): every later step is skipped
@@ -725,17 +726,7 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         ctx.lr_permanent = True
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
     lrs = [None if g["lr"] is None else float(g["lr"]) for g in ctx.optimizer.param_groups]
-    unscalable = (
-        {}
-        if any(lr is not None for lr in lrs)
-        else {
-            "applied": False,
-            "reason": "every param group's lr is None (the optimizer sizes its steps itself, e.g. Adafactor's "
-            "relative step): there is no LR to lower",
-        }
-    )
-    return {
-        **unscalable,
+    facts: dict[str, Any] = {
         "factor": factor,
         "old_scale": old,
         "new_scale": new,
@@ -745,6 +736,13 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "old_lr": [None if lr is None else _scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
         "new_lr": [None if lr is None else _scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
     }
+    if all(lr is None for lr in lrs):
+        facts["applied"] = False
+        facts["reason"] = (
+            "every param group's lr is None (the optimizer sizes its steps itself, e.g. Adafactor's "
+            "relative step): there is no LR to lower"
+        )
+    return facts
 
 
 def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
@@ -756,22 +754,15 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     never could take), the climb halts at the scale of that lowest median, for good. Returns facts
     when the climb starts, ends or halts (each is an event), else {}."""
     cfg = ctx.config.lr_drop
-    if ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not cfg.recover_after:
-        ctx.lr_climb.clear()
-        ctx.lr_climb_best = None
-        return {}
-    since = ctx.step - ctx.lr_dropped_at
-    if since < cfg.recover_after - cfg.halt_window:
-        ctx.lr_climb.clear()  # (a new drop restarts the count)
-        ctx.lr_climb_best = None
+    idle = ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not cfg.recover_after
+    since = 0 if idle or ctx.lr_dropped_at is None else ctx.step - ctx.lr_dropped_at
+    if idle or since < cfg.recover_after - cfg.halt_window:  # (a new drop restarts the count)
+        ctx.lr_climb, ctx.lr_climb_best = [], None
         return {}
     if cfg.halt_rise and loss is not None and math.isfinite(loss) and loss > 0:
-        if ctx.lr_climb.maxlen != cfg.halt_window:
-            ctx.lr_climb = collections.deque(ctx.lr_climb, maxlen=cfg.halt_window)
-        ctx.lr_climb.append((math.log(loss), ctx.lr_scale))
+        ctx.lr_climb = [*ctx.lr_climb[-(cfg.halt_window - 1) :], (math.log(loss), ctx.lr_scale)]
         if len(ctx.lr_climb) == cfg.halt_window:
-            logs = sorted(x for x, _ in ctx.lr_climb)
-            median = 0.5 * (logs[(len(logs) - 1) // 2] + logs[len(logs) // 2])
+            median = statistics.median(x for x, _ in ctx.lr_climb)
             best = ctx.lr_climb_best
             if since > cfg.recover_after and best is not None and median - best[0] > math.log(cfg.halt_rise):
                 old = ctx.lr_scale
@@ -877,8 +868,6 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     newest snapshot from before the offending update."""
     folder = _checkpoint_dir(ctx)
     if folder is None:
-        from .integrations.distributed import rank
-
         r = rank()
         if r:  # DDP: rank 0 writes the run's files, this checkpoint too
             return {"saved": False, "reason": f"rank {r} does not write: rank 0 saves the emergency checkpoint"}

@@ -49,6 +49,7 @@ from torch import nn
 from . import stats as S
 from .errors import ConfigError
 from .events import Decision, Finding
+from .integrations.distributed import world_size
 from .registry import register_action, register_kind
 from .schema import Section, option
 from .sharding import is_sharded, scale_slice_
@@ -651,8 +652,6 @@ def _clip_after_update(
     # Re-measured on this process's own input only: with several processes (DDP: a full copy of
     # the weights each, a different batch each) every rank would size its own clip and the copies
     # would part for good. There the logits read before the update, reduced across ranks, decide.
-    from .integrations.distributed import world_size
-
     alone = world_size() == 1
     if watch is not None and not sharded and alone:
         after = watch.remeasure(module, keep=True)  # kept: the clip is checked on the same input

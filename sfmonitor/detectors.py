@@ -878,16 +878,17 @@ class UpdateRatioSpike(_Windowed):
                         },
                     )
                 )
-                run = self.large_runs.setdefault(key, []) if kind == LARGE_UPDATE else []
-                run.append(x)
-                if kind != LARGE_UPDATE:
+                if kind == LARGE_UPDATE:
+                    run = self.large_runs.setdefault(key, [])
+                    run.append(x)
+                    if cfg.relearn_after and len(run) >= cfg.relearn_after:
+                        # Harmless, and larger every time: this is the group's update size now. The
+                        # window restarts from these (the relative test waits for its warm-up again).
+                        self.windows[key] = collections.deque(self.large_runs.pop(key), maxlen=cfg.window)
+                        continue
+                else:
                     self.large_runs.pop(key, None)
-                if cfg.relearn_after and len(run) >= cfg.relearn_after:
-                    # Harmless, and larger every time: this is the group's update size now. The
-                    # window restarts from these (the relative test waits for its warm-up again).
-                    self.windows[key] = collections.deque(run, maxlen=cfg.window)
-                    del self.large_runs[key]
-                elif med is not None:
+                if med is not None:
                     w.append(cfg.factor * med)  # clamped (per unit of LR, as the window)
                 continue
             self.large_runs.pop(key, None)

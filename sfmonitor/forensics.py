@@ -269,8 +269,9 @@ def inside_func_transform() -> bool:
     return _peek_transform() is not None
 
 
-# Forwards of one optimizer step whose inputs the recorder keeps: gradient accumulation rarely
-# takes more micro-batches; more without a step says the loop steps another optimizer.
+# Forwards of one optimizer step whose inputs the recorder keeps (and combine() calls a step's
+# record keeps apart): gradient accumulation rarely takes more micro-batches; more without a step
+# says the loop steps another optimizer.
 MAX_STEP_BATCHES = 256
 
 

@@ -28,7 +28,6 @@ docs/design.md walks through one step from hook to sink.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import functools
@@ -412,6 +411,14 @@ class _ScalerPatch:
 
 
 _SCALER_PATCHES: weakref.WeakKeyDictionary[Any, _ScalerPatch] = weakref.WeakKeyDictionary()
+
+
+def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]:
+    """``optimizer.step``'s arguments (as its pre-hook sees them: ``args[0]`` is the optimizer)
+    with ``closure`` in place of the one given, by keyword or by position."""
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure}
+    return (args[0], closure, *args[2:]), kwargs
 
 
 def _in_its_world(method: Any) -> Any:
@@ -1148,15 +1155,7 @@ class Monitor:
                 # them; a closure run then would make new ones, so the optimizer gets none to run.
                 self.before_update()
                 if self._record.skip:
-
-                    def nothing() -> None:
-                        return None
-
-                    changed = (
-                        (args, {**kwargs, "closure": nothing})
-                        if "closure" in kwargs
-                        else ((args[0], nothing, *args[2:]), kwargs)
-                    )
+                    changed = _with_closure(args, kwargs, lambda: None)
                 self._record.stepped = True
                 return changed
             if closure is not None:
@@ -1167,13 +1166,7 @@ class Monitor:
                 # (which would also undo a skip's hidden gradients).
                 with torch.enable_grad():
                     loss = closure()
-
-                def done() -> Any:
-                    return loss
-
-                changed = (
-                    (args, {**kwargs, "closure": done}) if "closure" in kwargs else ((args[0], done, *args[2:]), kwargs)
-                )
+                changed = _with_closure(args, kwargs, lambda: loss)
             self.before_update()
         self._record.stepped = True
         return changed
@@ -1972,10 +1965,7 @@ class Monitor:
             ctx.lr_dropped_at = int(dropped) if dropped is not None else None
             ctx.lr_drop_kind = str(recovery.get("kind", ""))
             ctx.lr_permanent = bool(recovery.get("permanent", False))
-            ctx.lr_climb = collections.deque(
-                ((float(x), float(scale)) for x, scale in recovery.get("climb", [])),
-                maxlen=self.config.actions.lr_drop.halt_window,
-            )
+            ctx.lr_climb = [(float(x), float(scale)) for x, scale in recovery.get("climb", [])]
             best = recovery.get("climb_best")
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
             for name in sd.get("fp32_modules", []):

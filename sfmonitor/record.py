@@ -28,6 +28,7 @@ import torch
 from . import stats as S
 from .actions import restore_lr
 from .events import Finding
+from .forensics import MAX_STEP_BATCHES
 
 __all__ = ["LossAccumulator", "Outcome", "Phase", "StepRecord"]
 
@@ -70,12 +71,14 @@ class LossAccumulator:
     backward reached any of them (a loop that backpropagates its own sum of the components it
     logged elsewhere), every call counts."""
 
-    MAX_ENTRIES = 256  # calls kept apart in one step; older ones are folded into one that counts
-
     def __init__(self) -> None:
         self.entries: list[_Entry] = []
-        self.count = 0
         self.weights: dict[str, float | torch.Tensor] = {}
+
+    @property
+    def count(self) -> int:
+        """``combine()`` calls recorded in this step."""
+        return sum(e.calls for e in self.entries)
 
     def add(
         self,
@@ -92,12 +95,11 @@ class LossAccumulator:
         for t in (total, *components.values()):
             if t.requires_grad:
                 t.register_hook(entry.mark)
-        if len(self.entries) >= self.MAX_ENTRIES:
+        if len(self.entries) >= MAX_STEP_BATCHES:  # (older calls folded into one that counts)
             folded = _sum_entries(self.entries)
             folded.used = True
             self.entries = [folded]
         self.entries.append(entry)
-        self.count += 1
         self.weights = dict(weights)
 
     def tensors(self, pairs: list[list[str]]) -> dict[str, torch.Tensor | float]:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .integrations.distributed import world_size
 from .stats import TensorIndex, norms
 
 __all__ = [
@@ -85,18 +86,12 @@ def locals_(tensors: Iterable[Any]) -> list[Any]:
     return [local(t) for t in tensors]
 
 
-def _world() -> int:
-    from .integrations.distributed import world_size  # (the monitor's world: 1 for a monitor alone)
-
-    return world_size()
-
-
 def square_share(t: Any, world: int | None = None) -> float:
     """The weight of this rank's ``||local part||^2`` in the global ``||t||^2`` when every rank's
     weighted squares are summed: 1 / (how many ranks hold each element). A DTensor sharded over
     mesh dimensions of total size S is held by world / S ranks (the replicas of its mesh, or of
     data parallelism around it); a plain tensor under a process group by every rank (DDP)."""
-    world = _world() if world is None else world
+    world = world_size() if world is None else world
     if world <= 1:
         return 1.0
     if not is_sharded(t):
@@ -117,7 +112,7 @@ class Layout:
     """How the monitor's parameters are laid out across ranks (built once, at attach)."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
-        self.world = _world()
+        self.world = world_size()
         self.sharded = any(is_sharded(p) for p in params)
         self.shares = [square_share(p, self.world) for p in params]
         # Without a process group every share is 1: the plain, single-process arithmetic.
@@ -154,7 +149,7 @@ def global_group_norms(grads: Mapping[str, Sequence[torch.Tensor]]) -> dict[str,
         return {}
     if not any(is_sharded(t) for g in groups for t in grads[g]):
         return {g: torch.linalg.vector_norm(norms(grads[g])) for g in groups}
-    world = _world()
+    world = world_size()
     sq = []
     for g in groups:
         per = norms([local(t) for t in grads[g]]).double()
@@ -274,7 +269,7 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     if not tensors:
         return True
     bad = (~torch.isfinite(norms([local(t) for t in tensors]))).any().double()
-    if any(is_sharded(t) for t in tensors) and _world() > 1:
+    if any(is_sharded(t) for t in tensors) and world_size() > 1:
         d = torch.distributed
         comm = bad.to(torch.device("cuda", torch.cuda.current_device())) if d.get_backend() == "nccl" else bad
         d.all_reduce(comm, op=d.ReduceOp.MAX)

@@ -471,3 +471,35 @@ def test_a_rank_that_does_not_write_says_so_in_its_checkpoint_facts(monkeypatch)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
     facts = A.apply(ctx_for(m), D("checkpoint"))
     assert facts["saved"] is False and facts["reason"].startswith("rank 1 does not write")
+
+
+def test_the_lr_climbs_watch_survives_a_checkpoint(tmp_path):
+    """Mid-climb, the monitor's state holds the losses and scales the halt compares, and the
+    lowest median: a monitor that loads it halts where the uninterrupted one would."""
+    import sfmonitor
+
+    rising = lambda step, scale: 3.0 if scale > 0.5 else 1.0
+    ctx, told = _climb(rising, steps=30)  # stopped mid-climb: not halted yet
+    assert not any(f.get("halted") for _, f, _ in told) and ctx.lr_climb and ctx.lr_climb_best
+    model = nn.Linear(2, 1)
+    cfg = {"console": False}
+    mon = sfmonitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=str(tmp_path / "a"), config=cfg)
+    live = mon._live()
+    for name in ("lr_scale", "lr_dropped_at", "lr_drop_kind", "lr_climb", "lr_climb_best"):
+        setattr(live, name, getattr(ctx, name))
+    state = mon.state_dict()
+    mon.detach()
+    other = sfmonitor.attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=str(tmp_path / "b"), config=cfg
+    )
+    other.load_state_dict(state)
+    again = other._live()
+    assert again.lr_climb == ctx.lr_climb and again.lr_climb_best == ctx.lr_climb_best
+    again.config.lr_drop.recover_after, again.config.lr_drop.recover_steps = 20, 20
+    again.config.lr_drop.halt_window = ctx.config.lr_drop.halt_window
+    halted = []
+    for step in range(30, 40):
+        ctx.step = again.step = step
+        halted.append((A.relax_lr(ctx, rising(step, ctx.lr_scale)), A.relax_lr(again, rising(step, again.lr_scale))))
+    assert any(a.get("halted") for a, _ in halted) and all(a == b for a, b in halted)
+    other.detach()

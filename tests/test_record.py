@@ -177,3 +177,25 @@ def test_an_optimizer_that_raises_leaves_no_step_in_flight():
     opt.step()
     assert mon.step == 2
     mon.detach()
+
+
+def test_a_steps_loss_record_is_bounded_and_its_mean_exact_past_the_bound():
+    """More combine() calls in one step than the record keeps apart (MAX_STEP_BATCHES): the older
+    ones are folded into one that counts; the step's loss is still the mean of every call, and a
+    later call no backward reaches is still left out."""
+    from sfmonitor.forensics import MAX_STEP_BATCHES
+    from sfmonitor.record import LossAccumulator
+
+    acc = LossAccumulator()
+    x = torch.nn.Parameter(torch.tensor(1.0))
+    n = MAX_STEP_BATCHES + 44
+    for i in range(n):
+        loss = x * float(i)
+        acc.add({"a": loss, "b": loss * 2}, loss * 3, {"a": 1.0, "b": 1.0})
+        loss.backward()
+    acc.add({"a": x * 1e6, "b": x * 1e6}, x * 1e6, {"a": 1.0, "b": 1.0})  # never backpropagated
+    assert len(acc.entries) <= MAX_STEP_BATCHES and acc.count == n + 1
+    out = acc.tensors([["a", "b"]])
+    mean = sum(range(n)) / n
+    assert out["loss/total"].item() == pytest.approx(3 * mean) and out["loss/a"].item() == pytest.approx(mean)
+    assert out["loss_ratio/a/b"].item() == pytest.approx(0.5)

@@ -40,14 +40,13 @@ _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("sfmonitor_alone",
 
 
 @contextlib.contextmanager
-def alone(on: bool = True) -> Iterator[None]:
-    """Within: ``world_size()`` is 1 and ``rank()`` 0 when ``on`` (no collective, this process's files)."""
-    token = _ALONE.set(True) if on else None
+def alone() -> Iterator[None]:
+    """Within: ``world_size()`` is 1 and ``rank()`` 0 (no collective, this process's own files)."""
+    token = _ALONE.set(True)
     try:
         yield
     finally:
-        if token is not None:
-            _ALONE.reset(token)
+        _ALONE.reset(token)
 
 
 def world_size() -> int:
