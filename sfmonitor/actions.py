@@ -685,16 +685,30 @@ def _scaled_lr(lr: float, scale: float, min_lr: float) -> float:
     return max(lr * scale, min(lr, min_lr))
 
 
+def lr_not_a_step_size(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> str | None:
+    """Why a param group's ``lr`` does not size its updates, or None when it does: the optimizer
+    sizes its steps itself (Adafactor's relative step keeps lr None; Rprop reads lr once, as every
+    weight's first step size, then grows and shrinks each step by itself). Such a group has no LR
+    for the update-ratio test to read its updates by, and no LR for lr_drop to lower."""
+    if group["lr"] is None:
+        return "its lr is None (the optimizer sizes its steps itself, e.g. Adafactor's relative step)"
+    if isinstance(optimizer, torch.optim.Rprop):
+        return "Rprop's lr is only every weight's first step size (each step then grows or shrinks by itself)"
+    return None
+
+
 def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, min_lr: float = 0.0) -> list[Any]:
     """Multiply every param group's LR by ``scale`` (not below ``min_lr``, nor above the group's own
-    LR); returns what ``restore_lr`` needs. ``scale == 1``: touches nothing, returns []."""
-    if scale == 1.0 or all(g["lr"] is None for g in optimizer.param_groups):
+    LR); returns what ``restore_lr`` needs. ``scale == 1``, or no group whose LR sizes its updates
+    (``lr_not_a_step_size``): touches nothing, returns []."""
+    groups = optimizer.param_groups
+    if scale == 1.0 or all(lr_not_a_step_size(optimizer, g) for g in groups):
         return []
     saved: list[Any] = []
-    for group in optimizer.param_groups:
+    for group in groups:
         lr = group["lr"]
-        if lr is None:  # the optimizer sizes its steps itself (Adafactor's relative step)
-            saved.append(None)
+        if lr_not_a_step_size(optimizer, group):
+            saved.append(None)  # left alone
         elif isinstance(lr, torch.Tensor):
             saved.append(lr.clone())
             lr.copy_(torch.maximum(lr * scale, torch.clamp_max(lr, min_lr)))
@@ -707,6 +721,8 @@ def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, min_lr: float
 def restore_lr(optimizer: torch.optim.Optimizer, saved: list[Any]) -> None:
     """Put back the LRs ``apply_lr_scale`` changed."""
     for group, lr in zip(optimizer.param_groups, saved):
+        if lr is None:  # left alone
+            continue
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].copy_(lr)
         else:
@@ -725,7 +741,9 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if old < 1.0 or not cfg.recover_after:  # the trouble came back before the LR did: it stays cut
         ctx.lr_permanent = True
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
-    lrs = [None if g["lr"] is None else float(g["lr"]) for g in ctx.optimizer.param_groups]
+    groups = ctx.optimizer.param_groups
+    why_not = [lr_not_a_step_size(ctx.optimizer, g) for g in groups]
+    lrs = [None if why else float(g["lr"]) for g, why in zip(groups, why_not)]
     facts: dict[str, Any] = {
         "factor": factor,
         "old_scale": old,
@@ -736,12 +754,9 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "old_lr": [None if lr is None else _scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
         "new_lr": [None if lr is None else _scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
     }
-    if all(lr is None for lr in lrs):
+    if all(why_not):
         facts["applied"] = False
-        facts["reason"] = (
-            "every param group's lr is None (the optimizer sizes its steps itself, e.g. Adafactor's "
-            "relative step): there is no LR to lower"
-        )
+        facts["reason"] = f"no param group has an LR to lower: {why_not[0]}"
     return facts
 
 

@@ -204,7 +204,11 @@ class UpdateRatioSpikeConfig(Section):
         "fire above this ratio from the first step, whatever the history: one update larger than the group's "
         "own weights. Healthy ratios are ~1e-3 (and ~lr / rms(weight) on Adam's first step: 0.05 for a GPT at its "
         "usual LR); a GPT at 20x its LR starts at 1.0 and spikes a few steps later. Groups whose parameters "
-        "start at zero (LoRA B, zero-initialised biases) are exempt",
+        "start at zero (LoRA B, zero-initialised biases) are exempt. Where the user's schedule has just taken "
+        "the LR back up to a level the group's updates were made at before (a warm restart: at least 2x its "
+        "lowest LR of the last `warmup` updates, at most its highest so far), an update over it is undone "
+        "for what it did to the loss, as the relative test's (harm_rise): a restart's first updates are "
+        "large by design (SGD with momentum moved a small output layer by 1.13x its norm)",
         lo=0,
         lo_open=True,
     )
@@ -801,6 +805,11 @@ class UpdateRatioSpike(_Windowed):
         super().__init__(config or UpdateRatioSpikeConfig())
         self.large_runs: dict[str, list[float]] = {}  # key -> its large_update values in a row (per LR)
         self.zero_init: set[str] = set()  # groups first seen with all parameters at zero: no ceiling
+        # key -> the LRs of its last `warmup` updates, and (the highest LR of its updates, the
+        # lowest since that one): whether the user's schedule has just taken the LR back up to a
+        # level it had left (a warm restart)
+        self.lrs: dict[str, collections.deque[float]] = {}
+        self.lr_peak: dict[str, tuple[float, float]] = {}
         self.losses_seen: list[float] = []  # the first (up to 3) losses: the largest is the start
         # |log(loss after an update / loss before it)| of the updates that landed and were judged
         # sound: how much one batch's loss differs from the next one's in this run (the noise a
@@ -839,12 +848,13 @@ class UpdateRatioSpike(_Windowed):
             per_lr = given is not None and S.finite(given) and given > 0
             lr = float(given) if per_lr and given is not None else 1.0
             x = value / lr
+            restart = per_lr and self._lr_back(key, lr)
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
             rel_limit = max(cfg.factor * med * lr, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
-                kind, harm = self.kind, self._harm(stats, value <= cfg.ceiling or key in self.zero_init)
+                kind, harm = self.kind, self._harm(stats, value <= cfg.ceiling or key in self.zero_init or restart)
                 if harm is not None and not harm["harm"]:
                     kind = LARGE_UPDATE
                 why = (
@@ -852,6 +862,7 @@ class UpdateRatioSpike(_Windowed):
                     + (f" at its LR {_fmt(lr)}" if per_lr else "")
                     if rel_limit <= cfg.ceiling
                     else f"the ceiling {cfg.ceiling:g}"
+                    + (" (the schedule took the LR back up: judged by the loss)" if restart else "")
                 )
                 told = ""
                 if harm is not None:
@@ -895,6 +906,19 @@ class UpdateRatioSpike(_Windowed):
             w.append(x)
         return out
 
+    def _lr_back(self, key: str, lr: float) -> bool:
+        """Records the LR of this update of ``key``; True when the user's schedule has just taken it
+        back up to a level the group's updates were made at before it fell: at least 2x the lowest
+        of the last ``warmup`` updates, at most the highest LR so far, the LR having fallen to half
+        that highest since (a warm restart). A first step, a constant LR, an LR above any before it
+        (a fault, a schedule bug, an unfrozen layer, a warm-up): False."""
+        recent = self.lrs.setdefault(key, collections.deque(maxlen=self.config.warmup))
+        peak, low = self.lr_peak.get(key, (lr, lr))
+        back = bool(recent) and 2 * low <= peak and 2 * min(recent) <= lr <= peak * (1 + 1e-6)
+        recent.append(lr)
+        self.lr_peak[key] = (lr, lr) if lr > peak else (peak, min(low, lr))
+        return back
+
     def _harm(self, stats: Mapping[str, float], relative: bool) -> dict[str, Any] | None:
         """What the update did to the loss, for a spike of the relative test alone (``relative``):
         {"loss_before", "loss_after", "loss_start", "harm_rise", "harm"}; None when the test needs no
@@ -936,6 +960,8 @@ class UpdateRatioSpike(_Windowed):
             "zero_init": sorted(self.zero_init),
             "per_lr": True,
             "losses_seen": list(self.losses_seen),
+            "lrs": {k: list(v) for k, v in self.lrs.items()},
+            "lr_peak": {k: list(v) for k, v in self.lr_peak.items()},
             "loss_moves": list(self.loss_moves),
             "large_runs": {k: list(v) for k, v in self.large_runs.items()},
         }
@@ -948,6 +974,11 @@ class UpdateRatioSpike(_Windowed):
             self.windows = {}
         self.zero_init = {str(k) for k in state.get("zero_init", [])}
         self.losses_seen = [float(v) for v in state.get("losses_seen", [])]
+        self.lrs = {
+            str(k): collections.deque((float(x) for x in v), maxlen=self.config.warmup)
+            for k, v in state.get("lrs", {}).items()
+        }
+        self.lr_peak = {str(k): (float(v[0]), float(v[1])) for k, v in state.get("lr_peak", {}).items()}
         self.loss_moves = collections.deque((float(v) for v in state.get("loss_moves", [])), maxlen=self.config.window)
         self.large_runs = {str(k): [float(x) for x in v] for k, v in state.get("large_runs", {}).items()}
 

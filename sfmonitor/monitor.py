@@ -667,6 +667,13 @@ class Monitor:
                 "could not be kept bit-identical; use a first-order optimizer"
             )
         # Everything that can fail on bad input fails here, before any hook is registered.
+        if isinstance(unwrap(model), torch.jit.ScriptModule):
+            raise ConfigError(
+                "attach: the model is a TorchScript module (torch.jit.script or torch.jit.trace), which takes "
+                "no forward hooks; the monitor needs them (each batch's input, the buffers a skipped batch "
+                "must give back, the activation watch). Attach to the eager model (a scripted submodule "
+                "inside it is fine), or compile it with torch.compile"
+            )
         lazy = [n for n, p in unwrap(model).named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
         if lazy:
             raise ConfigError(
@@ -1896,12 +1903,12 @@ class Monitor:
                 g: sorted({pg_of[id(p)] for _, p in ps if id(p) in pg_of}) for g, ps in self.groups.items()
             }
             self._group_pgs_key = key
-        # A group whose param groups hold no LR (the optimizer sizes its steps itself) has none:
-        # the update-ratio test reads its raw ratios.
+        # A group whose param groups hold no LR that sizes their updates (the optimizer sizes its
+        # steps itself) has none: the update-ratio test reads its raw ratios.
         return {
             g: max(float(groups[j]["lr"]) for j in js)
             for g, js in self._group_pgs.items()
-            if js and all(groups[j]["lr"] is not None for j in js)
+            if js and all(A.lr_not_a_step_size(optimizer, groups[j]) is None for j in js)
         }
 
     def _arm_first_buffers(self) -> None:

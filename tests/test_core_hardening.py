@@ -307,6 +307,30 @@ def test_attach_before_a_lazy_modules_first_forward_is_a_clear_error_and_changes
     mon.detach()
 
 
+def test_attach_to_a_torchscript_model_is_a_clear_error_and_changes_nothing(tmp_path):
+    """A whole model compiled with torch.jit.script (or traced) takes no forward hooks: attach
+    raised torch's bare RuntimeError ("register_forward_hook is not supported on ScriptModules")
+    from the activation watch, and with the watch off from the batch recorder. Now a ConfigError
+    that says why and what to do; nothing is attached. A scripted submodule inside an eager model
+    is fine."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    for model in (torch.jit.script(eager), torch.jit.trace(eager, torch.randn(2, 4))):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for cfg in (quiet(), quiet(watch={"enabled": False}, bundle={"enabled": False})):
+            mon = sfmonitor.Monitor(run_dir=str(tmp_path), config=cfg)
+            with pytest.raises(sfmonitor.ConfigError, match=r"TorchScript.*forward hooks.*eager"):
+                mon.attach(model, opt)
+            assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    mixed = nn.Sequential(torch.jit.script(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(mixed.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(mixed, opt, run_dir=str(tmp_path / "mixed"), config=quiet())
+    mon.combine(mixed(torch.randn(4, 4)).pow(2).mean()).backward()
+    opt.step()
+    assert mon.step == 1 and "grad_norm/total" in mon.stats
+    mon.detach()
+
+
 def test_without_bundles_no_input_is_held_past_its_forward_and_a_nan_input_is_still_a_bad_batch(tmp_path):
     """The inputs of a step's forwards were held until the step closed, for the anomaly bundles and
     the bad-batch check, bundles or not: under accumulation that is every micro-batch's input

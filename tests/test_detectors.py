@@ -504,6 +504,39 @@ def test_update_ratio_spike_is_undone_only_when_the_loss_after_it_rose():
     assert [f.kind for f in out] == [UPDATE_RATIO_SPIKE]
 
 
+def test_update_ratio_ceiling_asks_the_loss_only_where_the_schedule_took_the_lr_back_up():
+    """Past the ceiling the update is undone at once, except where the user's schedule has just
+    taken the LR back up to a level it had left (a warm restart): there it is judged by the loss as
+    the relative test's. A constant LR, a first step, an LR above any before it (a schedule bug, a
+    fault) keep the ceiling as it was; the LR history round-trips with the detector's state."""
+
+    def fed(lrs):
+        det = D.UpdateRatioSpike()
+        for s, lr in enumerate(lrs):
+            assert det.check(s, {"update_ratio/a": 0.1 * lr, "update_lr/a": lr, "loss/total": 1.0}) == []
+        return det
+
+    def kinds(det, lr):
+        out = det.check(99, {"update_ratio/a": 1.5, "update_lr/a": lr, "loss/total": 1.0, "loss_after_update": 1.1})
+        return [f.kind for f in out]
+
+    cosine = [0.05 * (1 + math.cos(math.pi * k / 15)) / 2 for k in range(15)]  # 0.05 down to ~5e-4
+    assert kinds(fed(cosine), 0.05) == ["large_update"]  # the restart, no harm
+    det = fed(cosine)
+    hurt = det.check(99, {"update_ratio/a": 1.5, "update_lr/a": 0.05, "loss/total": 1.0, "loss_after_update": 2.0})
+    assert [f.kind for f in hurt] == [UPDATE_RATIO_SPIKE] and "took the LR back up" in hurt[0].message
+    assert kinds(fed([0.05] * 40), 0.05) == [UPDATE_RATIO_SPIKE]  # a constant LR
+    assert kinds(D.UpdateRatioSpike(), 0.05) == [UPDATE_RATIO_SPIKE]  # the first step
+    assert kinds(fed([0.05] * 40), 0.5) == [UPDATE_RATIO_SPIKE]  # above any LR before it
+    assert kinds(fed([0.05] * 20 + [0.5] * 12), 0.5) == [UPDATE_RATIO_SPIKE]  # ... and still after it
+    assert kinds(fed([0.05] * 5 + [0.01] * 30), 0.05) == ["large_update"]  # back after a long dip
+    assert kinds(fed([0.05] * 5 + [0.01] * 5 + [0.05] * 30), 0.05) == [UPDATE_RATIO_SPIKE]  # the dip is past
+    det = fed(cosine)
+    again = D.UpdateRatioSpike()
+    again.load_state_dict(copy.deepcopy(det.state_dict()))
+    assert kinds(again, 0.05) == ["large_update"]
+
+
 def _level_run(det, values, start=0):
     return [(start + s, f) for s, v in enumerate(values) for f in det.check(start + s, {"loss/total": v})]
 

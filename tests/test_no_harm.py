@@ -614,6 +614,43 @@ def test_a_warm_restart_of_the_lr_schedule_is_no_spike(tmp_path):
     assert same_state(model, bare)
 
 
+def _sgd_restart_run(tmp_path, monitored, steps=80):
+    """SGD with momentum and short warm restarts (T_0 15): at the first restart the LR jumps from
+    ~5e-4 back to 5e-2, and the small output layer's update is 1.13x its own norm."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=15)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=g)
+        batches.append((x, x @ w + 0.1 * torch.randn(16, 1, generator=g)))
+
+    def loss_of(i):
+        x, y = batches[i]
+        return nn.functional.mse_loss(model(x), y)
+
+    return model, train(tmp_path, model, opt, monitored, range(steps), loss_of, after_step=sched.step)
+
+
+def test_a_warm_restart_that_carries_an_update_past_the_ceiling_is_not_undone_when_it_did_no_harm(tmp_path):
+    """The ceiling (an update larger than the group's weights) read the ratio whatever the LR: under
+    SGD with short warm restarts the restart's first update moved the output layer by 1.13x its
+    norm and was undone (a probe's healthy run, which recovers on its own). Where the user's own
+    schedule has just raised the LR (2x its lowest of the last steps), an update over the ceiling
+    is undone for what it did to the loss, as the relative test's."""
+    model, events = _sgd_restart_run(tmp_path / "m", True)
+    bare, _ = _sgd_restart_run(tmp_path / "b", False)
+    assert [(e.step, e.kind, e.actions) for e in events if e.actions] == []
+    told = [e for e in events if e.kind == "large_update"]
+    assert [e.step for e in told] == [15] and "no harm" in told[0].message
+    assert same_state(model, bare)
+
+
 class _SAM(torch.optim.Optimizer):
     """Sharpness-aware minimisation as its widely used implementation writes it (davda54/sam):
     ``loss.backward(); optimizer.step(closure)``, the closure being the second forward-backward, at
@@ -723,6 +760,44 @@ def test_an_optimizer_that_computes_its_own_lr_trains_as_without_the_monitor(tmp
     assert facts["old_lr"] == [None] and facts["new_lr"] == [None] and facts["applied"] is False
     saved = A.apply_lr_scale(opt, ctx.lr_scale)
     assert opt.param_groups[0]["lr"] is None and saved == []
+    mon.detach()
+
+
+def test_rprop_whose_lr_is_only_its_first_step_size_gets_no_lr_reading_and_no_lr_drop(tmp_path):
+    """Rprop uses its lr once, as every weight's first step size; each weight's step then grows
+    and shrinks by itself. An LR drop changed nothing there but was counted against the rescue
+    budget (a probe's mini-batch Rprop run), and the update-ratio test read updates per unit of an
+    LR that sizes none. Rprop's groups get no LR reading (raw ratios, as Adafactor's), an LR drop
+    says it cannot act and leaves the lr alone, and a healthy full-batch run is untouched."""
+    from sfmonitor import actions as A
+    from sfmonitor.events import Decision, Finding
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.Rprop(model.parameters(), lr=1e-3)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=quiet()) if monitored else None
+        )
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(256, 8, generator=g)
+        y = x[:, :1].sin() + 0.5 * x[:, 1:2]
+        for _ in range(60):
+            loss = nn.functional.mse_loss(model(x), y)
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, mon, opt
+
+    bare, _, _ = run(False)
+    model, mon, opt = run(True)
+    assert mon.events == [] and same_state(model, bare)
+    assert mon._group_lrs(opt) == {} and "lr/0" in mon.stats
+    ctx = mon._live()
+    facts = A.apply(ctx, Decision("lr_drop", Finding("update_ratio_spike", "test")))
+    assert facts["applied"] is False and "Rprop" in facts["reason"]
+    ctx.lr_scale = 0.1
+    assert A.apply_lr_scale(opt, ctx.lr_scale) == [] and opt.param_groups[0]["lr"] == 1e-3
     mon.detach()
 
 
