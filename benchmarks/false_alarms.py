@@ -211,13 +211,13 @@ def run(setup: Setup, seed: int, steps: int, monitored: bool) -> dict[str, Any]:
 
 def compare(name: str, seed: int, steps: int) -> dict[str, Any]:
     bare, mon = run(SETUPS[name], seed, steps, False), run(SETUPS[name], seed, steps, True)
-    actions = Counter(a for e in mon["events"] for a in e.actions)
+    actions = Counter(a for e in mon["events"] for a in e.changed())
     return {
         "setup": name,
         "seed": seed,
         "identical": all(torch.equal(a, b) for a, b in zip(bare["params"], mon["params"])),
         "actions": dict(actions),
-        "told": dict(Counter(e.kind for e in mon["events"] if not e.actions)),
+        "told": dict(Counter(e.kind for e in mon["events"] if not e.changed())),
         "costly": any(actions[a] for a in COSTLY),
         "bare_held_out": bare["held_out"],
         "held_out": mon["held_out"],

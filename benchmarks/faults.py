@@ -553,10 +553,9 @@ def thrown_away(events: list[dict[str, Any]], left_out: float, repeated: float) 
 def acted(event: dict[str, Any]) -> list[str]:
     """The actions of an event that changed training (a decided clip that found nothing to clip,
     a fallback for a module already in fp32, are not counted: the budget does not count them either)."""
-    from sfmonitor.actions import changed_something
+    from sfmonitor.events import Event
 
-    results = (event.get("data") or {}).get("action_results") or {}
-    return [a for a in event.get("actions", []) if changed_something(results.get(a) or {})]
+    return Event.from_dict({"step": 0, "kind": "", **event}).changed()
 
 
 def run_arm(model_name: str, arm: Arm, opts: Options) -> dict[str, Any]:

@@ -153,8 +153,17 @@ class ClipConfig(Section):
         "it would at least double the second-moment estimate, (1 - beta2) * r^2 > 1 with r = norm / "
         "the detector's EMA mean (beta2 0.999: r > 31.6); a smaller spike moves each weight at most "
         "~(1 - beta1) / sqrt(1 - beta2) x lr and fades, so the clip would change a healthy run for "
-        "little (the update-ratio check after the step still undoes a bad update). False: ZClip, "
-        "every spike clipped",
+        "little (the update-ratio check after the step still undoes a bad update). RMSprop's alpha "
+        "counts as beta2. False: ZClip, every spike clipped",
+    )
+    spare_factor: float = option(
+        10.0,
+        "with an optimizer without a second moment (SGD, with or without momentum, and the rest), clip "
+        "a finite grad spike only when it is at least this many times the detector's EMA mean: a "
+        "gradient r x its usual size makes an update at most r x the usual (momentum spreads it over "
+        "later steps), and the update-ratio test calls an update a spike from 10x (its factor). A "
+        "healthy SGD LSTM had natural 1.7x and 4.7x spikes clipped off its course. 0: every spike clipped",
+        lo=0,
     )
     agc_lambda: float = option(0.01, "AGC clipping factor (Brock et al. 2021, NFNets: 0.01)", lo=0, lo_open=True)
     agc_eps: float = option(1e-3, "AGC floor on unit parameter norms (Brock et al. 2021: 1e-3)", lo=0, lo_open=True)
@@ -543,27 +552,58 @@ def _user_clip_holds(
     }
 
 
-def _absorbed_by_adaptive(ctx: ActionContext, decision: Decision) -> dict[str, Any] | None:
-    """A finite grad spike an Adam-family optimizer absorbs (``clip.spare_adaptive``): the facts of
-    a clip that changed nothing, with the reason; else None (clip).
+def _second_moment_decay(optimizer: torch.optim.Optimizer) -> float | None:
+    """The decay of the optimizer's second-moment estimate (the smallest over its param groups:
+    Adam-family ``betas[1]``, RMSprop's ``alpha``), or None when it keeps none (SGD)."""
+    try:
+        if all("betas" in pg for pg in optimizer.param_groups):
+            return min(float(pg["betas"][1]) for pg in optimizer.param_groups)
+        if all("alpha" in pg for pg in optimizer.param_groups):
+            return min(float(pg["alpha"]) for pg in optimizer.param_groups)
+    except (TypeError, IndexError, ValueError):
+        pass
+    return None
 
-    Adam's step per element is m_hat / sqrt(v_hat): a gradient r times its usual norm adds
-    (1 - beta1) r to the first moment and (1 - beta2) r^2 to the second, so the step it makes is
-    bounded (~(1 - beta1) / sqrt(1 - beta2), ~3x a usual step at the defaults) and it shrinks later
-    steps only while (1 - beta2) r^2 is comparable to 1. Below that the spike's harm is small and
-    a clip would move a healthy run off its course; above it (a 10^4 x loss) the clip protects the
-    second moment for the ~1 / (1 - beta2) steps it remembers."""
+
+def _absorbed_by_optimizer(ctx: ActionContext, decision: Decision) -> dict[str, Any] | None:
+    """A finite grad spike the optimizer takes in its stride: the facts of a clip that changed
+    nothing, with the reason; else None (clip).
+
+    With a second moment (``clip.spare_adaptive``; Adam's betas, RMSprop's alpha) the step per
+    element is m_hat / sqrt(v_hat): a gradient r times its usual norm adds (1 - beta1) r to the
+    first moment and (1 - beta2) r^2 to the second, so the step it makes is bounded (~(1 - beta1) /
+    sqrt(1 - beta2), ~3x a usual step at the defaults) and it shrinks later steps only while
+    (1 - beta2) r^2 is comparable to 1. Below that the spike's harm is small and a clip would move a
+    healthy run off its course; above it (a 10^4 x loss) the clip protects the second moment for the
+    ~1 / (1 - beta2) steps it remembers. Without one (``clip.spare_factor``; SGD) the update it makes
+    is at most r x the usual: under the factor the update-ratio test calls a spike, it is left."""
     data = decision.cause.data
-    if not ctx.config.clip.spare_adaptive or decision.cause.kind != GRAD_SPIKE:
+    cfg = ctx.config.clip
+    if decision.cause.kind != GRAD_SPIKE:
         return None
     try:
         r = float(data["value"]) / float(data["ema_mean"])
-        beta2 = min(float(pg["betas"][1]) for pg in ctx.optimizer.param_groups)
-    except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError):
-        return None  # not a ZClip finding, or not an optimizer with a second moment
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None  # not a ZClip finding
+    if not math.isfinite(r):
+        return None
+    beta2 = _second_moment_decay(ctx.optimizer)
+    if beta2 is None:
+        if not r < cfg.spare_factor:
+            return None
+        return {
+            "clipped": False,
+            "applied": False,
+            "ratio_to_mean": r,
+            "reason": (
+                f"the gradient is {r:.3g}x its mean: with no second moment to swamp, the update it makes "
+                f"is at most {r:.3g}x the usual, under the {cfg.spare_factor:g}x that calls for a clip "
+                "(actions.clip.spare_factor)"
+            ),
+        }
     added = (1.0 - beta2) * r * r  # what the spike adds to the second moment, in units of its level
     growth = beta2 + added
-    if not math.isfinite(growth) or not 0.0 <= beta2 < 1.0 or added > 1.0:
+    if not cfg.spare_adaptive or not math.isfinite(growth) or not 0.0 <= beta2 < 1.0 or added > 1.0:
         return None
     return {
         "clipped": False,
@@ -583,11 +623,12 @@ def clip(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Clip this step's gradients (mode from ``decision.params['mode']`` or the config). It never
     clips twice: after the user's own clip bounded the total norm at or below its threshold it
     changes nothing and says so (``clipped: False`` and the reason). Under an Adam-family optimizer
-    a spike too small to matter to it is left alone (``clip.spare_adaptive``), and says so."""
+    a spike too small to matter to it is left alone (``clip.spare_adaptive``), under one without a
+    second moment a spike under ``clip.spare_factor`` x its mean, and it says so."""
     groups = ctx.params_with_grad()
     held = _user_clip_holds(ctx, decision, groups)
     if held is None:
-        held = _absorbed_by_adaptive(ctx, decision)
+        held = _absorbed_by_optimizer(ctx, decision)
     if held is not None:
         return held
     before, after, used = clip_gradients(groups, ctx.config.clip, decision.params.get("mode"), decision.cause.data)
@@ -1098,14 +1139,6 @@ def keep_loss_scale_floor(scaler: Any, min_scale: float) -> bool:
 # --------------------------------------------------------------------------------------------
 # Dispatch
 # --------------------------------------------------------------------------------------------
-
-
-def changed_something(facts: Mapping[str, Any]) -> bool:
-    """Whether an action's facts say it changed training (the budget counts only those): not when
-    it failed, or reports ``applied``/``restored``/``saved`` as False."""
-    if "failed" in facts:
-        return False
-    return all(facts.get(key, True) is not False for key in ("applied", "restored", "saved"))
 
 
 def apply(ctx: ActionContext, decision: Decision) -> dict[str, Any]:

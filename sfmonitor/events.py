@@ -8,6 +8,7 @@ becomes an ``Event`` that sinks write.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +133,13 @@ class Event:
             "actions": list(self.actions),
         }
 
+    def changed(self) -> list[str]:
+        """The actions that changed training (their facts do not say ``applied: false``, nor that
+        they failed): ``actions`` holds every action decided, also a clip the optimizer took in its
+        stride or an LR drop on an optimizer without an LR."""
+        results = self.data.get("action_results") or {}
+        return [a for a in self.actions if changed_something(results.get(a) or {})]
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Event:
         return cls(
@@ -156,3 +164,11 @@ def jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):  # numpy / torch scalars and small arrays
         return jsonable(value.tolist())
     return str(value)
+
+
+def changed_something(facts: Mapping[str, Any]) -> bool:
+    """Whether an action's facts say it changed training (the budget and the run's summary count
+    only those): not when it failed, or reports ``applied``/``restored``/``saved`` as False."""
+    if "failed" in facts:
+        return False
+    return all(facts.get(key, True) is not False for key in ("applied", "restored", "saved"))

@@ -76,6 +76,7 @@ from .events import (
     Finding,
     NonFiniteError,
     StopTraining,
+    changed_something,
 )
 from .forensics import MAX_STEP_BATCHES, BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
 from .integrations.distributed import (
@@ -1438,7 +1439,7 @@ class Monitor:
                 if stop is not None:
                     break
             budgeted = [o.results[a] for o in outcomes for a in o.actions if a in self.config.policy.budget_actions]
-            if budgeted and not any(A.changed_something(facts) for facts in budgeted):
+            if budgeted and not any(changed_something(facts) for facts in budgeted):
                 self._policy.refund(step)  # the budget counts only rescues that did something
             if rec is not None:
                 if ctx.skip:

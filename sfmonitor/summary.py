@@ -141,13 +141,18 @@ def run_summary(
     milliseconds per step. ``events`` may be the bounded in-memory list (the files keep all)."""
     events = list(events)
     kinds = collections.Counter(e.kind for e in events)
-    actions = collections.Counter(a for e in events for a in e.actions)
-    skipped = {e.step for e in events if "skip_step" in e.actions or e.data.get("step_skipped")}
-    undone = sum(1 for e in events if "undo" in e.actions)
+    # An action counts where it changed training; one decided that changed nothing (a clip the
+    # optimizer takes in its stride, an LR drop on an optimizer without an LR) is counted apart.
+    done = [(e, a) for e in events for a in e.changed()]
+    actions = collections.Counter(a for _, a in done)
+    idle = collections.Counter(a for e in events for a in e.actions) - actions
+    skipped = {e.step for e, a in done if a == "skip_step"} | {e.step for e in events if e.data.get("step_skipped")}
+    undone = sum(1 for _, a in done if a == "undo")
     return {
         "steps": steps,
         "events": dict(kinds),
         "actions": dict(actions),
+        "actions_that_changed_nothing": dict(idle),
         "steps_skipped": len(skipped),
         "updates_undone": undone,
         "rescues_used": rescues_used,
