@@ -7,6 +7,7 @@ import itertools
 import json
 import warnings
 
+import pytest
 import torch
 from _state import train
 from torch import nn
@@ -751,26 +752,37 @@ def test_an_optimizer_that_calls_its_closure_in_the_middle_of_its_step_trains_as
     )
 
 
-def test_an_optimizer_that_computes_its_own_lr_trains_as_without_the_monitor(tmp_path):
-    """transformers' Adafactor in its relative-step mode (the T5 recipe: lr=None, the optimizer
-    sizes its steps itself) keeps lr None in its param groups: the first monitored step raised
-    TypeError (float(None)) from the monitor's statistics. No LR is recorded for such a group, the
-    update-ratio test reads raw ratios there, and an LR drop says it cannot act on it."""
+def _adafactor(params):
     from transformers.optimization import Adafactor
 
+    return Adafactor(params, scale_parameter=True, relative_step=True, warmup_init=True, lr=None)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "rprop"])
+def test_an_optimizer_that_sizes_its_steps_itself_trains_as_without_the_monitor(tmp_path, name):
+    """Optimizers whose ``lr`` sizes no update. transformers' Adafactor in its relative-step mode
+    (the T5 recipe) keeps lr None in its param groups: the first monitored step raised TypeError
+    (float(None)) from the monitor's statistics. Rprop uses its lr once, as every weight's first
+    step size, then grows and shrinks each step by itself: an LR drop changed nothing there but
+    was counted against the rescue budget (a probe's mini-batch Rprop run), and the update-ratio
+    test read updates per unit of an LR that sizes none. Such groups get no LR reading (raw
+    ratios), an LR drop says it cannot act and leaves lr alone, and a healthy run is untouched."""
     from sfmonitor import actions as A
     from sfmonitor.events import Decision, Finding
+
+    make, lr = {"adafactor": (_adafactor, None), "rprop": (lambda p: torch.optim.Rprop(p, lr=1e-3), 1e-3)}[name]
 
     def run(monitored):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
-        opt = Adafactor(model.parameters(), scale_parameter=True, relative_step=True, warmup_init=True, lr=None)
+        opt = make(model.parameters())
         mon = (
             sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=quiet()) if monitored else None
         )
         g = torch.Generator().manual_seed(3)
+        full = torch.randn(256, 16, generator=g)  # Rprop is a full-batch method
         for _ in range(40):
-            x = torch.randn(16, 16, generator=g)
+            x = full if name == "rprop" else torch.randn(16, 16, generator=g)
             loss = nn.functional.cross_entropy(model(x), x[:, :4].argmax(1))
             (mon.combine(loss) if mon else loss).backward()
             opt.step()
@@ -780,50 +792,14 @@ def test_an_optimizer_that_computes_its_own_lr_trains_as_without_the_monitor(tmp
     bare, _, _ = run(False)
     model, mon, opt = run(True)
     assert mon.events == [] and same_state(model, bare)
-    assert "grad_norm/total" in mon.stats and not any(k.startswith("lr/") for k in mon.stats)
+    assert "grad_norm/total" in mon.stats and mon._group_lrs(opt) == {}
+    assert any(k.startswith("lr/") for k in mon.stats) == (lr is not None)
     ctx = mon._live()
     facts = A.apply(ctx, Decision("lr_drop", Finding("update_ratio_spike", "test")))
     assert facts["old_lr"] == [None] and facts["new_lr"] == [None] and facts["applied"] is False
-    saved = A.apply_lr_scale(opt, ctx.lr_scale)
-    assert opt.param_groups[0]["lr"] is None and saved == []
-    mon.detach()
-
-
-def test_rprop_whose_lr_is_only_its_first_step_size_gets_no_lr_reading_and_no_lr_drop(tmp_path):
-    """Rprop uses its lr once, as every weight's first step size; each weight's step then grows
-    and shrinks by itself. An LR drop changed nothing there but was counted against the rescue
-    budget (a probe's mini-batch Rprop run), and the update-ratio test read updates per unit of an
-    LR that sizes none. Rprop's groups get no LR reading (raw ratios, as Adafactor's), an LR drop
-    says it cannot act and leaves the lr alone, and a healthy full-batch run is untouched."""
-    from sfmonitor import actions as A
-    from sfmonitor.events import Decision, Finding
-
-    def run(monitored):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        opt = torch.optim.Rprop(model.parameters(), lr=1e-3)
-        mon = (
-            sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=quiet()) if monitored else None
-        )
-        g = torch.Generator().manual_seed(3)
-        x = torch.randn(256, 8, generator=g)
-        y = x[:, :1].sin() + 0.5 * x[:, 1:2]
-        for _ in range(60):
-            loss = nn.functional.mse_loss(model(x), y)
-            (mon.combine(loss) if mon else loss).backward()
-            opt.step()
-            opt.zero_grad()
-        return model, mon, opt
-
-    bare, _, _ = run(False)
-    model, mon, opt = run(True)
-    assert mon.events == [] and same_state(model, bare)
-    assert mon._group_lrs(opt) == {} and "lr/0" in mon.stats
-    ctx = mon._live()
-    facts = A.apply(ctx, Decision("lr_drop", Finding("update_ratio_spike", "test")))
-    assert facts["applied"] is False and "Rprop" in facts["reason"]
+    assert ("Rprop" if name == "rprop" else "None") in facts["reason"]
     ctx.lr_scale = 0.1
-    assert A.apply_lr_scale(opt, ctx.lr_scale) == [] and opt.param_groups[0]["lr"] == 1e-3
+    assert A.apply_lr_scale(opt, ctx.lr_scale) == [] and opt.param_groups[0]["lr"] == lr
     mon.detach()
 
 
