@@ -30,6 +30,7 @@ from typing import Any
 from . import stats as S
 from .events import (
     ACCURACY_COLLAPSE,
+    ACCURACY_DROP,
     CLIP,
     GRAD_RATIO_IMBALANCE,
     GRAD_SPIKE,
@@ -327,6 +328,16 @@ class AccuracyCollapseConfig(Section):
         lo=1,
     )
     z: float = option(3.0, "standard errors that 'clearly above chance' needs when `samples` is given", lo=0)
+    train_loss_rise: float = option(
+        1.5,
+        "where the monitor sees the training loss (combine()), a collapse also needs it risen: the median "
+        "of its last `loss_window` values (non-finite ones count as infinite) at least this many times "
+        "their median when the accuracy was last clearly above chance; else `accuracy_drop`, an event: a "
+        "small validation set's wobble (64 examples: 0.63 -> 0.52) was rolled back and the LR cut on a "
+        "healthy run. 0: the report's rule alone",
+        lo=0,
+    )
+    loss_window: int = option(20, "training losses whose median `train_loss_rise` reads", lo=1)
 
     def validate(self) -> None:
         if self.collapse_margin >= self.above_margin:
@@ -1097,11 +1108,18 @@ class LossScaleFloor(Detector):
 
 
 @register_detector(
-    "accuracy_collapse", config=AccuracyCollapseConfig, kinds={ACCURACY_COLLAPSE: [(1, [ROLLBACK, LR_DROP])]}
+    "accuracy_collapse",
+    config=AccuracyCollapseConfig,
+    kinds={ACCURACY_COLLAPSE: [(1, [ROLLBACK, LR_DROP])], ACCURACY_DROP: [(1, [])]},
 )
 class AccuracyCollapse(Detector):
     """Validation accuracy at chance (<= chance + collapse_margin) after it had been clearly above
-    (>= chance + above_margin). Fires once per collapse; re-arms when clearly above again."""
+    (>= chance + above_margin). Fires once per collapse; re-arms when clearly above again.
+
+    Where the training loss is seen (``check``), a collapse also needs it to have risen with the
+    accuracy's fall (``train_loss_rise``): a divergence shows in both. An accuracy at chance with
+    the training loss where it was is told once as ``accuracy_drop`` (no action), and the detector
+    stays armed."""
 
     kind = ACCURACY_COLLAPSE
 
@@ -1109,6 +1127,15 @@ class AccuracyCollapse(Detector):
         self.config = config or AccuracyCollapseConfig()
         self.best: float | None = None
         self.armed = False  # becomes True once accuracy was clearly above chance
+        self.losses: collections.deque[float] = collections.deque(maxlen=self.config.loss_window)
+        self.loss_then: float | None = None  # the losses' median when the accuracy was last clearly above
+        self.told = False  # an accuracy_drop was told since it was last clearly above
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        loss = stats.get(LOSS_TOTAL)
+        if loss is not None:
+            self.losses.append(float(loss) if S.finite(loss) else math.inf)
+        return []
 
     def observe_eval(self, step: int, metrics: Mapping[str, float], chance: float | None = None) -> list[Finding]:
         cfg = self.config
@@ -1125,33 +1152,65 @@ class AccuracyCollapse(Detector):
         if cfg.samples is not None and 0.0 < chance < 1.0:
             above = max(above, cfg.z * math.sqrt(chance * (1.0 - chance) / cfg.samples))
         if acc_for_test >= chance + above:
-            self.armed = True
+            self.armed, self.told = True, False
+            self.loss_then = _median(list(self.losses)) if self.losses else None
             return []
-        if self.armed and acc_for_test <= chance + cfg.collapse_margin:
-            self.armed = False
+        if not self.armed or acc_for_test > chance + cfg.collapse_margin:
+            return []
+        now = _median(list(self.losses)) if self.losses else None
+        data = {
+            "metric": cfg.metric,
+            "value": acc,
+            "chance": chance,
+            "best": self.best,
+            "collapse_margin": cfg.collapse_margin,
+            "train_loss_now": now,
+            "train_loss_then": self.loss_then,
+            "step": step,
+        }
+        message = f"validation {cfg.metric} {acc} is back at chance {chance:g} (best so far {self.best})"
+        then = self.loss_then
+        if (
+            cfg.train_loss_rise
+            and S.finite(acc)
+            and now is not None
+            and then is not None
+            and now < cfg.train_loss_rise * then
+        ):
+            if self.told:
+                return []
+            self.told = True
             return [
                 Finding(
-                    kind=self.kind,
+                    kind=ACCURACY_DROP,
                     where=cfg.metric,
-                    message=f"validation {cfg.metric} {acc} is back at chance {chance:g} (best so far {self.best})",
-                    data={
-                        "metric": cfg.metric,
-                        "value": acc,
-                        "chance": chance,
-                        "best": self.best,
-                        "collapse_margin": cfg.collapse_margin,
-                        "step": step,
-                    },
+                    message=(
+                        f"{message}, but the training loss did not rise with it (median {_fmt(now)}, was "
+                        f"{_fmt(then)}): no divergence to roll back (a small validation set, "
+                        "or overfitting)"
+                    ),
+                    data={**data, "train_loss_rise": cfg.train_loss_rise},
                 )
             ]
-        return []
+        self.armed = False
+        return [Finding(kind=self.kind, where=cfg.metric, message=message, data=data)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "armed": self.armed}
+        return {
+            "best": self.best,
+            "armed": self.armed,
+            "losses": list(self.losses),
+            "loss_then": self.loss_then,
+            "told": self.told,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.best = state.get("best")
         self.armed = bool(state.get("armed", False))
+        self.losses = collections.deque((float(v) for v in state.get("losses", [])), maxlen=self.config.loss_window)
+        then = state.get("loss_then")
+        self.loss_then = None if then is None else float(then)
+        self.told = bool(state.get("told", False))
 
 
 # The report's improved early stopping: the detector places its findings on the ladder itself.

@@ -32,6 +32,7 @@ LOSS_RATIO_IMBALANCE = "loss_ratio_imbalance"
 ACTIVATION_OVERFLOW = "activation_overflow"
 LOSS_SCALE_FLOOR = "loss_scale_floor"
 ACCURACY_COLLAPSE = "accuracy_collapse"
+ACCURACY_DROP = "accuracy_drop"
 PLATEAU = "plateau"
 BAD_BATCH = "bad_batch"
 
@@ -81,8 +82,9 @@ class Finding:
     where: the group, module or parameter the finding is about ("" when global).
     before_update: True when the finding is about the step being taken (its update can still be
     stopped); False when the update already landed (e.g. an update-ratio spike seen afterwards).
-    step: the optimizer step the finding is about (None: the step being taken). A finding about a
-    landed update names the step of that update.
+    step: the optimizer step of the landed update the finding is about (None: the step being
+    taken). An after-update finding's event carries it; a non-finite weight names the update that
+    put it there, so that the policy sees one made after its last rollback as new evidence.
     occurrence: the finding's place on its kind's ladder, set by detectors whose findings are
     validations apart (plateau); None: the policy counts the streak itself.
     handled_by_scaler: the GradScaler skips this step itself (finite loss, overflowing scaled

@@ -436,6 +436,40 @@ def _in_its_world(method: Any) -> Any:
     return scoped
 
 
+def _tensor_versions(batch: Any) -> list[int]:
+    """The version counters of a batch's tensors (nested in dicts, lists, tuples): each in-place
+    change of a tensor moves its counter; reading them costs no device work."""
+    from torch.utils._pytree import tree_leaves
+
+    return [t._version for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+class _Batches(Iterator[Any]):
+    """What ``Monitor.batches()`` returns: an iterator over the loader's batches that has the
+    loader's length (``len()``: a progress bar's total, torchvision's ``MetricLogger``); batches a
+    rollback leaves out are not subtracted."""
+
+    def __init__(self, batches: Iterator[Any], loader: Iterable[Any]):
+        self._batches, self._loader = batches, loader
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._batches)
+
+    def __len__(self) -> int:
+        try:
+            return len(self._loader)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"monitor.batches(): the loader ({type(self._loader).__name__}) has no len()") from None
+
+    def close(self) -> None:
+        """End the loop early (as a generator's ``close()``)."""
+        if hasattr(self._batches, "close"):
+            self._batches.close()
+
+
 class Monitor:
     """Watches a model and optimizer each optimizer step; see the module docstring.
 
@@ -479,11 +513,13 @@ class Monitor:
         self._weights: dict[str, float] = {}  # current (possibly rescued) loss weights
         self._amp_skipped = 0  # steps the GradScaler skipped so far
         self._warned_snapshot_budget = False
+        self._warned_inplace = False  # batches(): an undone step's batch changed in place
         # bad batches on an unchanged state (see _bad_batches_on_a_sound_state)
         self._no_update_since_spike = False
         self._last_update_sound = False
         self._state_from_normal_loss = False
         self._same_state_spikes = 0
+        self._last_landed: int | None = None  # the step of the last update that landed (nonfinite_param names it)
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
@@ -1080,9 +1116,12 @@ class Monitor:
                 ...  # forward, combine, backward, optimizer.step()
             # ends at the stop; the emergency checkpoint holds the last healthy state
         """
+        return _Batches(self._batches(loader), loader)
+
+    def _batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         self._batch_loops += 1
         closed = self._steps_closed
-        fed: list[Any] = []  # the batches yielded since the last optimizer step ended
+        fed: list[tuple[Any, list[int]]] = []  # the batches yielded since the last step ended
         try:
             for batch in loader:
                 if self.should_stop:
@@ -1093,18 +1132,30 @@ class Monitor:
                 queue = [batch]
                 while queue and not self.should_stop:
                     b = queue.pop(0)
+                    versions = _tensor_versions(b)  # (a tensor's version moves when changed in place)
                     yield b
-                    fed.append(b)
+                    fed.append((b, versions))
                     if self._steps_closed == closed:
                         continue  # gradient accumulation: the step has more micro-batches
                     closed = self._steps_closed
                     step_batches, fed = fed, []
                     # An undo skipped the step these batches fed (their gradients came from the
                     # undone state): all of them (every micro-batch of an accumulated step) are
-                    # used again, from the restored state.
+                    # used again, from the restored state, unless the loop changed them in place.
                     if self._ctx is not None and self._ctx.repeat_batch:
                         self._ctx.repeat_batch = False
-                        queue = step_batches + queue
+                        intact = [b for b, v in step_batches if _tensor_versions(b) == v]
+                        if len(intact) < len(step_batches) and not self._warned_inplace:
+                            self._warned_inplace = True
+                            warnings.warn(
+                                "monitor.batches(): the loop changed the batch of an undone step in place "
+                                "(an in-place transform such as Mixup or a normalisation); it is not used "
+                                "again, which would transform it twice. Transform a copy (x = x.mul(...), "
+                                "not x.mul_(...)) for the undone step's batch to be used again",
+                                RuntimeWarning,
+                                stacklevel=2,
+                            )
+                        queue = intact + queue
         finally:
             self._batch_loops -= 1
 
@@ -1516,8 +1567,9 @@ class Monitor:
             data["skipped_by"] = "grad_scaler"
         if rec is not None and rec.skip and f.kind in NONFINITE_KINDS and not outcome.actions:
             data["step_skipped"] = True  # by another finding's skip_step in this same step
-        # A finding about an update that already landed names the step of that update.
-        at = f.step if f.step is not None else step
+        # A finding judged after an update landed names the step of that update (a non-finite
+        # weight, seen before the step in flight, keeps this step: it stops this update too).
+        at = f.step if f.step is not None and not f.before_update else step
         return Event(at, f.kind, f.message, data, list(outcome.actions))
 
     def _gather_evidence(self, step: int, findings: list[Finding]) -> None:
@@ -1747,6 +1799,9 @@ class Monitor:
                     f"non-finite parameter {name} (group {group})",
                     {"param": name, "group": group, "count": int(i[S.PARAM_NONFINITE_COUNT])},
                     where=name,
+                    # the update that put it there: one made after a rollback is new evidence for
+                    # the policy (no cooldown); the step in flight is stopped all the same
+                    step=self._last_landed,
                 )
             )
         n_inputs = i.get(S.INPUT_NONFINITE, 0.0)
@@ -1777,6 +1832,7 @@ class Monitor:
             rec.put_back(self.optimizer)  # gradients hidden for a skip; the user's LR
             rec.phase = Phase.ABORTED if aborted else Phase.LANDED
             if rec.update_landed:
+                self._last_landed = rec.step
                 self._no_update_since_spike = False
                 self._state_from_normal_loss = not any(f.kind == LOSS_SPIKE for f in rec.findings)
             if rec.scaler_skips and not aborted:

@@ -48,7 +48,10 @@ def main(out: str) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(48, 4, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-    cb = SFMonitorCallback(chance=0.1, run_dir=os.path.join(out, "run"), sinks=[], config={"console": False})
+    # The accuracies are scripted and the training stays healthy: the report's rule alone decides
+    # the collapse (train_loss_rise 0), so that its rollback is taken on both ranks alike.
+    cfg = {"console": False, "detectors": {"accuracy_collapse": {"train_loss_rise": 0}}}
+    cb = SFMonitorCallback(chance=0.1, run_dir=os.path.join(out, "run"), sinks=[], config=cfg)
     model = Tiny(cb)
     trainer = pl.Trainer(
         accelerator="cpu",

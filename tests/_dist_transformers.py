@@ -58,7 +58,10 @@ def main(out: str) -> None:
         return output * float("nan") if (rank == 1 and n == NAN_FORWARD) else None
 
     model.transformer.wte.register_forward_hook(nan_on_rank1)
-    cb = SFMonitorTrainerCallback(chance=0.1, run_dir=os.path.join(out, "run"), sinks=[], config={"console": False})
+    # The accuracies are scripted and the training stays healthy: the report's rule alone decides
+    # the collapse (train_loss_rise 0), so that its rollback is taken on both ranks alike.
+    cfg = {"console": False, "detectors": {"accuracy_collapse": {"train_loss_rise": 0}}}
+    cb = SFMonitorTrainerCallback(chance=0.1, run_dir=os.path.join(out, "run"), sinks=[], config=cfg)
     args = transformers.TrainingArguments(
         output_dir=os.path.join(out, "hf"),
         per_device_train_batch_size=4,

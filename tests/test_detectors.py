@@ -10,6 +10,7 @@ import pytest
 from sfmonitor import detectors as D
 from sfmonitor.events import (
     ACCURACY_COLLAPSE,
+    ACCURACY_DROP,
     GRAD_RATIO_IMBALANCE,
     GRAD_SPIKE,
     LOSS_RATIO_IMBALANCE,
@@ -277,6 +278,53 @@ def test_accuracy_collapse_only_after_clearly_above_chance():
     assert det.observe_eval(5, {"accuracy": float("nan")}, chance=0.5)  # NaN accuracy is a collapse
     assert det.best == 0.8
     assert D.AccuracyCollapse().observe_eval(0, {"accuracy": 0.1}) == []  # no chance level known
+
+
+def test_accuracy_at_chance_rolls_back_only_when_the_training_loss_rose_with_it():
+    """A 64-example validation set's accuracy wobbled 0.50 -> 0.63 -> 0.52 on a healthy run (a
+    probe's real-script loop): taken for a collapse, rolled back and the LR cut. The report reads
+    accuracy back at chance as a sign of divergence; where the monitor sees the training loss it
+    asks it too: a collapse also needs the median of the last losses 1.5x their median when the
+    accuracy was last clearly above chance (or non-finite). Else `accuracy_drop`, an event once,
+    still armed: a later reading at chance with the loss risen is the collapse. Without any
+    training loss (no combine()) and for a NaN accuracy the report's rule decides alone."""
+
+    def trained(det, losses, start=0):
+        for i, v in enumerate(losses):
+            assert det.check(start + i, {"loss/total": v}) == []
+
+    det = D.AccuracyCollapse()
+    trained(det, [1.0] * 30)
+    assert det.observe_eval(30, {"accuracy": 0.63}, chance=0.5) == []
+    trained(det, [0.9] * 30, 30)
+    out = det.observe_eval(60, {"accuracy": 0.52}, chance=0.5)
+    assert [f.kind for f in out] == [ACCURACY_DROP] and "training loss" in out[0].message
+    assert out[0].data["train_loss_now"] == 0.9 and out[0].data["train_loss_then"] == 1.0
+    assert det.observe_eval(61, {"accuracy": 0.5}, chance=0.5) == []  # told once
+    again = D.AccuracyCollapse()
+    again.load_state_dict(copy.deepcopy(det.state_dict()))
+    for d in (det, again):  # (the state round-trips)
+        trained(d, [0.9] * 5 + [float("inf")] * 15, 62)  # the run diverges: its losses non-finite
+        assert [f.kind for f in d.observe_eval(82, {"accuracy": 0.5}, chance=0.5)] == [ACCURACY_COLLAPSE]
+
+    rose = D.AccuracyCollapse()
+    trained(rose, [1.0] * 30)
+    rose.observe_eval(30, {"accuracy": 0.8}, chance=0.5)
+    trained(rose, [2.0] * 20, 30)
+    out = rose.observe_eval(50, {"accuracy": 0.5}, chance=0.5)
+    assert [f.kind for f in out] == [ACCURACY_COLLAPSE] and out[0].data["train_loss_now"] == 2.0
+
+    blind = D.AccuracyCollapse()  # no training loss seen: the report's rule
+    blind.observe_eval(0, {"accuracy": 0.8}, chance=0.5)
+    assert [f.kind for f in blind.observe_eval(1, {"accuracy": 0.5}, chance=0.5)] == [ACCURACY_COLLAPSE]
+    nan = D.AccuracyCollapse()
+    trained(nan, [1.0] * 30)
+    nan.observe_eval(30, {"accuracy": 0.8}, chance=0.5)
+    assert [f.kind for f in nan.observe_eval(31, {"accuracy": float("nan")}, chance=0.5)] == [ACCURACY_COLLAPSE]
+    off = D.AccuracyCollapse(D.AccuracyCollapseConfig(train_loss_rise=0))
+    trained(off, [1.0] * 30)
+    off.observe_eval(30, {"accuracy": 0.8}, chance=0.5)
+    assert [f.kind for f in off.observe_eval(31, {"accuracy": 0.5}, chance=0.5)] == [ACCURACY_COLLAPSE]
 
 
 def test_plateau_drop_then_stop_and_reset_on_improvement():

@@ -191,6 +191,50 @@ def test_a_landed_bad_update_is_undone_and_the_run_equals_its_twin_without_that_
     assert same_state(model, twin), "an exact undo loses one step and nothing else"
 
 
+def test_a_batch_the_loop_changed_in_place_is_not_used_again_after_an_undo(tmp_path):
+    """After an undo, batches() yields again the batch that fed the skipped step, the same object.
+    A loop that changes its batch in place (timm's Mixup, an in-place normalisation) then got the
+    already-changed tensor (a probe's loop: sum |x| 101.8 the first time, 50.8 the second). Such a
+    batch (a tensor of it changed since it was yielded: its version counter moved) is not used
+    again: a warning says so once, and the run goes on with the loader's next batch."""
+    model, _ = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    batches = data(n=40)
+    firsts = [float(x[0, 0]) for x, _, _ in batches]
+    seen = []
+    with pytest.warns(RuntimeWarning, match="changed the batch of an undone step in place") as caught:
+        for x, y, _ in mon.batches(batches):
+            seen.append(float(x[0, 0]))
+            x.mul_(0.5)  # the loop's own in-place transform
+            for g in opt.param_groups:
+                g["lr"] = 0.02 * (1e4 if mon.step == 30 else 1.0)
+            mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+            opt.step()
+            opt.zero_grad()
+    mon.detach()
+    assert [(e.step, e.actions) for e in mon.events if e.actions] == [(30, ["undo"])]
+    assert seen == firsts  # every batch once, as the loader gave it; none a second time, halved
+    assert len([w for w in caught if "in place" in str(w.message)]) == 1
+
+
+def test_batches_has_the_loaders_length(tmp_path):
+    """The torchvision reference loop wraps its loader in MetricLogger.log_every, which calls
+    len(); tqdm reads it for its total. batches() was a generator: TypeError. It has the loader's
+    length (what a rollback leaves out is not subtracted), and none when the loader has none."""
+    model, _ = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(10, 6)), batch_size=4)
+    it = mon.batches(loader)
+    assert len(it) == 3 == len(loader)
+    assert iter(it) is it and [b[0].shape[0] for b in it] == [4, 4, 2]
+    with pytest.raises(TypeError, match="no len"):
+        len(mon.batches(x for x in range(3)))
+    assert next(mon.batches(range(3))) == 0
+    mon.detach()
+
+
 def test_an_undone_accumulated_step_uses_every_micro_batch_again(tmp_path):
     # Gradient accumulation (2 micro-batches a step) through monitor.batches(): step 15's update
     # lands at 10^4 x the LR, step 16 sees it and undoes it; both of step 16's micro-batches feed
@@ -847,3 +891,71 @@ def test_per_sample_gradients_made_with_torch_func_train_as_without_the_monitor(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.func transforms.*", category=RuntimeWarning)
             assert same_state(run(True, per_sample), run(False, per_sample)), per_sample
+
+
+def test_a_small_validation_sets_accuracy_wobble_is_no_collapse_on_a_healthy_run(tmp_path):
+    """A healthy binary classifier evaluated on 64 examples each epoch (a probe's real-script
+    loop): its accuracy read 0.50, 0.63, 0.58, 0.52 (a binomial standard error at chance is 0.06),
+    and the monitor took 0.63 -> 0.52 for a collapse: rollback and an LR cut, the run off its
+    course. The training loss did not rise: an `accuracy_drop` event, no action, bit-identical."""
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        x = torch.randn(512, 8, generator=torch.Generator().manual_seed(1))
+        y = (x[:, 0] + 0.5 * torch.randn(512, generator=torch.Generator().manual_seed(2)) > 0).long()
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=quiet()) if monitored else None
+        )
+        for epoch, acc in enumerate([0.50, 0.63, 0.58, 0.52, 0.61, 0.64]):
+            for i in range(0, 512, 32):
+                loss = nn.functional.cross_entropy(model(x[i : i + 32]), y[i : i + 32])
+                (mon.combine(loss) if mon else loss).backward()
+                opt.step()
+                opt.zero_grad()
+            if mon:
+                mon.observe_eval({"loss": 0.69 - 0.01 * epoch, "accuracy": acc}, chance=0.5)
+        events = list(mon.events) if mon else []
+        if mon:
+            mon.detach()
+        return model, events
+
+    bare, _ = run(False)
+    model, events = run(True)
+    assert [(e.kind, e.actions) for e in events if e.kind.startswith("accuracy")] == [("accuracy_drop", [])]
+    assert not [e for e in events if e.actions]
+    assert same_state(model, bare)
+
+
+def test_weights_made_non_finite_again_after_a_rollback_are_rolled_back_again(tmp_path):
+    """fp16 weights under Adam with eps 1e-8 (it underflows to 0 in fp16): every update makes the
+    weights NaN. After the first rollback and LR drop, the next update's NaN weights were left in
+    place for the rollback's whole 20-step cooldown (the finding named no step, so the policy could
+    not see it was about an update made after the rollback): 94 of 120 steps began on NaN
+    weights. A non-finite weight now names the update that put it there; one made after the last
+    rollback is new evidence and is answered at once, until the budget ends the run."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(17)
+    w = torch.randn(16, 1, generator=g) / 4
+    data = []
+    for _ in range(40):
+        x = torch.randn(64, 16, generator=g)
+        data.append((x, torch.sin(2 * (x @ w))))
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    began_on_nan = []
+    for k, (x, y) in enumerate(mon.batches(data)):
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            began_on_nan.append(k)
+        mon.combine(((model(x.half()).float() - y) ** 2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    events = list(mon.events)
+    mon.detach()
+    cooled = [e for e in events if e.kind == "nonfinite_param" and e.data.get("suppressed")]
+    assert cooled == []
+    # every NaN state is answered in the step it is seen: none carried into the next step
+    assert not any(b == a + 1 for a, b in itertools.pairwise(began_on_nan)), began_on_nan
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the run ends on sound weights

@@ -352,7 +352,9 @@ def test_spent_budget_saves_a_checkpoint_and_stops_with_the_reason(tmp_path):
 def test_eval_collapse_and_plateau_reach_the_policy(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET)
+    # (the report's rule alone: the collapse needs no rise of this healthy run's training loss)
+    alone = {**QUIET, "detectors": {"accuracy_collapse": {"train_loss_rise": 0}}}
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=alone)
     for x in data(6):
         step(model, opt, mon, x)
     assert mon.observe_eval({"accuracy": 0.9, "loss": 1.0}, chance=0.5) == []
