@@ -1153,7 +1153,7 @@ class Monitor:
                                 "again, which would transform it twice. Transform a copy (x = x.mul(...), "
                                 "not x.mul_(...)) for the undone step's batch to be used again",
                                 RuntimeWarning,
-                                stacklevel=2,
+                                stacklevel=3,  # the loop that draws from batches()
                             )
                         queue = intact + queue
         finally:
