@@ -156,14 +156,17 @@ def test_the_budget_counts_only_rescues_that_changed_something(tmp_path):
     assert not any("stop" in e.actions for e in mon.events)
 
 
-def spiky_run(tmp_path, lr_at, config=None, steps=60):
-    """SGD on a small net through monitor.batches(); the step(s) in ``lr_at`` run at 10^4 x the LR."""
+def spiky_run(tmp_path, lr_at, config=None, steps=60, in_place=None):
+    """SGD on a small net through monitor.batches(); the step(s) in ``lr_at`` run at 10^4 x the LR;
+    ``in_place(x)``: the loop's own in-place transform of each batch it draws."""
     model, _ = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(**(config or {})))
     seen = []
     for x, y, _ in mon.batches(data(n=steps)):
         seen.append(float(x[0, 0]))
+        if in_place is not None:
+            in_place(x)
         for g in opt.param_groups:
             g["lr"] = 0.02 * (1e4 if mon.step in lr_at else 1.0)
         mon.combine(nn.functional.mse_loss(model(x), y)).backward()
@@ -197,23 +200,10 @@ def test_a_batch_the_loop_changed_in_place_is_not_used_again_after_an_undo(tmp_p
     already-changed tensor (a probe's loop: sum |x| 101.8 the first time, 50.8 the second). Such a
     batch (a tensor of it changed since it was yielded: its version counter moved) is not used
     again: a warning says so once, and the run goes on with the loader's next batch."""
-    model, _ = make()
-    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
-    batches = data(n=40)
-    firsts = [float(x[0, 0]) for x, _, _ in batches]
-    seen = []
     with pytest.warns(RuntimeWarning, match="changed the batch of an undone step in place") as caught:
-        for x, y, _ in mon.batches(batches):
-            seen.append(float(x[0, 0]))
-            x.mul_(0.5)  # the loop's own in-place transform
-            for g in opt.param_groups:
-                g["lr"] = 0.02 * (1e4 if mon.step == 30 else 1.0)
-            mon.combine(nn.functional.mse_loss(model(x), y)).backward()
-            opt.step()
-            opt.zero_grad()
-    mon.detach()
+        _, mon, seen = spiky_run(tmp_path, lr_at={30}, steps=40, in_place=lambda x: x.mul_(0.5))
     assert [(e.step, e.actions) for e in mon.events if e.actions] == [(30, ["undo"])]
+    firsts = [float(x[0, 0]) for x, _, _ in data(n=40)]
     assert seen == firsts  # every batch once, as the loader gave it; none a second time, halved
     assert len([w for w in caught if "in place" in str(w.message)]) == 1
 
