@@ -70,6 +70,7 @@ from .events import (
     ROLLBACK,
     SKIP_STEP,
     UNDO,
+    ZERO_GRADIENT,
     ConfigError,
     Decision,
     Event,
@@ -520,6 +521,8 @@ class Monitor:
         self._state_from_normal_loss = False
         self._same_state_spikes = 0
         self._last_landed: int | None = None  # the step of the last update that landed (nonfinite_param names it)
+        self._zero_runs: dict[str, int] = {}  # group -> steps in a row its gradients were exactly zero
+        self._groups_with_grad: dict[tuple[int, ...], set[int]] = {}  # (the last set of parameters with gradients)
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
@@ -1342,7 +1345,7 @@ class Monitor:
 
         # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
         #    judge the update the previous step landed); the activation watch.
-        findings = self._nonfinite_findings(rec, grad_index)
+        findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec, grad_index)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
             seen = {**prev_rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in prev_rec.group_lr.items()}}
@@ -1747,6 +1750,39 @@ class Monitor:
                 "why": "the update that made this state was measured and normal, from a step whose "
                 "loss was normal, and every weight is finite: the batch, not the weights",
             }
+
+    # Steps in a row a group's gradients must be exactly zero (while the others' are not) to be told.
+    ZERO_GRADIENT_STEPS = 20
+
+    def _zero_gradient_findings(self, rec: StepRecord, grad_index: Sequence[int]) -> list[Finding]:
+        """A group whose parameters have gradients, all exactly zero, for ``ZERO_GRADIENT_STEPS``
+        steps in a row while the model's total is finite and above zero: told once (no action) until
+        its gradients come back. A group with no gradient at all (frozen) is never told."""
+        key = tuple(grad_index)
+        if key not in self._groups_with_grad:  # (like the index cache: once per set of parameters)
+            self._groups_with_grad = {key: {self._param_group[i] for i in key}}
+        present = self._groups_with_grad[key]
+        total = rec.stats.get(S.GRAD_NORM_TOTAL)
+        training = total is not None and S.finite(total) and total > 0
+        out = []
+        for gi, g in enumerate(self._group_names):
+            if not (training and gi in present and rec.stats.get(S.GRAD_NORM.format(g)) == 0.0):
+                self._zero_runs.pop(g, None)
+                continue
+            run = self._zero_runs[g] = self._zero_runs.get(g, 0) + 1
+            if run == self.ZERO_GRADIENT_STEPS:
+                amp = " (fp16 gradients underflow without a GradScaler)" if self.scaler is None else ""
+                out.append(
+                    Finding(
+                        ZERO_GRADIENT,
+                        f"the gradients of group {g} are exactly zero for {run} steps in a row while the "
+                        f"others train: it does not learn{amp}; or its units are dead, or its path to the "
+                        "loss is cut",
+                        {"group": g, "steps": run, "grad_norm_total": total},
+                        where=g,
+                    )
+                )
+        return out
 
     def _nonfinite_findings(self, rec: StepRecord, grad_index: Sequence[int]) -> list[Finding]:
         v, i = rec.stats, rec.internal

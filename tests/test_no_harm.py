@@ -949,3 +949,48 @@ def test_weights_made_non_finite_again_after_a_rollback_are_rolled_back_again(tm
     # every NaN state is answered in the step it is seen: none carried into the next step
     assert not any(b == a + 1 for a, b in itertools.pairwise(began_on_nan)), began_on_nan
     assert all(torch.isfinite(p).all() for p in model.parameters())  # the run ends on sound weights
+
+
+def _underflow_run(tmp_path, scaler, frozen=False, steps=40):
+    """fp16 autocast on CPU; the loss is scaled down (a mean over a large count) so that the first
+    layers' fp16 gradients underflow to exactly zero unless a GradScaler scales them up."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 1, generator=g) / 32**0.5
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    if frozen:
+        model[0].requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    sc = torch.amp.GradScaler("cpu") if scaler else None
+    mon = sfmonitor.attach(model, opt, scaler=sc, run_dir=str(tmp_path), config=quiet())
+    for _ in range(steps):
+        x = torch.randn(128, 32, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=not frozen):
+            out = model(x)
+        loss = mon.combine(((out.float() - torch.tanh(x @ w)) ** 2).mean() * 1e-5)
+        if sc:
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    events = list(mon.events)
+    mon.detach()
+    return events
+
+
+def test_a_group_whose_gradients_are_exactly_zero_step_after_step_is_told(tmp_path):
+    """fp16 autocast without a GradScaler: the first layers' gradients underflow to exactly zero
+    and training silently stalls there (a probe's run: grad_norm/0 == 0 on 273 of 300 steps, held
+    out 3.9x the GradScaler run's; no event). A group whose gradients exist but are exactly zero
+    for 20 steps in a row while the others are not is told once (`zero_gradient`, no action). A
+    frozen layer (no gradient at all) and the same run with a GradScaler say nothing."""
+    events = _underflow_run(tmp_path / "plain", scaler=False)
+    told = [e for e in events if e.kind == "zero_gradient"]
+    # (the first two layers underflow; the output layer's gradients are ~1e-5, and train)
+    assert [(e.step, e.data["group"], e.actions) for e in told] == [(19, "0", []), (19, "2", [])]
+    assert "GradScaler" in told[0].message
+    for name, scaler, frozen in (("scaled", True, False), ("frozen", False, True)):
+        assert [e for e in _underflow_run(tmp_path / name, scaler, frozen) if e.kind == "zero_gradient"] == []
