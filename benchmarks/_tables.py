@@ -8,6 +8,7 @@ import fnmatch
 import json
 import platform
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,3 +50,21 @@ def run_and_print(
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def by_case(rows: list[dict[str, Any]], key: str) -> dict[str, list[dict[str, Any]]]:
+    """The rows grouped by ``row[key]`` (a setup or scenario name), in the order they came."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r[key], []).append(r)
+    return by
+
+
+def summed(rows: list[dict[str, Any]], field: str) -> Counter[str]:
+    """The counts under ``row[field]`` (actions, told events), added over the rows."""
+    return sum((Counter(r[field]) for r in rows), Counter())
+
+
+def counts(c: Counter[str]) -> str:
+    """``"kind n, kind n"`` in name order, or "0"."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "0"

@@ -225,30 +225,24 @@ def compare(name: str, seed: int, steps: int) -> dict[str, Any]:
     }
 
 
-def _fmt(counts: Counter) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "0"
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     out = [
         "| setup | runs | acted | not bit-identical | undo / LR drop / rollback | actions | told "
         "| held-out loss, monitored / bare |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by.setdefault(r["setup"], []).append(r)
+    by = _tables.by_case(rows, "setup")
     total: Counter[str] = Counter()
     for name, rs in by.items():
-        acts = sum((Counter(r["actions"]) for r in rs), Counter())
-        told = sum((Counter(r["told"]) for r in rs), Counter())
+        acts, told = _tables.summed(rs, "actions"), _tables.summed(rs, "told")
         ratios = [r["held_out"] / r["bare_held_out"] for r in rs if not r["bare_diverged"] and r["bare_held_out"] > 0]
         acted = sum(bool(r["actions"]) for r in rs)
         nonid = sum(not r["identical"] for r in rs)
         costly = sum(r["costly"] for r in rs)
         total.update(runs=len(rs), acted=acted, nonid=nonid, costly=costly)
         ratio = f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"
-        out.append(f"| {name} | {len(rs)} | {acted} | {nonid} | {costly} | {_fmt(acts)} | {_fmt(told)} | {ratio} |")
+        acts_told = f"{_tables.counts(acts)} | {_tables.counts(told)}"
+        out.append(f"| {name} | {len(rs)} | {acted} | {nonid} | {costly} | {acts_told} | {ratio} |")
     out.append(f"| **all** | {total['runs']} | {total['acted']} | {total['nonid']} | {total['costly']} | | | |")
     return "\n".join(out)
 

@@ -308,10 +308,6 @@ def _step(x: int | None) -> str:
     return "-" if x is None else str(x)
 
 
-def _counts(c: Counter) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "0"
-
-
 def _first_events(rs: list[dict[str, Any]]) -> str:
     """``kind@s0/s1`` per kind, in seed order; ``-`` for a seed with no event."""
     by: dict[str, list[str]] = {}
@@ -328,14 +324,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         "| bit-identical to fixed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by.setdefault(r["scenario"], []).append(r)
+    by = _tables.by_case(rows, "scenario")
     total: Counter[str] = Counter()
     gaps_all: list[float] = []
     for name, rs in by.items():
-        acts = sum((Counter(r["actions"]) for r in rs), Counter())
-        told = sum((Counter(r["told"]) for r in rs), Counter())
+        acts, told = _tables.summed(rs, "actions"), _tables.summed(rs, "told")
         onsets = "/".join(_step(r["bare_onset"]) for r in rs)
         if rs[0]["bad_step"] is not None:
             onsets += f" (from {rs[0]['bad_step']}: {'/'.join(_step(r['bare_onset_from_fault']) for r in rs)})"
@@ -350,7 +343,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ident = f"{sum(twins)}/{len(twins)}" if twins else "-"
         total.update(runs=len(rs), within=within, acted=sum(bool(r["actions"]) for r in rs))
         out.append(
-            f"| {name} | {len(rs)} | {onsets} | {_first_events(rs)} | {_counts(acts)} | {_counts(told)} "
+            f"| {name} | {len(rs)} | {onsets} | {_first_events(rs)} | {_tables.counts(acts)} | {_tables.counts(told)} "
             f"| {' / '.join(_num(mean[a]) for a in ARMS)} | {gap} | {within}/{len(rs)} | {ident} |"
         )
     gap = f"{100 * sum(gaps_all) / len(gaps_all):.0f}%" if gaps_all else "-"

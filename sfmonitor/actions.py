@@ -742,13 +742,16 @@ def apply_lr_scale(optimizer: torch.optim.Optimizer, scale: float, min_lr: float
     """Multiply every param group's LR by ``scale`` (not below ``min_lr``, nor above the group's own
     LR); returns what ``restore_lr`` needs. ``scale == 1``, or no group whose LR sizes its updates
     (``lr_not_a_step_size``): touches nothing, returns []."""
+    if scale == 1.0:
+        return []
     groups = optimizer.param_groups
-    if scale == 1.0 or all(lr_not_a_step_size(optimizer, g) for g in groups):
+    alone = [lr_not_a_step_size(optimizer, g) is not None for g in groups]
+    if all(alone):
         return []
     saved: list[Any] = []
-    for group in groups:
+    for group, left in zip(groups, alone):
         lr = group["lr"]
-        if lr_not_a_step_size(optimizer, group):
+        if left:
             saved.append(None)  # left alone
         elif isinstance(lr, torch.Tensor):
             saved.append(lr.clone())

@@ -39,11 +39,12 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from . import actions as A
 from . import sharding
@@ -440,8 +441,6 @@ def _in_its_world(method: Any) -> Any:
 def _tensor_versions(batch: Any) -> list[int]:
     """The version counters of a batch's tensors (nested in dicts, lists, tuples): each in-place
     change of a tensor moves its counter; reading them costs no device work."""
-    from torch.utils._pytree import tree_leaves
-
     return [t._version for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 
@@ -450,7 +449,7 @@ class _Batches(Iterator[Any]):
     loader's length (``len()``: a progress bar's total, torchvision's ``MetricLogger``); batches a
     rollback leaves out are not subtracted."""
 
-    def __init__(self, batches: Iterator[Any], loader: Iterable[Any]):
+    def __init__(self, batches: Generator[Any, None, None], loader: Iterable[Any]):
         self._batches, self._loader = batches, loader
 
     def __iter__(self) -> _Batches:
@@ -467,8 +466,7 @@ class _Batches(Iterator[Any]):
 
     def close(self) -> None:
         """End the loop early (as a generator's ``close()``)."""
-        if hasattr(self._batches, "close"):
-            self._batches.close()
+        self._batches.close()
 
 
 class Monitor:
@@ -522,7 +520,6 @@ class Monitor:
         self._same_state_spikes = 0
         self._last_landed: int | None = None  # the step of the last update that landed (nonfinite_param names it)
         self._zero_runs: dict[str, int] = {}  # group -> steps in a row its gradients were exactly zero
-        self._groups_with_grad: dict[tuple[int, ...], set[int]] = {}  # (the last set of parameters with gradients)
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
@@ -644,7 +641,8 @@ class Monitor:
         # FSDP2: statistics measure each rank's local shards, weighted by their share of the norms.
         self._layout = sharding.Layout(self._params)
         self._param_group_t = self._layout.index(range(len(self._params)), self._param_group, device)
-        self._index_cache: dict[tuple[int, ...], S.TensorIndex] = {}
+        # which parameters have gradients -> their group index tensors, and the groups they fall in
+        self._index_cache: dict[tuple[int, ...], tuple[S.TensorIndex, frozenset[int]]] = {}
         self._update_buf, self._slices = None, None
         self._n_opt_params = sum(len(pg["params"]) for pg in optimizer.param_groups)
 
@@ -1121,7 +1119,7 @@ class Monitor:
         """
         return _Batches(self._batches(loader), loader)
 
-    def _batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+    def _batches(self, loader: Iterable[Any]) -> Generator[Any, None, None]:
         self._batch_loops += 1
         closed = self._steps_closed
         fed: list[tuple[Any, list[int]]] = []  # the batches yielded since the last step ended
@@ -1345,7 +1343,7 @@ class Monitor:
 
         # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
         #    judge the update the previous step landed); the activation watch.
-        findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec, grad_index)
+        findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
             seen = {**prev_rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in prev_rec.group_lr.items()}}
@@ -1653,14 +1651,17 @@ class Monitor:
         # The user clipped before optimizer.step(): the norms as backward left them (userclip.py).
         grad_norms, user_clipped = self._user_clip.take(rec.step, present, measured)
         key = tuple(i for i, _ in present)  # which parameters have gradients: stable across steps
-        if key not in self._index_cache:  # group index tensors are built once, not copied per step
-            self._index_cache[key] = self._layout.index(key, self._param_group, grad_norms.device)
-        per_group = S.group_norms(grad_norms, self._index_cache[key], len(self._group_names))
+        cached = self._index_cache.get(key)
+        if cached is None:  # group index tensors are built once, not copied per step
+            index = self._layout.index(key, self._param_group, grad_norms.device)
+            cached = self._index_cache[key] = (index, frozenset(self._param_group[i] for i in key))
+        index, rec.grad_groups = cached
+        per_group = S.group_norms(grad_norms, index, len(self._group_names))
         out[S.GRAD_NORM_TOTAL] = per_group.square().sum().sqrt()
         for gi, g in enumerate(self._group_names):
             out[S.GRAD_NORM.format(g)] = per_group[gi]
         if user_clipped:
-            after = S.group_norms(measured, self._index_cache[key], len(self._group_names))
+            after = S.group_norms(measured, index, len(self._group_names))
             out.update(self._user_clip.stats(out[S.GRAD_NORM_TOTAL], after.square().sum().sqrt()))
         params = self._layout.detached(self._params)  # FSDP2: the local shards
         param_norms = S.norms(params)
@@ -1684,7 +1685,7 @@ class Monitor:
         bad_grad = ~torch.isfinite(grad_norms)
         if user_clipped:  # name the gradient the clip spread a NaN from; catch one that came after it
             bad_grad = torch.where(bad_grad.any(), bad_grad, ~torch.isfinite(measured))
-        out[S.GRAD_FIRST_NONFINITE] = self._index_cache[key].param_of(S.first_true(bad_grad))  # a parameter index
+        out[S.GRAD_FIRST_NONFINITE] = index.param_of(S.first_true(bad_grad))  # a parameter index
         out[S.GRAD_NONFINITE_COUNT] = bad_grad.sum()
         bad_param = ~torch.isfinite(param_norms)
         out[S.PARAM_FIRST_NONFINITE] = S.first_true(bad_param)
@@ -1754,14 +1755,11 @@ class Monitor:
     # Steps in a row a group's gradients must be exactly zero (while the others' are not) to be told.
     ZERO_GRADIENT_STEPS = 20
 
-    def _zero_gradient_findings(self, rec: StepRecord, grad_index: Sequence[int]) -> list[Finding]:
+    def _zero_gradient_findings(self, rec: StepRecord) -> list[Finding]:
         """A group whose parameters have gradients, all exactly zero, for ``ZERO_GRADIENT_STEPS``
         steps in a row while the model's total is finite and above zero: told once (no action) until
         its gradients come back. A group with no gradient at all (frozen) is never told."""
-        key = tuple(grad_index)
-        if key not in self._groups_with_grad:  # (like the index cache: once per set of parameters)
-            self._groups_with_grad = {key: {self._param_group[i] for i in key}}
-        present = self._groups_with_grad[key]
+        present = rec.grad_groups
         total = rec.stats.get(S.GRAD_NORM_TOTAL)
         training = total is not None and S.finite(total) and total > 0
         out = []

@@ -139,6 +139,7 @@ class StepRecord:
     phase: Phase = Phase.OPEN
     losses: LossAccumulator = field(default_factory=LossAccumulator)
     grad_ratio: dict[str, torch.Tensor] = field(default_factory=dict)  # from combine(), per step
+    grad_groups: frozenset[int] = frozenset()  # the groups (indices) with a gradient this step
     stats: dict[str, float] = field(default_factory=dict)  # the values read (public)
     internal: dict[str, Any] = field(default_factory=dict)  # the values read (stats.INTERNAL)
     outcomes: list[Outcome] = field(default_factory=list)  # one per finding, in order

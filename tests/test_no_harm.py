@@ -13,6 +13,7 @@ from _state import train
 from torch import nn
 
 import sfmonitor
+from sfmonitor.record import StepRecord
 
 
 def quiet(**cfg):
@@ -222,6 +223,10 @@ def test_batches_has_the_loaders_length(tmp_path):
     with pytest.raises(TypeError, match="no len"):
         len(mon.batches(x for x in range(3)))
     assert next(mon.batches(range(3))) == 0
+    it = mon.batches(range(3))
+    assert next(it) == 0 and mon._batch_loops == 1
+    it.close()  # as a generator's close(): the loop is over
+    assert mon._batch_loops == 0 and list(it) == []
     mon.detach()
 
 
@@ -418,6 +423,8 @@ def _grad_spike_run(tmp_path, factor, monitored, optimizer="adamw", config=None,
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    elif optimizer == "rmsprop":
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(**(config or {}))) if monitored else None
@@ -478,6 +485,12 @@ def test_a_grad_spike_sgd_takes_in_its_stride_is_reported_and_left_alone(tmp_pat
     assert 2 < facts["ratio_to_mean"] < 8
     assert same_state(model, bare)
     assert mon._policy.rescues_used == 0
+    # RMSprop keeps a second moment (its alpha, 0.99): the Adam rule spares spikes up to 10x there
+    model, mon = _grad_spike_run(tmp_path / "rms", 8.0, True, "rmsprop", alarm, at=60, steps=80)
+    bare, _ = _grad_spike_run(None, 8.0, False, "rmsprop", at=60, steps=80)
+    facts = next(e for e in mon.events if e.kind == "grad_spike").data["action_results"]["clip"]
+    assert facts["applied"] is False and facts["beta2"] == 0.99 and "spare_adaptive" in facts["reason"]
+    assert same_state(model, bare)
 
 
 def test_a_grad_spike_is_clipped_without_a_second_moment_or_when_asked(tmp_path):
@@ -967,15 +980,13 @@ def _underflow_run(tmp_path, scaler, frozen=False, steps=40):
         x = torch.randn(128, 32, generator=g)
         with torch.autocast("cpu", dtype=torch.float16, enabled=not frozen):
             out = model(x)
-        loss = mon.combine(((out.float() - torch.tanh(x @ w)) ** 2).mean() * 1e-5)
+        loss = ((out.float() - torch.tanh(x @ w)) ** 2).mean() * 1e-5
         if sc:
-            sc.scale(loss).backward()
-            sc.step(opt)
-            sc.update()
+            scaled_step(mon, sc, opt, loss)
         else:
-            loss.backward()
+            mon.combine(loss).backward()
             opt.step()
-        opt.zero_grad()
+            opt.zero_grad()
     events = list(mon.events)
     mon.detach()
     return events
@@ -992,5 +1003,19 @@ def test_a_group_whose_gradients_are_exactly_zero_step_after_step_is_told(tmp_pa
     # (the first two layers underflow; the output layer's gradients are ~1e-5, and train)
     assert [(e.step, e.data["group"], e.actions) for e in told] == [(19, "0", []), (19, "2", [])]
     assert "GradScaler" in told[0].message
+    # told again only after its gradients came back and went to zero for 20 steps anew
+    lin = nn.Linear(2, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    mon = sfmonitor.attach(lin, opt, run_dir=str(tmp_path / "unit"), config=quiet())
+    mon._group_names = ["a", "b"]
+    rec = StepRecord(step=0, grad_groups=frozenset({0, 1}))
+    zero, back = {"grad_norm/total": 1.0, "grad_norm/a": 0.0}, {"grad_norm/total": 1.0, "grad_norm/a": 0.5}
+    seq = [zero] * 25 + [back] + [zero] * 20 + [{**zero, "grad_norm/total": float("nan")}] + [zero] * 19
+    fired = []
+    for k, stats in enumerate(seq):
+        rec.stats = {**stats, "grad_norm/b": 1.0}
+        fired += [k for f in mon._zero_gradient_findings(rec) if f.where == "a"]
+    assert fired == [19, 45]  # (a non-finite total is no training step: the count starts again)
+    mon.detach()
     for name, scaler, frozen in (("scaled", True, False), ("frozen", False, True)):
         assert [e for e in _underflow_run(tmp_path / name, scaler, frozen) if e.kind == "zero_gradient"] == []
