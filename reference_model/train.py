@@ -26,7 +26,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -595,11 +595,24 @@ def main(argv: list[str] | None = None) -> int:
         out = {k: v for k, v in result.items() if k != "history"}
         print(json.dumps(out), flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # a barrier first: destroying a gloo group while its threads still free a finished
-        # collective's tensors (which needs the GIL this thread holds) can deadlock inside torch
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> NoReturn:
+    """End a distributed run's process: a barrier, the group destroyed, the output flushed, and
+    exit status 0 without the interpreter's teardown."""
+    # The barrier first: destroying a gloo group while its threads still free a finished
+    # collective's tensors (which needs the GIL this thread holds) can deadlock inside torch.
+    # Then no teardown: gloo threads joined while the interpreter finalises abort a rank now and
+    # then, after its work is done ("terminate called without an active exception", SIGABRT: once
+    # in CI on the DDP run; pytorch/pytorch#179291 describes the mechanism). Every file this run
+    # writes is closed by now (the monitor's sinks at detach, the checkpoint by torch.save).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
