@@ -855,7 +855,11 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         agg = dict(ok[0])
         agg["seeds"] = [s for r in ok for s in r["seeds"]]
         for key, value in ok[0].items():
-            if key in ("steps", "seeds") or isinstance(value, (str, list)):
+            if key in ("steps", "seeds") or isinstance(value, list):
+                continue
+            texts = [r[key] for r in ok if isinstance(r[key], str)]
+            if texts:  # a text field (the first event's kind): the first seed's that has one
+                agg[key] = texts[0]
                 continue
             if isinstance(value, dict):
                 if key in ("actions", "kinds"):

@@ -58,6 +58,12 @@ def test_rows_have_the_measurements(faults, rows):
     assert merged[0]["actions"]["skip_step"] == 2 * rows["nan_batch"]["actions"]["skip_step"]
 
 
+def test_seeds_merge_when_one_leaves_a_text_field_empty(faults, rows):
+    seen = {**rows["nan_batch"], "detected_kind": "update_ratio_spike", "seeds": [1]}
+    merged = faults.aggregate([{**rows["nan_batch"], "detected_kind": None}, seen])
+    assert merged[0]["detected_kind"] == "update_ratio_spike" and merged[0]["seeds"] == [0, 1]
+
+
 def test_a_healthy_run_is_left_alone(rows):
     row = rows["fault_free"]
     assert row["n_actions"] == 0 and row["kinds"] == {}
