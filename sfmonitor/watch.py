@@ -1052,8 +1052,9 @@ class ActivationWatch:
 
     def _check_before_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A held module's check before its training forward: its exact max logit per head on this
-        forward's own input with the weights as they are; heads over tau are clipped now, so this
-        forward's logits stay under tau. One module forward and one host read, on held steps only."""
+        forward's own input with the weights as they are; heads over tau less ``PRECHECK_MARGIN``
+        are clipped to it now, so this forward's logits stay under tau. One module forward and one
+        host read, on held steps only."""
         info = self.attention.get(name)
         if info is None or info.spec is None or self._model is None:
             return

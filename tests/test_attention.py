@@ -668,7 +668,8 @@ def test_a_larger_batch_after_a_clip_stays_under_tau(tmp_path):
     assert first is not None and first < 30
     assert max(peaks[first + 1 :]) <= tau
     pre = [e.data["clipped_before_forward"] for e in mon.events if e.data.get("clipped_before_forward")]
-    assert pre and all(p["applied"] and p["max_logit"] > tau for p in pre)
+    # (clipped where the forward would pass the cap just under tau: tau less the check's margin)
+    assert pre and all(p["applied"] and p["max_logit"] > p["clip_target"] > tau * 0.99 for p in pre)
 
 
 def test_a_held_module_is_clipped_before_a_forward_that_would_pass_tau():
