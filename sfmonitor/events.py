@@ -66,6 +66,12 @@ register_kind(BAD_BATCH, [(1, [SKIP_STEP])], doc="the step's inputs hold NaN or 
 # no action: nothing the monitor changes would bring them back.
 ZERO_GRADIENT = "zero_gradient"
 register_kind(ZERO_GRADIENT, [(1, [])], doc="a group's gradients are exactly zero step after step")
+# Gradients added onto the last step's: the loop does not call zero_grad() between optimizer steps
+# (sfmonitor/gradreset.py). Told, no action: the monitor does not rewrite the user's loop.
+ZERO_GRAD_MISSING = "zero_grad_missing"
+register_kind(
+    ZERO_GRAD_MISSING, [(1, [])], doc="the gradients were accumulated onto the last step's: zero_grad() was not called"
+)
 
 
 def __getattr__(name: str) -> Any:

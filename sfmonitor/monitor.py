@@ -71,6 +71,7 @@ from .events import (
     ROLLBACK,
     SKIP_STEP,
     UNDO,
+    ZERO_GRAD_MISSING,
     ZERO_GRADIENT,
     ConfigError,
     Decision,
@@ -81,6 +82,7 @@ from .events import (
     changed_something,
 )
 from .forensics import MAX_STEP_BATCHES, BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
+from .gradreset import GradResetProbe
 from .integrations.distributed import (
     agree_metrics,
     alone,
@@ -520,6 +522,8 @@ class Monitor:
         self._same_state_spikes = 0
         self._last_landed: int | None = None  # the step of the last update that landed (nonfinite_param names it)
         self._zero_runs: dict[str, int] = {}  # group -> steps in a row its gradients were exactly zero
+        self._grad_reset = GradResetProbe()  # was zero_grad() called between the steps?
+        self._told_not_reset = False  # zero_grad_missing told, and no reset seen since
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
@@ -823,6 +827,7 @@ class Monitor:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._grad_reset.remove()
         for undo in reversed(self._undo):
             with contextlib.suppress(Exception):
                 undo()
@@ -890,6 +895,7 @@ class Monitor:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._grad_reset.remove()
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
@@ -1324,6 +1330,8 @@ class Monitor:
         #    step's update ratios (measured after its update landed) ride along in the same read.
         tensors, grad_index = self._collect_tensors(rec, [p.grad for p in self._params])
         tensors.update(self._watch.pending())
+        reset = self._grad_reset.take()
+        tensors[S.GRADS_NOT_RESET] = -1.0 if reset is None else float(reset)
         self._watch.check_sight(trained=bool(grad_index))
         last = self._last if self._last is not None and self._last.after else None
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
@@ -1344,6 +1352,7 @@ class Monitor:
         # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
         #    judge the update the previous step landed); the activation watch.
         findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec)
+        findings += self._zero_grad_missing_findings(rec)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
             seen = {**prev_rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in prev_rec.group_lr.items()}}
@@ -1782,6 +1791,29 @@ class Monitor:
                 )
         return out
 
+    def _zero_grad_missing_findings(self, rec: StepRecord) -> list[Finding]:
+        """This step's gradients were accumulated onto the last step's (``gradreset``): told
+        once, no action, and again only after the loop has reset them in between."""
+        seen = rec.internal.get(S.GRADS_NOT_RESET, -1.0)
+        if seen == 0.0:
+            self._told_not_reset = False
+        if seen != 1.0 or self._told_not_reset:
+            return []
+        self._told_not_reset = True
+        i = self._grad_reset.index
+        name = self._param_names[i] if 0 <= i < len(self._param_names) else "(another rank's)"
+        return [
+            Finding(
+                ZERO_GRAD_MISSING,
+                f"the gradients of step {rec.step} were added onto those of step {rec.step - 1} (parameter "
+                f"{name}): the loop does not call optimizer.zero_grad() (or model.zero_grad()) between "
+                "optimizer steps, so every update is the sum of all gradients so far. Call it once per "
+                "optimizer step, before the first backward of the step",
+                {"parameter": name, "grad_norm_total": rec.stats.get(S.GRAD_NORM_TOTAL)},
+                where=name,
+            )
+        ]
+
     def _nonfinite_findings(self, rec: StepRecord, grad_index: Sequence[int]) -> list[Finding]:
         v, i = rec.stats, rec.internal
         findings: list[Finding] = []
@@ -1888,6 +1920,8 @@ class Monitor:
                     for g in self._group_names:
                         rec.after[S.UPDATE_RATIO.format(g)] = torch.zeros(())
                 rec.before_params, rec.ratio_live = None, None
+            if not aborted:  # the gradients as the step leaves them: the next one must reset them
+                self._grad_reset.arm(self._params)
             if rec.stats or rec.internal:  # the pipeline read this step: it goes to the sinks
                 self._last = rec
                 if not rec.after:

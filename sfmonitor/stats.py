@@ -82,6 +82,8 @@ ACT_FIRST_NONFINITE = "internal/act_first_nonfinite"
 INPUT_NONFINITE = (
     "internal/input_nonfinite"  # NaN/inf values in the step's floating inputs  # watch: first module with inf/NaN
 )
+# Whether this step's gradients were accumulated onto the last step's (1), reset (0), not seen (-1)
+GRADS_NOT_RESET = "internal/grads_not_reset"
 # Under torch.distributed only: a vector of 3 x world slots, one-hot per rank (rank r fills slot r
 # of each third): [its loss is non-finite, its local non-finite gradient count, its local
 # non-finite parameter count]. Summed across ranks, it says where a non-finite value started.
@@ -96,6 +98,7 @@ INTERNAL = frozenset(
         ACT_FIRST_NONFINITE,
         NONFINITE_BY_RANK,
         INPUT_NONFINITE,
+        GRADS_NOT_RESET,
     }
 )
 
@@ -129,6 +132,7 @@ REDUCTIONS: dict[str, Reduce] = {
     ACT_FIRST_NONFINITE: Reduce.FIRST,
     NONFINITE_BY_RANK: Reduce.SUM,
     INPUT_NONFINITE: Reduce.SUM,  # a bad batch on one rank is a bad step for all
+    GRADS_NOT_RESET: Reduce.MAX,  # one rank's loop forgot: told on every rank
     ACT_ABSMAX.format(""): Reduce.MAX,
     GRAD_NORM.format(""): Reduce.NORM,
     PARAM_NORM.format(""): Reduce.NORM,

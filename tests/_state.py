@@ -10,6 +10,11 @@ import torch
 import sfmonitor
 
 
+def quiet(**cfg):
+    """A monitor config without the console lines (the tests read events, not stderr)."""
+    return {"console": False, **cfg}
+
+
 def snapshot(model, opt):
     return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
 

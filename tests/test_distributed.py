@@ -283,3 +283,26 @@ def test_a_monitor_alone_on_one_rank_needs_no_other_rank(tmp_path):
     r0 = torch.load(tmp_path / "r0.pt")
     assert r0["steps"] == 6 and r0["events"] == [(3, "nonfinite_loss", ["skip_step"])]
     assert (tmp_path / "aux" / "events.jsonl").exists() and (tmp_path / "aux" / "summary.json").exists()
+
+
+def _forgetful_worker(rank, world, port, out_dir):
+    _join(rank, world, port)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, sinks=[], config={"console": False})
+    for step in range(4):
+        if rank == 0 or step >= 2:  # rank 1's loop forgets zero_grad() before step 1 only
+            opt.zero_grad()
+        x = torch.randn(5, 4)
+        mon.combine(model(x).pow(2).mean()).backward()
+        opt.step()
+    torch.save([(e.step, e.kind) for e in mon.events], os.path.join(out_dir, f"rank{rank}.pt"))
+    mon.detach()
+    _leave()
+
+
+def test_one_rank_forgetting_zero_grad_is_told_on_every_rank(tmp_path):
+    mp.spawn(_forgetful_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0 == r1 == [(1, "zero_grad_missing")]

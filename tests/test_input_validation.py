@@ -13,17 +13,12 @@ import warnings
 
 import pytest
 import torch
-from _state import assert_identical, snapshot
+from _state import assert_identical, quiet, snapshot
 from torch import nn
 
 import sfmonitor
 from sfmonitor import stats as S
 from sfmonitor.monitor import LOCK_FILE
-
-
-def quiet(**cfg):
-    return {"console": False, **cfg}
-
 
 # --------------------------------------------------------------------------------------------
 # 1. float64 and complex parameters: measured, never refused, the run untouched

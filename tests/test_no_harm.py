@@ -9,15 +9,11 @@ import warnings
 
 import pytest
 import torch
-from _state import train
+from _state import quiet, train
 from torch import nn
 
 import sfmonitor
 from sfmonitor.record import StepRecord
-
-
-def quiet(**cfg):
-    return {"console": False, **cfg}
 
 
 def make(seed=0):

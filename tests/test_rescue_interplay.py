@@ -5,15 +5,11 @@ run must end as its twin that never saw the bad step, bit for bit."""
 from __future__ import annotations
 
 import torch
-from _state import train
+from _state import quiet, train
 from torch import nn
 from torch.nn import functional as F
 
 import sfmonitor
-
-
-def quiet(**cfg):
-    return {"console": False, **cfg}
 
 
 def same(a: nn.Module, b: nn.Module) -> bool:

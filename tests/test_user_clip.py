@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _state import quiet
 from torch import nn
 
 # Imported by name before any monitor attaches: clip_grad_norm_ reaches the wrapped
@@ -25,10 +26,6 @@ ORIGINALS = {
     (torch.nn.utils, "clip_grad_value_"): torch.nn.utils.clip_grad_value_,
 }
 GROUPS = ("0", "2")  # the Linear layers of the Sequential: one group each
-
-
-def quiet(**cfg):
-    return {"console": False, **cfg}
 
 
 def make(seed=0):

@@ -1,0 +1,77 @@
+"""Was ``zero_grad()`` called between two optimizer steps? One parameter tells.
+
+A loop that forgets ``optimizer.zero_grad()`` (or ``model.zero_grad()``) adds every step's
+gradients onto all the earlier ones: each update is the sum of every gradient since the start.
+Nothing is non-finite and nothing jumps: ``grad_norm/total`` climbs smoothly (a probe: 1 to 300 in
+300 steps), too smoothly for a spike test, and under SGD the run drifts off while under Adam it
+trains on a stale direction. The statistics cannot tell it from a run whose gradients grow.
+
+Autograd can. Backward accumulates into a parameter's existing ``.grad`` in place, bumping that
+tensor's version counter by one. So, at the end of each optimizer step the probe notes one
+parameter's gradient tensor (a weak reference: a strong one would make autograd accumulate out of
+place) and its version; at the first accumulation into that parameter after the step (a
+``post_accumulate_grad`` hook) it looks again:
+
+* a different tensor, or none: the gradients were set to ``None`` (``zero_grad()``'s default);
+* the same tensor, two or more versions on: zeroed in place, then accumulated
+  (``zero_grad(set_to_none=False)``, ``p.grad.zero_()``);
+* the same tensor, exactly one version on: accumulated onto the last step's gradient. Not reset.
+
+Micro-batch accumulation within a step is untouched (only the first accumulation after a step is
+judged), and so are gradients the user assigns (``p.grad = ...``: no accumulation, no hook). The
+probe costs one hook call per backward and one weak reference per step; no tensor is read.
+DTensor parameters (FSDP2) are not probed: their gradients are written by the reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class GradResetProbe:
+    """``arm(params)`` at the end of every optimizer step; ``take()`` in the next step's pipeline
+    says whether that step's gradients were accumulated onto the last one's (True), were reset
+    (False) or were not seen (None: the probed parameter got no gradient by autograd)."""
+
+    def __init__(self) -> None:
+        self._param: weakref.ref[torch.Tensor] | None = None
+        self._hook: Any = None
+        self._armed: tuple[weakref.ref[torch.Tensor], int] | None = None
+        self._seen: bool | None = None
+        self.index = -1  # the probed parameter's position in the list arm() was given
+
+    def arm(self, params: Sequence[torch.Tensor]) -> None:
+        """Note the first parameter's gradient as the step leaves it (call after the update)."""
+        self._armed = None
+        i, p = next(((i, q) for i, q in enumerate(params) if q.grad is not None), (-1, None))
+        if p is None or type(p.grad) is not torch.Tensor:
+            return  # nothing to probe, or a DTensor gradient (FSDP2)
+        if self._param is None or self._param() is not p:
+            self.remove()
+            self._param, self.index = weakref.ref(p), i
+            self._hook = p.register_post_accumulate_grad_hook(torch.compiler.disable(self._on_accumulate))
+        grad = p.grad
+        assert grad is not None
+        self._armed = (weakref.ref(grad), grad._version)
+
+    def _on_accumulate(self, param: torch.Tensor) -> None:
+        armed, self._armed = self._armed, None
+        if armed is None:  # not the first accumulation since the step
+            return
+        ref, version = armed
+        grad = param.grad
+        self._seen = grad is not None and ref() is grad and grad._version == version + 1
+
+    def take(self) -> bool | None:
+        """What the first accumulation since the last step showed (then forgotten)."""
+        seen, self._seen = self._seen, None
+        return seen
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook, self._param, self._armed, self._seen, self.index = None, None, None, None, -1

@@ -1,0 +1,118 @@
+"""A loop that forgets ``zero_grad()``: every step's gradients are added onto the earlier ones.
+Nothing is non-finite and nothing jumps (grad_norm/total climbs smoothly), so no statistic test
+sees it; the monitor tells it from autograd's version counter (sfmonitor/gradreset.py): event
+``zero_grad_missing``, once, no action. Every way of resetting says nothing."""
+
+from __future__ import annotations
+
+import torch
+from _state import quiet
+from torch import nn
+
+import sfmonitor
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _loop(tmp_path, reset, steps=6, micro=1, opt_cls=torch.optim.SGD, scaler=None, model=None):
+    """``steps`` optimizer steps of ``micro`` backward passes each; ``reset(model, opt, step)``
+    where a loop would call zero_grad (the first step's gradients start empty either way)."""
+    model = model or _model()
+    opt = opt_cls(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=str(tmp_path), config=quiet())
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        reset(model, opt, step)
+        for _ in range(micro):
+            x = torch.randn(8, 4, generator=g)
+            loss = mon.combine((model(x) - x.sum(1, keepdim=True)).pow(2).mean())
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    mon.detach()
+    return [(e.step, e.actions) for e in mon.events if e.kind == "zero_grad_missing"], mon
+
+
+def _forget(model, opt, step):
+    pass
+
+
+def test_a_forgotten_zero_grad_is_told_once_in_the_step_it_shows(tmp_path):
+    told, mon = _loop(tmp_path, _forget)
+    assert told == [(1, [])]  # step 1 adds onto step 0's gradients; told once, no action
+    event = next(e for e in mon.events if e.kind == "zero_grad_missing")
+    assert "zero_grad()" in event.message and event.data["parameter"] == "0.weight"
+    # the same with micro-batches, under Adam
+    assert _loop(tmp_path / "micro", _forget, micro=3, opt_cls=torch.optim.Adam)[0] == [(1, [])]
+
+
+def test_every_way_of_resetting_says_nothing(tmp_path):
+    def manual_none(model, opt, step):
+        for p in model.parameters():
+            p.grad = None
+
+    def manual_zero(model, opt, step):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    resets = {
+        "optimizer": lambda model, opt, step: opt.zero_grad(),
+        "optimizer_in_place": lambda model, opt, step: opt.zero_grad(set_to_none=False),
+        "model": lambda model, opt, step: model.zero_grad(),
+        "model_in_place": lambda model, opt, step: model.zero_grad(set_to_none=False),
+        "manual_none": manual_none,
+        "manual_zero": manual_zero,
+    }
+    for name, reset in resets.items():
+        for micro in (1, 3):
+            assert _loop(tmp_path / f"{name}{micro}", reset, micro=micro)[0] == [], (name, micro)
+
+
+def test_a_grad_scaler_loop_and_a_skipped_step_say_nothing(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    told, _ = _loop(tmp_path / "scaled", lambda m, o, s: o.zero_grad(), scaler=scaler)
+    assert told == []
+
+    # a NaN batch the monitor skips (its gradients hidden from the optimizer and put back) and
+    # the loop resetting as usual afterwards: nothing to tell
+    model = _model()
+    real = model.forward
+
+    def poisoned(x, _calls=[0]):  # noqa: B006 - a counter across calls
+        _calls[0] += 1
+        out = real(x)
+        return out * float("nan") if _calls[0] == 3 else out
+
+    model.forward = poisoned
+    told, mon = _loop(tmp_path / "nan", lambda m, o, s: o.zero_grad(), model=model)
+    assert told == [] and any(e.kind == "nonfinite_loss" for e in mon.events)
+
+
+def test_told_again_only_after_the_loop_reset_in_between(tmp_path):
+    # resets at steps 1-3 and 6-7, forgets at 4-5 and 8-9: told at 4 (not at 5) and at 8
+    told, _ = _loop(tmp_path, lambda m, o, s: o.zero_grad() if s in (1, 2, 3, 6, 7) else None, steps=10)
+    assert told == [(4, []), (8, [])]
+
+
+def test_detach_removes_the_probe_hook(tmp_path):
+    told, mon = _loop(tmp_path, _forget, steps=2)
+    model = mon.model
+    assert model is None  # detached
+    # no hook left on the first parameter: its accumulate hooks dictionary is empty again
+    lin = _model()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+    mon = sfmonitor.attach(lin, opt, run_dir=str(tmp_path / "again"), config=quiet())
+    lin(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    first = next(lin.parameters())
+    assert first._post_accumulate_grad_hooks  # armed after the step
+    mon.detach()
+    assert not first._post_accumulate_grad_hooks
