@@ -1220,9 +1220,18 @@ class Monitor:
                 # forward-backward at perturbed weights, in the middle of its step). A skip hides
                 # them; a closure run then would make new ones, so the optimizer gets none to run.
                 self.before_update()
-                if self._record.skip:
+                rec = self._record
+                rec.closure_in_step = True
+                if rec.skip:
                     changed = _with_closure(args, kwargs, lambda: None)
-                self._record.stepped = True
+                    undo = self._ctx.undo if self._ctx is not None else None
+                    if undo is not None and undo.label == rec.step and undo.params:
+                        # An optimizer that reads the gradients before its closure (SAM's ascent)
+                        # fails on none: with this step's exact copy at hand it runs on them, and
+                        # the copy is put back when the step closes (a skip all the same).
+                        rec.put_back_grads()
+                        rec.restore_after = True
+                rec.stepped = True
                 return changed
             if closure is not None:
                 # step(closure) with no gradient yet: the closure makes this step's gradients
@@ -1895,6 +1904,16 @@ class Monitor:
         rec = self._record
         started = time.perf_counter()
         try:
+            ctx = self._ctx
+            if ctx is not None and ctx.undo is not None and rec.restore_after:
+                # a skip by restoring: the parameters, optimizer state and buffers as captured
+                ctx.undo.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers)
+                rec.restore_after = False
+            elif ctx is not None and ctx.undo is not None and rec.closure_in_step and ctx.undo.label == rec.step:
+                # the closure's forward ran after the copy: the buffers a skip of the next step
+                # puts back are the ones this step leaves (BatchNorm statistics)
+                if not aborted:
+                    ctx.undo.refresh_buffers(ctx.undo_buffers)
             rec.put_back(self.optimizer)  # gradients hidden for a skip; the user's LR
             rec.phase = Phase.ABORTED if aborted else Phase.LANDED
             if rec.update_landed:

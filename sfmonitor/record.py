@@ -147,6 +147,8 @@ class StepRecord:
     skip: bool = False  # a decision keeps this step's update from landing
     scaler_skips: bool = False  # the GradScaler found inf/NaN and skips the step itself
     hidden_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    restore_after: bool = False  # a skip by putting this step's exact copy back after the step ran
+    closure_in_step: bool = False  # the optimizer calls the closure inside its step (SAM): a forward after the copy
     saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
     group_lr: dict[str, float] = field(default_factory=dict)  # the LR each group's update is made with
     before_params: list[torch.Tensor] | None = None  # parameters before the update
@@ -179,12 +181,16 @@ class StepRecord:
                 self.hidden_grads.append((p, p.grad))
                 p.grad = None
 
-    def put_back(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Restore what the monitor hid or changed for this step (gradients, the user's LRs).
-        Safe to call twice."""
+    def put_back_grads(self) -> None:
+        """Give the hidden gradients back (the step's copy will be put back instead)."""
         for p, g in self.hidden_grads:
             p.grad = g
         self.hidden_grads = []
+
+    def put_back(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Restore what the monitor hid or changed for this step (gradients, the user's LRs).
+        Safe to call twice."""
+        self.put_back_grads()
         if optimizer is not None and self.saved_lr:
             restore_lr(optimizer, self.saved_lr)
         self.saved_lr = []

@@ -129,6 +129,13 @@ class UndoState:
         self.label = label
 
     @torch.no_grad()
+    def refresh_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """The buffers as they are now, in place of the capture's (a forward ran after it: an
+        optimizer's closure inside its step)."""
+        if self.buffers and len(self.buffers) == len(buffers):
+            torch._foreach_copy_(self.buffers, [local(b) for b in buffers])
+
+    @torch.no_grad()
     def restore_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Put the model's buffers back as they were at the capture (a skipped step's forward
         moved BatchNorm's running statistics; a NaN batch made them NaN)."""

@@ -795,6 +795,56 @@ def test_an_optimizer_that_calls_its_closure_in_the_middle_of_its_step_trains_as
     )
 
 
+def test_a_step_skipped_under_an_optimizer_that_reads_its_gradients_before_its_closure(tmp_path):
+    """SAM reads the gradients before it calls the closure: a skip that hides them (the torch.optim
+    convention) made its norm of none raise in ``optimizer.step()``. With this step's exact copy at
+    hand the step runs on them and the copy is put back after it: a NaN batch skipped leaves the run
+    bit-identical to the one that never trained on it; without the copy (undo off) the skip hides
+    the gradients as before."""
+
+    def run(monitored, nan_at=None, drop=None, steps=12, undo=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+        opt = _SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+        cfg = quiet(actions={"undo": {"enabled": undo}})
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=str(tmp_path / f"{monitored}{undo}"), config=cfg)
+            if monitored
+            else None
+        )
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(16, 4, generator=g)
+        for step in range(steps):
+            x = torch.randn(32, 16, generator=g)
+            y = (x @ w).argmax(-1)
+            if step == drop:
+                continue
+
+            def closure(x=x, y=y):
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+
+            loss = nn.functional.cross_entropy(model(x), y) * (float("nan") if step == nan_at else 1.0)
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step(closure)
+            opt.zero_grad()
+        if mon:
+            mon.detach()
+        return model, opt, list(mon.events) if mon else []
+
+    twin, twin_opt, _ = run(False, drop=5)
+    model, opt, events = run(True, nan_at=5)
+    assert [(e.step, e.kind, e.actions) for e in events if e.actions] == [(5, "nonfinite_loss", ["skip_step"])]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+    assert all(
+        torch.equal(opt.base_optimizer.state[p]["momentum_buffer"], twin_opt.base_optimizer.state[q]["momentum_buffer"])
+        for p, q in zip(model.parameters(), twin.parameters())
+    )
+    with pytest.raises(RuntimeError, match="stack expects a non-empty"):  # no copy: the gradients hidden
+        run(True, nan_at=5, undo=False)
+
+
 def _adafactor(params):
     from transformers.optimization import Adafactor
 
