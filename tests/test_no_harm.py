@@ -814,23 +814,25 @@ def test_a_step_skipped_under_an_optimizer_that_reads_its_gradients_before_its_c
         )
         g = torch.Generator().manual_seed(1)
         w = torch.randn(16, 4, generator=g)
-        for step in range(steps):
-            x = torch.randn(32, 16, generator=g)
-            y = (x @ w).argmax(-1)
-            if step == drop:
-                continue
+        try:  # (a monitor left attached would keep its torch patches for the tests after)
+            for step in range(steps):
+                x = torch.randn(32, 16, generator=g)
+                y = (x @ w).argmax(-1)
+                if step == drop:
+                    continue
 
-            def closure(x=x, y=y):
-                loss = nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                return loss
+                def closure(x=x, y=y):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    loss.backward()
+                    return loss
 
-            loss = nn.functional.cross_entropy(model(x), y) * (float("nan") if step == nan_at else 1.0)
-            (mon.combine(loss) if mon else loss).backward()
-            opt.step(closure)
-            opt.zero_grad()
-        if mon:
-            mon.detach()
+                loss = nn.functional.cross_entropy(model(x), y) * (float("nan") if step == nan_at else 1.0)
+                (mon.combine(loss) if mon else loss).backward()
+                opt.step(closure)
+                opt.zero_grad()
+        finally:
+            if mon:
+                mon.detach()
         return model, opt, list(mon.events) if mon else []
 
     twin, twin_opt, _ = run(False, drop=5)
