@@ -62,6 +62,7 @@ from .events import (
     SKIP_STEP,
     STOP,
     UNDO,
+    ZERO_GRAD,
     ConfigError,
     Decision,
     StopTraining,
@@ -375,6 +376,7 @@ class ActionContext:
     lr_climb: list[tuple[float, float]] = field(default_factory=list)
     lr_climb_best: tuple[float, float] | None = None
     should_stop: bool = False
+    zero_grads: bool = False  # set by zero_grad: the monitor zeroes the gradients as each step closes
     stopped: bool = False  # set by stop (not early stopping): every later step is skipped
     graceful_stop: bool = False  # set by the monitor: a loop draws from batches(), so stop ends it
     scaler_skips: bool = False  # set by the monitor: the GradScaler found inf/NaN and skips this step
@@ -419,6 +421,17 @@ def skip_step(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Mark this step's update as not to be applied; the monitor makes it a bit-identical no-op."""
     ctx.skip = True
     return {"skipped_step": ctx.step}
+
+
+@register_action(ZERO_GRAD, order=22)
+def zero_grad(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
+    """The loop calls no ``zero_grad()`` between optimizer steps (``zero_grad_missing``): from now
+    on the monitor zeroes every gradient in place as each step closes, as
+    ``optimizer.zero_grad(set_to_none=False)`` would before the next backward (in place, not None:
+    a loop that reads its gradients after ``optimizer.step()`` still finds them)."""
+    applied = not ctx.zero_grads
+    ctx.zero_grads = True
+    return {"applied": applied, "from_step": ctx.step, "how": "gradients zeroed in place as each step closes"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ PRECISION_FALLBACK = "precision_fallback"
 GRAD_NOISE = "grad_noise"
 STOP = "stop"
 UNDO = "undo"
+ZERO_GRAD = "zero_grad"
 
 # The core's own kinds: the monitor checks every step for non-finite values itself (no detector
 # to switch off). A non-finite loss or gradient is skipped; three in a row also go back to the
@@ -67,10 +68,13 @@ register_kind(BAD_BATCH, [(1, [SKIP_STEP])], doc="the step's inputs hold NaN or 
 ZERO_GRADIENT = "zero_gradient"
 register_kind(ZERO_GRADIENT, [(1, [])], doc="a group's gradients are exactly zero step after step")
 # Gradients added onto the last step's: the loop does not call zero_grad() between optimizer steps
-# (sfmonitor/gradreset.py). Told, no action: the monitor does not rewrite the user's loop.
+# (sfmonitor/gradreset.py). The cause is certain and so is the cure: skip this step (its gradients
+# hold the last step's too) and reset the gradients as every later step closes.
 ZERO_GRAD_MISSING = "zero_grad_missing"
 register_kind(
-    ZERO_GRAD_MISSING, [(1, [])], doc="the gradients were accumulated onto the last step's: zero_grad() was not called"
+    ZERO_GRAD_MISSING,
+    [(1, [SKIP_STEP, ZERO_GRAD])],
+    doc="the gradients were accumulated onto the last step's: zero_grad() was not called",
 )
 
 

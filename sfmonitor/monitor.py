@@ -1939,7 +1939,11 @@ class Monitor:
                     for g in self._group_names:
                         rec.after[S.UPDATE_RATIO.format(g)] = torch.zeros(())
                 rec.before_params, rec.ratio_live = None, None
-            if not aborted:  # the gradients as the step leaves them: the next one must reset them
+            if ctx is not None and ctx.zero_grads:  # (zero_grad_missing's fix: the loop never resets)
+                grads = [p.grad for p in self._params if p.grad is not None]
+                if grads:
+                    torch._foreach_zero_(grads)
+            elif not aborted:  # the gradients as the step leaves them: the next one must reset them
                 self._grad_reset.arm(self._params)
             if rec.stats or rec.internal:  # the pipeline read this step: it goes to the sinks
                 self._last = rec

@@ -17,12 +17,12 @@ def _model():
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
-def _loop(tmp_path, reset, steps=6, micro=1, opt_cls=torch.optim.SGD, scaler=None, model=None):
+def _loop(tmp_path, reset, steps=6, micro=1, opt_cls=torch.optim.SGD, scaler=None, model=None, config=None):
     """``steps`` optimizer steps of ``micro`` backward passes each; ``reset(model, opt, step)``
     where a loop would call zero_grad (the first step's gradients start empty either way)."""
     model = model or _model()
     opt = opt_cls(model.parameters(), lr=0.01)
-    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=str(tmp_path), config=quiet())
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=str(tmp_path), config=quiet(**(config or {})))
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         reset(model, opt, step)
@@ -43,13 +43,68 @@ def _forget(model, opt, step):
     pass
 
 
-def test_a_forgotten_zero_grad_is_told_once_in_the_step_it_shows(tmp_path):
+FIX = ["skip_step", "zero_grad"]
+TOLD = {"policy": {"ladders": {"zero_grad_missing": {"rungs": [{"after": 1, "actions": []}]}}}}
+
+
+def test_a_forgotten_zero_grad_is_found_in_the_step_it_shows_and_reset_from_then_on(tmp_path):
     told, mon = _loop(tmp_path, _forget)
-    assert told == [(1, [])]  # step 1 adds onto step 0's gradients; told once, no action
+    assert told == [(1, FIX)]  # step 1 adds onto step 0's gradients: skipped, then reset every step
     event = next(e for e in mon.events if e.kind == "zero_grad_missing")
     assert "zero_grad()" in event.message and event.data["parameter"] == "0.weight"
+    assert event.data["action_results"]["zero_grad"]["applied"] is True
     # the same with micro-batches, under Adam
-    assert _loop(tmp_path / "micro", _forget, micro=3, opt_cls=torch.optim.Adam)[0] == [(1, [])]
+    assert _loop(tmp_path / "micro", _forget, micro=3, opt_cls=torch.optim.Adam)[0] == [(1, FIX)]
+    # told only: the ladder without actions
+    told, _ = _loop(
+        tmp_path / "told",
+        _forget,
+        config=TOLD,
+    )
+    assert told == [(1, [])]
+
+
+def _held_out(model, w):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 4, generator=g)
+    with torch.no_grad():
+        return float((model(x) - x @ w).pow(2).mean())
+
+
+def test_the_reset_keeps_a_forgotten_zero_grad_run_on_the_course_of_one_that_resets(tmp_path):
+    """SGD with momentum: without zero_grad() every update is the sum of all gradients so far and
+    the run blows up (NaN within 300 steps; a probe: the monitor's undos and LR cuts only delayed
+    it, then the budget stopped it at loss 1e22). With the gradients reset from the step it shows
+    on, the run trains as the loop that resets does, less the one skipped step."""
+
+    def run(monitored, reset, steps=200):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=str(tmp_path / f"{monitored}{reset}"), config=quiet())
+            if monitored
+            else None
+        )
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(4, 1, generator=g)
+        for _ in range(steps):
+            if reset:
+                opt.zero_grad()
+            x = torch.randn(16, 4, generator=g)
+            loss = (model(x) - x @ w).pow(2).mean()
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+        if mon:
+            mon.detach()
+        return _held_out(model, w), mon
+
+    good, _ = run(False, True)
+    bad, _ = run(False, False)
+    fixed, mon = run(True, False)
+    assert not bad < 100 * good  # the forgotten zero_grad ruins the bare run
+    assert fixed < 1.5 * good, (fixed, good)
+    assert [(e.step, e.kind) for e in mon.events if e.actions] == [(1, "zero_grad_missing")]
 
 
 def test_every_way_of_resetting_says_nothing(tmp_path):
@@ -98,8 +153,11 @@ def test_a_grad_scaler_loop_and_a_skipped_step_say_nothing(tmp_path):
 
 def test_told_again_only_after_the_loop_reset_in_between(tmp_path):
     # resets at steps 1-3 and 6-7, forgets at 4-5 and 8-9: told at 4 (not at 5) and at 8
-    told, _ = _loop(tmp_path, lambda m, o, s: o.zero_grad() if s in (1, 2, 3, 6, 7) else None, steps=10)
+    told, _ = _loop(tmp_path, lambda m, o, s: o.zero_grad() if s in (1, 2, 3, 6, 7) else None, steps=10, config=TOLD)
     assert told == [(4, []), (8, [])]
+    # with the fix, the monitor resets from step 4 on: nothing more to find
+    told, _ = _loop(tmp_path / "fixed", lambda m, o, s: o.zero_grad() if s in (1, 2, 3, 6, 7) else None, steps=10)
+    assert told == [(4, FIX)]
 
 
 def test_detach_removes_the_probe_hook(tmp_path):
