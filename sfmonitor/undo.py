@@ -8,6 +8,10 @@ once and overwritten every step (no allocation after the first), and nothing tha
 Its parameter copy also measures the update ratio ``||theta_after - theta_before|| / ||theta_before||``,
 so the monitor holds no other copy of the parameters.
 
+A wrapper optimizer's inner optimizers (an attribute that is an optimizer: SAM's
+``base_optimizer``, Lookahead's ``optimizer``) keep their state in their own ``state``: the copy
+holds it too (``state_owners``).
+
 Under FSDP2 each rank copies its own local shards (``to_local()``): an undo on every rank
 restores the whole model. The user's param-group settings (LR, weight decay) are not part of the
 copy: an undo never turns the user's schedule back.
@@ -23,7 +27,25 @@ import torch
 
 from .stats import norms
 
-__all__ = ["UndoState", "local"]
+__all__ = ["UndoState", "local", "state_owners"]
+
+
+def state_owners(optimizer: torch.optim.Optimizer, depth: int = 2) -> list[Any]:
+    """The ``state`` dicts an optimizer's step changes: its own, and those of the optimizers it
+    wraps (an attribute that is an optimizer: SAM's ``base_optimizer``, Lookahead's ``optimizer``,
+    whose momentum lives there), each once."""
+    owners: list[Any] = []
+
+    def add(opt: torch.optim.Optimizer, level: int) -> None:
+        if all(opt.state is not o for o in owners):
+            owners.append(opt.state)
+        if level < depth:
+            for value in vars(opt).values():
+                if isinstance(value, torch.optim.Optimizer) and value is not opt:
+                    add(value, level + 1)
+
+    add(optimizer, 0)
+    return owners
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -46,7 +68,9 @@ class UndoState:
         # A GradScaler's scale and growth tracker at the capture: after an undo the scaler is put
         # back too (its next update would otherwise count the undone step's overflow).
         self.scaler_state: list[torch.Tensor] = []
-        self._state: list[dict[str, Any] | None] = []  # per parameter: key -> buffer or value
+        # per state owner (state_owners: the optimizer's, then those it wraps), per parameter:
+        # key -> buffer or value; None: no state
+        self._state: list[list[dict[str, Any] | None]] = []
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +78,7 @@ class UndoState:
             self.params
             + self.buffers
             + self.prev_buffers
-            + [v for st in self._state if st for v in st.values() if isinstance(v, torch.Tensor)]
+            + [v for owner in self._state for st in owner if st for v in st.values() if isinstance(v, torch.Tensor)]
         )
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -81,27 +105,31 @@ class UndoState:
         if len(self.prev_buffers) != len(self.buffers):
             self.prev_label = None
         live = [local(p.detach()) for p in params]
+        owners = state_owners(optimizer)
         if len(self.params) != len(live) or any(a.shape != b.shape for a, b in zip(self.params, live)):
             self.params = [torch.empty_like(t, memory_format=torch.preserve_format) for t in live]
-            self._state = [None] * len(live)
+            self._state = []
+        if len(self._state) != len(owners):
+            self._state = [[None] * len(live) for _ in owners]
         dst, src = list(self.params) + list(self.buffers), list(live) + live_buffers
-        for i, p in enumerate(params):
-            state = optimizer.state.get(p)
-            if not state:
-                self._state[i] = None  # no state yet: an undo removes what the update created
-                continue
-            saved: dict[str, Any] = self._state[i] or {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    v = local(value)
-                    buf = saved.get(key)
-                    if not isinstance(buf, torch.Tensor) or buf.shape != v.shape or buf.dtype != v.dtype:
-                        buf = saved[key] = torch.empty_like(v)
-                    dst.append(buf)
-                    src.append(v)
-                else:
-                    saved[key] = copy.deepcopy(value)
-            self._state[i] = saved
+        for owner, kept in zip(owners, self._state):
+            for i, p in enumerate(params):
+                state = owner.get(p)
+                if not state:
+                    kept[i] = None  # no state yet: an undo removes what the update created
+                    continue
+                saved: dict[str, Any] = kept[i] or {}
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        v = local(value)
+                        buf = saved.get(key)
+                        if not isinstance(buf, torch.Tensor) or buf.shape != v.shape or buf.dtype != v.dtype:
+                            buf = saved[key] = torch.empty_like(v)
+                        dst.append(buf)
+                        src.append(v)
+                    else:
+                        saved[key] = copy.deepcopy(value)
+                kept[i] = saved
         live_scaler = (
             []
             if scaler is None or getattr(scaler, "_scale", None) is None
@@ -159,17 +187,18 @@ class UndoState:
             self.restore_buffers(buffers)
         dst = [local(p.detach()) for p in params]
         src = list(self.params)
-        for p, saved in zip(params, self._state):
-            if saved is None:
-                optimizer.state.pop(p, None)
-                continue
-            state = optimizer.state[p]
-            for key, value in saved.items():
-                if isinstance(value, torch.Tensor):
-                    dst.append(local(state[key]))
-                    src.append(value)
-                else:
-                    state[key] = copy.deepcopy(value)
+        for owner, kept in zip(state_owners(optimizer), self._state):
+            for p, saved in zip(params, kept):
+                if saved is None:
+                    owner.pop(p, None)
+                    continue
+                state = owner[p]
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor):
+                        dst.append(local(state[key]))
+                        src.append(value)
+                    else:
+                        state[key] = copy.deepcopy(value)
         torch._foreach_copy_(dst, src)
 
     def clear(self) -> None:

@@ -61,3 +61,49 @@ def test_update_norms_in_bounded_chunks_match_the_direct_ones_and_keep_before(li
     assert torch.allclose(got, want, rtol=1e-3)
     assert all(torch.equal(b, k) for b, k in zip(before, kept)), "the undo copy stays intact"
     assert all(buf.numel() <= max(limit, 1) for buf in scratch.values())
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """A wrapper optimizer in the style of SAM and Lookahead: the param groups are its inner
+    optimizer's, whose state (momentum) lives in the inner optimizer's own ``state``; the wrapper's
+    ``state`` holds its own (SAM's saved weights, Lookahead's slow weights)."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.base_optimizer = torch.optim.SGD(self.param_groups, lr=0.1, momentum=0.9)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["old_p"] = p.detach().clone()
+        self.base_optimizer.step()
+
+
+def test_a_wrapper_optimizers_inner_state_is_put_back_too():
+    """SAM's momentum lives in its base_optimizer's state, not in SAM's: an undo that copied only
+    the optimizer it was given left the undone step's momentum in place."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = _Wrapper(model.parameters())
+    params = list(model.parameters())
+    undo = UndoState()
+
+    def train():
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train()
+    train()
+    inner_before = copy.deepcopy(opt.base_optimizer.state_dict())
+    own_before = copy.deepcopy(opt.state_dict())
+    undo.capture(2, params, opt)
+    train()
+    undo.restore(params, opt)
+    for a, b in ((opt.base_optimizer.state_dict(), inner_before), (opt.state_dict(), own_before)):
+        for pid, st in b["state"].items():
+            for k, v in st.items():
+                assert torch.equal(a["state"][pid][k], v), (pid, k)
+    assert undo.nbytes >= 2 * sum(p.numel() * p.element_size() for p in params)  # momentum and old_p too
