@@ -22,6 +22,8 @@ key                            meaning
 ``amp/skipped_steps``          steps the GradScaler skipped so far
 ``lr/<i>``                     learning rate of param group ``i`` used for the step
 ``act_absmax/<module>``        max |activation| seen in the module (overflow watch)
+``attn_logit_max/<module>``    max attention logit of an attention module (``/h<i>``: per head)
+``attn_entropy/<module>``      mean softmax entropy (nats) of its attention rows, over heads
 =============================  ==============================================================
 
 Sharded parameters (FSDP2 ``fully_shard``: DTensor parameters and gradients) are measured on each

@@ -313,11 +313,13 @@ class _Record:
 class _AttnRecord:
     """Per-attention-module max logit per head for one step (an fp32 vector, no host sync)."""
 
-    __slots__ = ("dtype", "heads")
+    __slots__ = ("calls", "dtype", "entropy", "heads")
 
     def __init__(self, heads: torch.Tensor, dtype: torch.dtype) -> None:
         self.heads = heads
         self.dtype = dtype
+        self.entropy: torch.Tensor | None = None  # the sum over this step's calls of their mean entropy
+        self.calls = 0
 
 
 @dataclass
@@ -458,6 +460,8 @@ class ActivationWatch:
         self._last_inputs: dict[str, tuple[int, tuple, dict]] = {}  # the previous step's, for qk_clip
         self._held: dict[str, _Hold] = {}
         self._told: dict[str, float] = {}  # modules QK-Clip cannot act on: the max last reported
+        self._entropy_start: dict[str, float] = {}  # module -> its first sampled attn_entropy
+        self._entropy_told: set[str] = set()  # modules told collapsed, not yet recovered
         self._remeasuring = False
         self._model: nn.Module | None = None
         self._regime_until = -1  # the last step of the growth regime (a clip was needed lately)
@@ -691,7 +695,8 @@ class ActivationWatch:
                 logits = AT.mha_logits(module, args, kwargs)
                 if logits is not None:
                     query = args[0] if args else kwargs["query"]
-                    self._add_logits(name, AT.head_maxima(logits, module.num_heads), query.dtype)
+                    heads = module.num_heads
+                    self._add_logits(name, AT.head_maxima(logits, heads), query.dtype, self._entropy(logits, heads))
         finally:
             self._busy = False
         return None
@@ -766,7 +771,7 @@ class ActivationWatch:
                         bool(a.get("enable_gqa", False)),
                     )
                     heads = q.shape[-3] if q.ndim >= 3 else None
-                    self._add_logits(name, AT.head_maxima(logits, heads), q.dtype)
+                    self._add_logits(name, AT.head_maxima(logits, heads), q.dtype, self._entropy(logits, heads))
                     return
                 x = args[0] if args else kwargs.get("input")
                 dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -774,15 +779,26 @@ class ActivationWatch:
                     return
                 if dim % x.ndim != x.ndim - 1:
                     return  # attention softmaxes over the keys, the last dim
-                self._add_logits(name, AT.head_maxima(x, self.attention[name].heads), x.dtype)
+                heads = self.attention[name].heads
+                self._add_logits(name, AT.head_maxima(x, heads), x.dtype, self._entropy(x, heads))
         finally:
             self._busy = False
 
-    def _add_logits(self, name: str, heads: torch.Tensor, dtype: torch.dtype) -> None:
+    def _entropy(self, logits: torch.Tensor, heads: int | None) -> torch.Tensor | None:
+        return AT.head_entropy(logits, heads).mean() if self._attn_cfg.entropy else None
+
+    def _add_logits(
+        self, name: str, heads: torch.Tensor, dtype: torch.dtype, entropy: torch.Tensor | None = None
+    ) -> None:
         rec = self._attn.get(name)
         if rec is None:
-            self._attn[name] = _AttnRecord(heads, dtype)
+            rec = self._attn[name] = _AttnRecord(heads, dtype)
+            if entropy is not None:
+                rec.entropy, rec.calls = entropy, 1
             return
+        if entropy is not None:
+            rec.entropy = entropy if rec.entropy is None else rec.entropy + entropy
+            rec.calls += 1
         if rec.heads.shape == heads.shape:
             rec.heads = torch.maximum(rec.heads, heads)
         else:  # calls with different head layouts: keep one value for the module
@@ -818,6 +834,8 @@ class ActivationWatch:
         for name, arec in self._attn.items():
             key = ATTN_LOGIT_MAX_PREFIX + name
             out[key] = arec.heads.max()
+            if arec.entropy is not None:
+                out[AT.ATTN_ENTROPY_PREFIX + name] = arec.entropy / arec.calls
             n = arec.heads.numel()
             self._attn_dtypes[name], self._attn_heads[name] = arec.dtype, n
             if n > 1 and self._attn_cfg.per_head:
@@ -1007,12 +1025,57 @@ class ActivationWatch:
                 if pre is not None:
                     extra["clipped_before_forward"] = pre
                 out.append(AT.finding(step, name, heads, tau, info.spec, info.reason, extra))
+            out += self._entropy_findings(step, stats)
         # Inputs are kept for the modules qk_clip may re-run after the update, only.
-        wanted = {f.where for f in out}
+        wanted = {f.where for f in out if f.kind != AT.ATTENTION_ENTROPY_COLLAPSE}
         self._inputs = {n: v for n, v in self._inputs.items() if n in wanted}
         return out
 
     # ---- QK-Clip after the update ---------------------------------------------------------
+    def _entropy_findings(self, step: int, stats: dict[str, float]) -> list[Finding]:
+        """attention_entropy_collapse: a module's attn_entropy under ``entropy_collapse`` x its
+        first sampled value; told once, again after it came back over twice that fraction."""
+        floor = self._attn_cfg.entropy_collapse
+        out: list[Finding] = []
+        for name in self.attention:
+            value = stats.get(AT.ATTN_ENTROPY_PREFIX + name)
+            if value is None or not finite(value):
+                continue
+            start = self._entropy_start.setdefault(name, float(value))
+            if not floor or start <= 0:
+                continue
+            fraction = value / start
+            if fraction >= 2 * floor:
+                self._entropy_told.discard(name)
+            if fraction >= floor or name in self._entropy_told:
+                continue
+            self._entropy_told.add(name)
+            top = stats.get(ATTN_LOGIT_MAX_PREFIX + name)
+            tau = self._attn_cfg.tau
+            under = f", its max logit {top:.4g} still under tau {tau:g}" if top is not None and top <= tau else ""
+            out.append(
+                Finding(
+                    kind=AT.ATTENTION_ENTROPY_COLLAPSE,
+                    message=(
+                        f"step {step}: attention module {name!r} has turned nearly one-hot: its mean softmax "
+                        f"entropy is {value:.3g} nats, {fraction:.1%} of its first {start:.3g}{under} (entropy "
+                        "collapse, Zhai et al. 2023, comes with unstable training: a lower LR, warm-up, "
+                        "qk-layernorm or a lower watch.attention.tau for QK-Clip)"
+                    ),
+                    data={
+                        "module": name,
+                        "entropy": value,
+                        "entropy_start": start,
+                        "fraction": fraction,
+                        "entropy_collapse": floor,
+                        "max_logit": top,
+                        "tau": tau,
+                    },
+                    where=name,
+                )
+            )
+        return out
+
     def clip_target(self, name: str) -> float:
         """The cap qk_clip brings ``name``'s max logit to: tau divided by the median headroom
         ratio its recent steps showed (1 while none is known; at most MAX_HEADROOM), and after a
@@ -1195,6 +1258,8 @@ class ActivationWatch:
             "trends": {k: [list(s) for s in t.samples] for k, t in self._trends.items()},
             "regime_until": self._regime_until,
             "ratios": list(self._ratios),
+            "entropy_start": dict(self._entropy_start),
+            "entropy_told": sorted(self._entropy_told),
             "held": {
                 m: {"until": h.until, "left": h.left, "left_step": h.left_step, "ratios": list(h.ratios or [])}
                 for m, h in self._held.items()
@@ -1211,6 +1276,8 @@ class ActivationWatch:
         }
         self._regime_until = int(sd.get("regime_until", -1))
         self._ratios = [float(r) for r in sd.get("ratios", [])]
+        self._entropy_start = {str(k): float(v) for k, v in dict(sd.get("entropy_start", {})).items()}
+        self._entropy_told = {str(m) for m in sd.get("entropy_told", [])}
         self._held = {
             str(m): _Hold(int(h["until"]), h.get("left"), int(h.get("left_step", -1)), list(h.get("ratios") or []))
             for m, h in dict(sd.get("held", {})).items()

@@ -113,6 +113,12 @@ def _per_head(logits):
     return [float(x[:, h].max()) for h in range(x.shape[1])]
 
 
+def _entropy(weights):
+    """Direct mean softmax entropy (nats) of attention weights (..., L, S), zeros weighing nothing."""
+    p = weights.detach().double()
+    return float(-torch.where(p > 0, p * p.log(), torch.zeros(())).sum(-1).mean())
+
+
 # --------------------------------------------------------------------------------------------
 # The statistic equals a direct computation
 # --------------------------------------------------------------------------------------------
@@ -133,8 +139,24 @@ def test_hand_written_logits_exact_per_head_masks_excluded(fill):
     # an |x| max would read the fill value (-inf, or the dtype's min: 3.4e38 in fp32)
     assert all(math.isfinite(v) and abs(v) < 100 for v in want)
     assert watch.attention["attn"].spec is not None
-    assert "attn_logit_max/mlp" not in stats  # only attention modules
+    assert stats["attn_entropy/attn"] == pytest.approx(_entropy(logits.softmax(-1)), rel=1e-5)
+    assert "attn_logit_max/mlp" not in stats and "attn_entropy/mlp" not in stats  # only attention modules
     watch.detach()
+
+
+def test_entropy_is_log_of_the_keys_for_uniform_attention_and_zero_for_one_hot():
+    """The mean entropy per head, a fully masked row counting as 0 (never NaN)."""
+    uniform = torch.zeros(2, 3, 4, 8)
+    assert AT.head_entropy(uniform).tolist() == pytest.approx([math.log(8)] * 3)
+    one_hot = torch.full((1, 2, 3, 5), -math.inf)
+    one_hot[..., 1] = 0.0
+    one_hot[0, 1, 0] = -math.inf  # a row with every key masked
+    assert AT.head_entropy(one_hot).tolist() == [0.0, 0.0]
+    # (B*H, L, S) with the heads given; one value when they cannot be told apart
+    assert AT.head_entropy(uniform.reshape(6, 4, 8), heads=3).tolist() == pytest.approx([math.log(8)] * 3)
+    assert AT.head_entropy(uniform[0, 0]).tolist() == pytest.approx([math.log(8)])
+    off = _measure(Block(HandAttention()), torch.randn(2, 6, 16), AttentionConfig(entropy=False))[0]
+    assert "attn_logit_max/attn" in off and "attn_entropy/attn" not in off
 
 
 def test_a_fully_masked_head_reads_minus_inf_not_the_fill_value():
@@ -182,6 +204,7 @@ def test_sdpa_logits_exact(case):
         s = s + case["attn_mask"]
     want = _per_head(s)
     assert [stats[f"attn_logit_max/attn/h{h}"] for h in range(4)] == pytest.approx(want, rel=1e-5)
+    assert stats["attn_entropy/attn"] == pytest.approx(_entropy(s.softmax(-1)), rel=1e-5)
     # the output is untouched by the measurement
     watch.reset(1)  # unsampled at stride... sampled: stride 1, the same numbers
     assert torch.equal(model(x), model(x))
@@ -223,6 +246,7 @@ def test_multihead_attention_logits_exact(batch_first, kdim):
     s = s.masked_fill(am, -math.inf).masked_fill(kpm[:, None, None, :], -math.inf)
     want = _per_head(s)
     assert [stats[f"attn_logit_max/self_attn/h{h}"] for h in range(H)] == pytest.approx(want, rel=1e-5)
+    assert stats["attn_entropy/self_attn"] == pytest.approx(_entropy(weights), rel=1e-5)
     watch.detach()
 
 
@@ -552,7 +576,8 @@ def test_healthy_run_no_clip_and_bit_identical(tmp_path):
     watched, mon, _ = _train(1e-3, 30, {"watch": {"stride": 1}}, tmp_path)
     assert max(maxima) < 100  # healthy: far under tau
     assert not [e for e in mon.events if e.kind == ATTENTION_LOGIT_GROWTH or QK_CLIP in e.actions]
-    assert "attn_logit_max/blocks.0.attn/h3" in mon.stats
+    assert not [e for e in mon.events if e.kind == "attention_entropy_collapse"]
+    assert "attn_logit_max/blocks.0.attn/h3" in mon.stats and "attn_entropy/blocks.0.attn" in mon.stats
     for (n, a), (_, b) in zip(bare.state_dict().items(), watched.state_dict().items()):
         assert torch.equal(a, b), n
 
@@ -570,6 +595,40 @@ def test_monitor_clips_a_growing_module_and_holds_it_near_tau(tmp_path):
     # after the first clip the module is sampled every step and stays near tau (one step of growth)
     assert max(clipped[first:]) < 1.5 * tau
     assert max(clipped[first:]) < max(bare[first:])
+
+
+def test_attention_turning_one_hot_under_tau_is_told_before_the_logits_reach_it():
+    """Entropy collapse (Zhai et al. 2023): a head whose queries match their own key best (W_q = W_k
+    = I) with W_q and W_k growing x1.1 a step: its mean softmax entropy falls under a tenth of its
+    start while its max logit is still far under tau (told once, no action, with the numbers)."""
+    torch.manual_seed(0)
+    model = Block(HandAttention(heads=1))
+    with torch.no_grad():
+        for lin in (model.attn.wq, model.attn.wk):
+            lin.weight.copy_(torch.eye(16))
+            lin.bias.zero_()
+    watch = ActivationWatch(WatchConfig(stride=1)).attach(model)
+    x = torch.randn(2, 12, 16)
+    told, maxima = [], []
+    for step in range(40):
+        watch.reset(step)
+        model(x)
+        stats = {k: float(v) for k, v in watch.pending().items()}
+        maxima.append(stats["attn_logit_max/attn"])
+        told += [(step, f) for f in watch.findings(step, stats) if f.kind == "attention_entropy_collapse"]
+        with torch.no_grad():
+            model.attn.wq.weight.mul_(1.1)
+            model.attn.wk.weight.mul_(1.1)
+    assert len(told) == 1
+    step, f = told[0]
+    assert f.where == "attn" and f.data["fraction"] < 0.1 and f.data["max_logit"] < 50, f.data
+    assert f.data["entropy_start"] == pytest.approx(f.data["entropy"] / f.data["fraction"])
+    assert "under tau" in f.message
+    state = watch.state_dict()  # the start and the told module survive a resume
+    again = ActivationWatch(WatchConfig(stride=1))
+    again.load_state_dict(state)
+    assert again._entropy_start == watch._entropy_start and again._entropy_told == {"attn"}
+    watch.detach()
 
 
 def test_a_forecast_step_records_only_the_modules_it_was_asked_for():

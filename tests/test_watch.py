@@ -56,7 +56,8 @@ def _run(model, watch, x):
         out, stats, found = _step(model, watch, step, x * s)
         for f in found:
             if f.kind != ACTIVATION_OVERFLOW:
-                assert f.kind == ATTENTION_LOGIT_GROWTH  # the same logits pass the cap tau first
+                # the same logits pass the cap tau first (and their softmax turns one-hot)
+                assert f.kind in (ATTENTION_LOGIT_GROWTH, "attention_entropy_collapse")
                 continue
             if f.data["nonfinite"] and first_inf is None:
                 first_inf, names["inf"] = step, f.data["module"]
@@ -122,10 +123,11 @@ def test_nested_attribution_and_keys():
     _, stats, _ = _step(model, watch, 0, x * 64)
     # q/k projections are recorded under their own names; the inline logits go to `fusion`.
     assert stats[ACT_ABSMAX_PREFIX + "fusion"] > 10 * stats[ACT_ABSMAX_PREFIX + "fusion.q"]
-    # the attention module's logits (the softmax input) under their own key
+    # the attention module's logits (the softmax input) and their entropy under their own keys
     assert set(stats) == {ACT_ABSMAX_PREFIX + n for n in watch.module_names} | {
         FIRST_NONFINITE_KEY,
         "attn_logit_max/fusion",
+        "attn_entropy/fusion",
     }
     assert stats[FIRST_NONFINITE_KEY] == -1
     watch.detach()
