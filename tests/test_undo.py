@@ -11,6 +11,17 @@ from torch import nn
 from sfmonitor.undo import UndoState, update_norms
 
 
+def _trainer(model, opt, inputs):
+    """One training step on fresh random inputs of ``inputs`` features, as a function."""
+
+    def train():
+        model(torch.randn(4, inputs)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return train
+
+
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd_momentum", "rmsprop"])
 def test_restore_is_bit_exact_and_removes_state_a_first_step_created(opt_name):
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
@@ -22,12 +33,7 @@ def test_restore_is_bit_exact_and_removes_state_a_first_step_created(opt_name):
     opt = make(model.parameters())
     params = list(model.parameters())
     undo = UndoState()
-
-    def train():
-        model(torch.randn(4, 5)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
+    train = _trainer(model, opt, 5)
     undo.capture(0, params, opt)  # before the first step: no optimizer state yet
     train()
     assert opt.state
@@ -89,12 +95,7 @@ def test_a_wrapper_optimizers_inner_state_is_put_back_too():
     opt = _Wrapper(model.parameters())
     params = list(model.parameters())
     undo = UndoState()
-
-    def train():
-        model(torch.randn(4, 3)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
+    train = _trainer(model, opt, 3)
     train()
     train()
     inner_before = copy.deepcopy(opt.base_optimizer.state_dict())
