@@ -211,7 +211,8 @@ def head_entropy(logits: torch.Tensor, heads: int | None = None) -> torch.Tensor
     x = logits.detach().float()
     logp = torch.log_softmax(x, dim=-1)
     p = logp.exp()
-    ent = -torch.where(p > 0, p * logp, torch.zeros((), device=x.device)).sum(-1).nan_to_num(0.0)
+    # (a fully masked row: log_softmax gives NaN, p > 0 is false there, so it adds 0)
+    ent = -torch.where(p > 0, p * logp, torch.zeros((), device=x.device)).sum(-1)
     if x.ndim >= 4 and (heads is None or x.shape[-3] == heads):
         return ent.mean(-1).reshape(-1, x.shape[-3]).mean(0)
     if x.ndim == 3 and heads and heads > 1 and x.shape[0] % heads == 0:

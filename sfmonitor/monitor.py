@@ -1219,18 +1219,11 @@ class Monitor:
                 # the closure is the optimizer's to call where it wants (SAM: a second
                 # forward-backward at perturbed weights, in the middle of its step). A skip hides
                 # them; a closure run then would make new ones, so the optimizer gets none to run.
-                self.before_update()
                 rec = self._record
                 rec.closure_in_step = True
+                self.before_update()
                 if rec.skip:
                     changed = _with_closure(args, kwargs, lambda: None)
-                    undo = self._ctx.undo if self._ctx is not None else None
-                    if undo is not None and undo.label == rec.step and undo.params:
-                        # An optimizer that reads the gradients before its closure (SAM's ascent)
-                        # fails on none: with this step's exact copy at hand it runs on them, and
-                        # the copy is put back when the step closes (a skip all the same).
-                        rec.put_back_grads()
-                        rec.restore_after = True
                 rec.stepped = True
                 return changed
             if closure is not None:
@@ -1513,7 +1506,12 @@ class Monitor:
                 self._policy.refund(step)  # the budget counts only rescues that did something
             if rec is not None:
                 if ctx.skip:
-                    rec.hide_grads(ctx.optimizer)
+                    # An optimizer that reads the gradients before calling its closure (SAM's
+                    # ascent) fails on none: with this step's exact copy (captured below) it runs
+                    # on them, and the copy is put back when the step closes (a skip all the same).
+                    rec.restore_after = rec.closure_in_step and ctx.undo is not None and not ctx.stopped
+                    if not rec.restore_after:
+                        rec.hide_grads(ctx.optimizer)
                     undone = any(o.results.get(UNDO, {}).get("restored") for o in outcomes)
                     if ctx.undo is not None and ctx.undo.label == step - 1 and not undone:
                         # What this step's forward wrote into the buffers (BatchNorm statistics of
@@ -1909,9 +1907,9 @@ class Monitor:
                 # a skip by restoring: the parameters, optimizer state and buffers as captured
                 ctx.undo.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers)
                 rec.restore_after = False
-            elif ctx is not None and ctx.undo is not None and rec.closure_in_step and ctx.undo.label == rec.step:
-                # the closure's forward ran after the copy: the buffers a skip of the next step
-                # puts back are the ones this step leaves (BatchNorm statistics)
+            elif ctx is not None and ctx.undo is not None and ctx.undo.label == rec.step and rec.closure_in_step:
+                # the closure's forward ran after this step's copy: the buffers a skip of the next
+                # step puts back are the ones this step leaves (BatchNorm statistics)
                 if not aborted:
                     ctx.undo.refresh_buffers(ctx.undo_buffers)
             rec.put_back(self.optimizer)  # gradients hidden for a skip; the user's LR

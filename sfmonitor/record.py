@@ -181,16 +181,12 @@ class StepRecord:
                 self.hidden_grads.append((p, p.grad))
                 p.grad = None
 
-    def put_back_grads(self) -> None:
-        """Give the hidden gradients back (the step's copy will be put back instead)."""
-        for p, g in self.hidden_grads:
-            p.grad = g
-        self.hidden_grads = []
-
     def put_back(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Restore what the monitor hid or changed for this step (gradients, the user's LRs).
         Safe to call twice."""
-        self.put_back_grads()
+        for p, g in self.hidden_grads:
+            p.grad = g
+        self.hidden_grads = []
         if optimizer is not None and self.saved_lr:
             restore_lr(optimizer, self.saved_lr)
         self.saved_lr = []

@@ -793,18 +793,16 @@ class ActivationWatch:
         rec = self._attn.get(name)
         if rec is None:
             rec = self._attn[name] = _AttnRecord(heads, dtype)
-            if entropy is not None:
-                rec.entropy, rec.calls = entropy, 1
-            return
+        else:
+            if rec.heads.shape == heads.shape:
+                rec.heads = torch.maximum(rec.heads, heads)
+            else:  # calls with different head layouts: keep one value for the module
+                rec.heads = torch.maximum(rec.heads.max(), heads.max()).reshape(1)
+            if dtype_limit(dtype) < dtype_limit(rec.dtype):
+                rec.dtype = dtype
         if entropy is not None:
             rec.entropy = entropy if rec.entropy is None else rec.entropy + entropy
             rec.calls += 1
-        if rec.heads.shape == heads.shape:
-            rec.heads = torch.maximum(rec.heads, heads)
-        else:  # calls with different head layouts: keep one value for the module
-            rec.heads = torch.maximum(rec.heads.max(), heads.max()).reshape(1)
-        if dtype_limit(dtype) < dtype_limit(rec.dtype):
-            rec.dtype = dtype
 
     # ---- read-out --------------------------------------------------------------------------
     def pending(self) -> dict[str, torch.Tensor]:
@@ -1031,7 +1029,6 @@ class ActivationWatch:
         self._inputs = {n: v for n, v in self._inputs.items() if n in wanted}
         return out
 
-    # ---- QK-Clip after the update ---------------------------------------------------------
     def _entropy_findings(self, step: int, stats: dict[str, float]) -> list[Finding]:
         """attention_entropy_collapse: a module's attn_entropy under ``entropy_collapse`` x its
         first sampled value; told once, again after it came back over twice that fraction."""
@@ -1076,6 +1073,7 @@ class ActivationWatch:
             )
         return out
 
+    # ---- QK-Clip after the update ---------------------------------------------------------
     def clip_target(self, name: str) -> float:
         """The cap qk_clip brings ``name``'s max logit to: tau divided by the median headroom
         ratio its recent steps showed (1 while none is known; at most MAX_HEADROOM), and after a

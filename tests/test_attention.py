@@ -624,6 +624,11 @@ def test_attention_turning_one_hot_under_tau_is_told_before_the_logits_reach_it(
     assert f.where == "attn" and f.data["fraction"] < 0.1 and f.data["max_logit"] < 50, f.data
     assert f.data["entropy_start"] == pytest.approx(f.data["entropy"] / f.data["fraction"])
     assert "under tau" in f.message
+    # told again only after it came back over twice the floor (0.2 of its start) and fell anew
+    watch._entropy_start["attn"], watch._entropy_told = 1.0, set()
+    seq = [0.05, 0.05, 0.15, 0.05, 0.3, 0.05]
+    told_at = [k for k, v in enumerate(seq) if watch._entropy_findings(k, {"attn_entropy/attn": v})]
+    assert told_at == [0, 5]
     state = watch.state_dict()  # the start and the told module survive a resume
     again = ActivationWatch(WatchConfig(stride=1))
     again.load_state_dict(state)
