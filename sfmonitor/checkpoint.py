@@ -56,6 +56,9 @@ DEFAULT_SNAPSHOT_KEEP = 3  # three CPU copies of model + optimizer: affordable f
 
 # Keys of a captured state.
 MODEL, OPTIMIZER, SCALER, RNG, EXTRA = "model", "optimizer", "scaler", "rng", "extra"
+# The state of the optimizers a wrapper optimizer steps (``inner_optimizers``), per inner optimizer
+# {parameter position in its param_groups: state}: SAM's and Lookahead's momentum lives there.
+INNER = "inner_optimizer_state"
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +283,53 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def inner_optimizers(optimizer: torch.optim.Optimizer, depth: int = 2) -> list[torch.optim.Optimizer]:
+    """The optimizers a wrapper optimizer holds as attributes and steps (SAM's ``base_optimizer``,
+    Lookahead's ``optimizer``), nested up to ``depth``, each once; not the optimizer itself. Their
+    ``state`` is not in the wrapper's ``state_dict()``."""
+    found: list[torch.optim.Optimizer] = []
+
+    def add(opt: torch.optim.Optimizer, level: int) -> None:
+        if level >= depth:
+            return
+        for value in vars(opt).values():
+            if isinstance(value, torch.optim.Optimizer) and value is not optimizer and all(value is not o for o in found):
+                found.append(value)
+                add(value, level + 1)
+
+    add(optimizer, 0)
+    return found
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _inner_state(optimizer: torch.optim.Optimizer) -> list[dict[int, Any]]:
+    """CPU copies of each inner optimizer's state (``INNER``), keyed by parameter position. An inner
+    optimizer whose ``state`` is the wrapper's own is held by the wrapper's state_dict already."""
+    return [
+        {i: copy_tree(inner.state[p], "cpu") for i, p in enumerate(_params_of(inner)) if inner.state.get(p)}
+        for inner in inner_optimizers(optimizer)
+        if inner.state is not optimizer.state
+    ]
+
+
+def _restore_inner_state(optimizer: torch.optim.Optimizer, saved: list[Mapping[int, Any]]) -> None:
+    """Put ``_inner_state``'s copies back: each inner optimizer's state holds exactly them, on its
+    parameters' devices (a ``step`` count stays where it was saved, as torch's own load does)."""
+    inners = [o for o in inner_optimizers(optimizer) if o.state is not optimizer.state]
+    for inner, states in zip(inners, saved):
+        params = _params_of(inner)
+        inner.state.clear()
+        for i, st in states.items():
+            p = params[int(i)]
+            inner.state[p] = {
+                k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" and not is_sharded(p) else v
+                for k, v in copy_tree(st).items()
+            }
+
+
 def capture_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -288,11 +338,15 @@ def capture_state(
     rng: bool = True,
 ) -> dict[str, Any]:
     """CPU copies of everything needed to resume bit-exactly: model (parameters and buffers),
-    optimizer (state and param groups), GradScaler, RNG states, and ``extra`` (plain data only).
+    optimizer (state and param groups; a wrapper optimizer's inner optimizers' state under
+    ``INNER``), GradScaler, RNG states, and ``extra`` (plain data only).
     """
     state: dict[str, Any] = {MODEL: copy_tree(model.state_dict(), "cpu")}
     if optimizer is not None:
         state[OPTIMIZER] = copy_tree(optimizer.state_dict(), "cpu")
+        inner = _inner_state(optimizer)
+        if inner:
+            state[INNER] = inner
     if scaler is not None:
         state[SCALER] = copy_tree(scaler.state_dict(), "cpu")
     if rng:
@@ -319,11 +373,20 @@ def restore_state(
     """
     model.load_state_dict(rebuild(state[MODEL]))  # local shards back into their DTensors
     if optimizer is not None and OPTIMIZER in state:
-        saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        # The live param-group list and dicts stay the ones the run holds: torch's load builds new
+        # ones, which would part a wrapper optimizer (SAM, Lookahead) from the optimizer it steps
+        # when they share the list (the user's LR schedule would then reach only one of them).
+        live = optimizer.param_groups
+        sharing = [o for o in inner_optimizers(optimizer) if o.param_groups is live]
         optimizer.load_state_dict(copy_tree(state[OPTIMIZER]))
-        if keep_hyperparams:
-            for group, saved in zip(optimizer.param_groups, saved_groups):
-                group.update(saved)
+        if not keep_hyperparams:
+            for group, loaded in zip(live, optimizer.param_groups):
+                group.update(loaded)  # the same parameters, the snapshot's hyperparameters
+        optimizer.param_groups = live
+        for inner in sharing:
+            inner.param_groups = live
+        if state.get(INNER):
+            _restore_inner_state(optimizer, state[INNER])
     if scaler is not None and state.get(SCALER):
         scaler.load_state_dict(state[SCALER])
     if rng and RNG in state:

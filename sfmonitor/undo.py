@@ -25,26 +25,20 @@ from typing import Any
 
 import torch
 
+from .checkpoint import inner_optimizers
 from .stats import norms
 
 __all__ = ["UndoState", "local", "state_owners"]
 
 
-def state_owners(optimizer: torch.optim.Optimizer, depth: int = 2) -> list[Any]:
+def state_owners(optimizer: torch.optim.Optimizer) -> list[Any]:
     """The ``state`` dicts an optimizer's step changes: its own, and those of the optimizers it
-    wraps (an attribute that is an optimizer: SAM's ``base_optimizer``, Lookahead's ``optimizer``,
+    wraps (``checkpoint.inner_optimizers``: SAM's ``base_optimizer``, Lookahead's ``optimizer``,
     whose momentum lives there), each once."""
-    owners: list[Any] = []
-
-    def add(opt: torch.optim.Optimizer, level: int) -> None:
-        if all(opt.state is not o for o in owners):
-            owners.append(opt.state)
-        if level < depth:
-            for value in vars(opt).values():
-                if isinstance(value, torch.optim.Optimizer) and value is not opt:
-                    add(value, level + 1)
-
-    add(optimizer, 0)
+    owners: list[Any] = [optimizer.state]
+    for inner in inner_optimizers(optimizer):
+        if all(inner.state is not o for o in owners):
+            owners.append(inner.state)
     return owners
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from sfmonitor.checkpoint import capture_state, restore_state, save_checkpoint
 from sfmonitor.undo import UndoState, update_norms
 
 
@@ -108,3 +109,36 @@ def test_a_wrapper_optimizers_inner_state_is_put_back_too():
             for k, v in st.items():
                 assert torch.equal(a["state"][pid][k], v), (pid, k)
     assert undo.nbytes >= 2 * sum(p.numel() * p.element_size() for p in params)  # momentum and old_p too
+
+
+def test_a_snapshot_holds_a_wrapper_optimizers_inner_state(tmp_path):
+    """A rollback snapshot (and the emergency checkpoint made from one) held the optimizer's own
+    ``state_dict()`` only: under SAM or Lookahead a rollback put the weights back and left the
+    momentum of the steps it undid in the inner optimizer. It holds the inner state too, and the
+    checkpoint file still loads with plain ``torch.load(weights_only=True)``."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = _Wrapper(model.parameters())
+    train = _trainer(model, opt, 3)
+    train()
+    train()
+    weights = copy.deepcopy(model.state_dict())
+    inner = copy.deepcopy(opt.base_optimizer.state_dict())
+    lr = opt.param_groups[0]["lr"]
+    state = capture_state(model, opt)
+    save_checkpoint(tmp_path / "snap.pt", state)
+    train()
+    train()
+    opt.param_groups[0]["lr"] = lr / 2  # the user's schedule moved on: kept (keep_hyperparams)
+    for snapshot in (state, torch.load(tmp_path / "snap.pt", weights_only=True)):
+        restore_state(snapshot, model, opt)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), weights.values()))
+        got = opt.base_optimizer.state_dict()["state"]
+        assert set(got) == set(inner["state"])
+        for pid, st in inner["state"].items():
+            for k, v in st.items():
+                assert torch.equal(got[pid][k], v), (pid, k)
+        assert opt.param_groups is opt.base_optimizer.param_groups  # the wrapper still shares its groups
+        assert opt.param_groups[0]["lr"] == lr / 2
+        train()  # the restored momentum belongs to the live parameters: training goes on
+        assert opt.base_optimizer.state[next(model.parameters())]["momentum_buffer"] is not None
