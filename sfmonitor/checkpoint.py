@@ -293,7 +293,8 @@ def inner_optimizers(optimizer: torch.optim.Optimizer, depth: int = 2) -> list[t
         if level >= depth:
             return
         for value in vars(opt).values():
-            if isinstance(value, torch.optim.Optimizer) and value is not optimizer and all(value is not o for o in found):
+            fresh = value is not optimizer and all(value is not o for o in found)
+            if isinstance(value, torch.optim.Optimizer) and fresh:
                 found.append(value)
                 add(value, level + 1)
 
