@@ -9,18 +9,22 @@ trains on a stale direction. The statistics cannot tell it from a run whose grad
 Autograd can. Backward accumulates into a parameter's existing ``.grad`` in place, bumping that
 tensor's version counter by one. So, at the end of each optimizer step the probe notes one
 parameter's gradient tensor (a weak reference: a strong one would make autograd accumulate out of
-place) and its version; at the first accumulation into that parameter after the step (a
-``post_accumulate_grad`` hook) it looks again:
+place) and its version; at every accumulation into that parameter until the next step (a
+``post_accumulate_grad`` hook) it looks again, against what it saw last:
 
 * a different tensor, or none: the gradients were set to ``None`` (``zero_grad()``'s default);
-* the same tensor, two or more versions on: zeroed in place, then accumulated
-  (``zero_grad(set_to_none=False)``, ``p.grad.zero_()``);
-* the same tensor, exactly one version on: accumulated onto the last step's gradient. Not reset.
+* the same tensor, two or more versions on: changed in place besides the accumulation, e.g.
+  zeroed (``zero_grad(set_to_none=False)``, ``p.grad.zero_()``);
+* the same tensor, exactly one version on: accumulated onto what was there.
 
-Micro-batch accumulation within a step is untouched (only the first accumulation after a step is
-judged), and so are gradients the user assigns (``p.grad = ...``: no accumulation, no hook). The
-probe costs one hook call per backward and one weak reference per step; no tensor is read.
-DTensor parameters (FSDP2) are not probed: their gradients are written by the reduce-scatter.
+The next step's gradients were not reset when accumulations reached it and none of them saw a
+reset. Every accumulation counts, not only the first: in a GAN the generator's backward runs
+through the discriminator and adds to its gradients after the discriminator's step, and the
+discriminator's ``zero_grad()`` at the top of the next iteration resets them. Micro-batch
+accumulation within a step reads as accumulation after the reset, and gradients the user assigns
+(``p.grad = ...``: no accumulation, no hook) are not judged. The probe costs one hook call per
+backward and one weak reference per call; no tensor is read. DTensor parameters (FSDP2) are not
+probed: their gradients are written by the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -40,13 +44,13 @@ class GradResetProbe:
     def __init__(self) -> None:
         self._param: weakref.ref[torch.Tensor] | None = None
         self._hook: Any = None
-        self._armed: tuple[weakref.ref[torch.Tensor], int] | None = None
+        self._last: tuple[weakref.ref[torch.Tensor], int] | None = None  # the gradient as last seen
         self._seen: bool | None = None
         self.index = -1  # the probed parameter's position in the list arm() was given
 
     def arm(self, params: Sequence[torch.Tensor]) -> None:
         """Note the first parameter's gradient as the step leaves it (call after the update)."""
-        self._armed = None
+        self._last, self._seen = None, None
         i, p = next(((i, q) for i, q in enumerate(params) if q.grad is not None), (-1, None))
         if p is None or type(p.grad) is not torch.Tensor:
             return  # nothing to probe, or a DTensor gradient (FSDP2)
@@ -56,22 +60,25 @@ class GradResetProbe:
             self._hook = p.register_post_accumulate_grad_hook(torch.compiler.disable(self._on_accumulate))
         grad = p.grad
         assert grad is not None
-        self._armed = (weakref.ref(grad), grad._version)
+        self._last = (weakref.ref(grad), grad._version)
 
     def _on_accumulate(self, param: torch.Tensor) -> None:
-        armed, self._armed = self._armed, None
-        if armed is None:  # not the first accumulation since the step
+        if self._last is None:  # not armed: before the first step, or nothing to probe
             return
-        ref, version = armed
+        ref, version = self._last
         grad = param.grad
-        self._seen = grad is not None and ref() is grad and grad._version == version + 1
+        if grad is None:
+            return
+        onto_last = ref() is grad and grad._version == version + 1
+        self._seen = onto_last and self._seen is not False  # one reset since the step is enough
+        self._last = (weakref.ref(grad), grad._version)
 
     def take(self) -> bool | None:
-        """What the first accumulation since the last step showed (then forgotten)."""
+        """Whether every accumulation since the last step added onto its gradients (then forgotten)."""
         seen, self._seen = self._seen, None
         return seen
 
     def remove(self) -> None:
         if self._hook is not None:
             self._hook.remove()
-        self._hook, self._param, self._armed, self._seen, self.index = None, None, None, None, -1
+        self._hook, self._param, self._last, self._seen, self.index = None, None, None, None, -1

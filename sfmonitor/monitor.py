@@ -529,6 +529,7 @@ class Monitor:
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
         self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
         self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
+        self._grad_ratio_off = False  # the model refuses autograd.grad (a reentrant checkpoint)
         self._driven_externally = False  # an integration calls before_update()/after_update()
         self._closure_grads: list[weakref.ref[torch.Tensor] | None] | None = None  # what step(closure) left
         self._model_factory: tuple[str, dict[str, Any]] | None = None
@@ -1081,6 +1082,7 @@ class Monitor:
             bool(every)
             and self.model is not None
             and not self._sharded
+            and not self._grad_ratio_off
             and self.step % every == 0
             and torch.is_grad_enabled()
         )
@@ -1089,7 +1091,11 @@ class Monitor:
         """grad_ratio/<a>/<b> and grad_cos/<a>/<b> on the parameters both components reach.
 
         One extra backward per component (autograd.grad, graph retained), on the first
-        micro-batch of every ``grad_ratio_every``-th step; ``.grad`` is not touched.
+        micro-batch of every ``grad_ratio_every``-th step; ``.grad`` is not touched. Buffers it
+        changed are put back after it: through ``torch.utils.checkpoint`` the extra backward runs
+        the checkpointed forward again (BatchNorm's running statistics would count it). A reentrant
+        checkpoint refuses ``autograd.grad``: the measurement is then off for the run, with a
+        warning.
         """
         pairs = S.pair_keys([k for k, v in losses.items() if v.requires_grad], self.config.stats.loss_ratio_pairs)
         if not pairs:
@@ -1099,7 +1105,28 @@ class Monitor:
         else:
             params = [p for p in self._params if p.requires_grad]
         comps = sorted({c for pair in pairs for c in pair})
-        grads = {c: torch.autograd.grad(losses[c], params, retain_graph=True, allow_unused=True) for c in comps}
+        assert self.model is not None  # _grad_ratio_due
+        buffers = [b for b in self.model.buffers() if b.numel()]
+        kept = [b.detach().clone() for b in buffers]
+        try:
+            grads = {c: torch.autograd.grad(losses[c], params, retain_graph=True, allow_unused=True) for c in comps}
+        except RuntimeError as e:
+            if "checkpoint" not in str(e):
+                raise
+            self._grad_ratio_off = True
+            warnings.warn(
+                "sfmonitor: grad_ratio/* and grad_cos/* are off for this run: the model uses "
+                f"torch.utils.checkpoint with use_reentrant=True, which refuses autograd.grad ({e}). "
+                "use_reentrant=False keeps them.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return {}
+        finally:
+            with torch.no_grad():  # only those it changed: a buffer saved for backward must keep its version
+                for b, k in zip(buffers, kept):
+                    if not torch.equal(b, k):
+                        b.copy_(k)
         out = {}
         for a, b in pairs:
             r = S.shared_grad_stats(grads[a], grads[b])

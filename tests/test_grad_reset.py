@@ -5,6 +5,7 @@ sees it; the monitor tells it from autograd's version counter (sfmonitor/gradres
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _state import quiet
 from torch import nn
@@ -174,3 +175,41 @@ def test_detach_removes_the_probe_hook(tmp_path):
     assert first._post_accumulate_grad_hooks  # armed after the step
     mon.detach()
     assert not first._post_accumulate_grad_hooks
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_gan_whose_generator_backward_runs_through_the_monitored_discriminator_says_nothing(tmp_path, set_to_none):
+    """The DCGAN tutorial's order: D.zero_grad, D's backward, D's step; then the generator's loss
+    backward runs through D and adds to D's gradients after D's step, and D's zero_grad at the top
+    of the next iteration resets them. The probe judged the first accumulation after D's step (the
+    generator's) and told a forgotten zero_grad(), skipping a healthy step. Judged now over every
+    accumulation before the next step: one of them saw the reset."""
+
+    def run(monitored):
+        torch.manual_seed(0)
+        gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        disc = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+        opt_g = torch.optim.Adam(gen.parameters(), 2e-4, betas=(0.5, 0.999))
+        opt_d = torch.optim.Adam(disc.parameters(), 2e-4, betas=(0.5, 0.999))
+        mon = (
+            sfmonitor.attach(disc, opt_d, run_dir=str(tmp_path / str(monitored)), config=quiet()) if monitored else None
+        )
+        g = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            real = torch.randn(16, 2, generator=g) * 0.3 + 2.0
+            fake = gen(torch.randn(16, 8, generator=g))
+            opt_d.zero_grad(set_to_none=set_to_none)
+            loss_d = nn.functional.softplus(-disc(real)).mean() + nn.functional.softplus(disc(fake.detach())).mean()
+            loss_d.backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            nn.functional.softplus(-disc(fake)).mean().backward()  # adds to D's gradients too
+            opt_g.step()
+        if mon is not None:
+            mon.detach()
+        return disc.state_dict(), [] if mon is None else [(e.kind, e.step) for e in mon.events]
+
+    bare, _ = run(False)
+    watched, events = run(True)
+    assert events == []
+    assert all(torch.equal(bare[k], watched[k]) for k in bare)

@@ -1067,3 +1067,62 @@ def test_a_group_whose_gradients_are_exactly_zero_step_after_step_is_told(tmp_pa
     mon.detach()
     for name, scaler, frozen in (("scaled", True, False), ("frozen", False, True)):
         assert [e for e in _underflow_run(tmp_path / name, scaler, frozen) if e.kind == "zero_gradient"] == []
+
+
+@pytest.mark.parametrize("reentrant", [False, True, None])  # None: no checkpoint (BatchNorm saves its buffers)
+def test_loss_components_through_activation_checkpointing_train_as_without_the_monitor(tmp_path, reentrant):
+    """grad_ratio measures each loss component's gradient with an extra backward (autograd.grad).
+    Through torch.utils.checkpoint that extra backward re-ran the checkpointed forward, and with it
+    BatchNorm's running statistics (not bit-identical), or, with the reentrant variant, raised
+    torch's "not compatible with .grad()" out of combine() at step 0. The buffers it changed are
+    put back after it (only those: BatchNorm saves its buffers for backward, and a write bumps
+    their version), and a reentrant checkpoint turns the measurement off with a warning."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.body = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())
+            self.a, self.b = nn.Linear(16, 3), nn.Linear(16, 1)
+
+        def forward(self, x):
+            h = self.inp(x)
+            h = self.body(h) if reentrant is None else checkpoint(self.body, h, use_reentrant=reentrant)
+            return self.a(h), self.b(h).squeeze(-1)
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+        cfg = quiet(stats={"grad_ratio_every": 1})
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=cfg) if monitored else None
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x = torch.randn(16, 8, generator=g)
+            a, b = model(x)
+            parts = {
+                "cls": nn.functional.cross_entropy(a, x[:, :3].argmax(1)),
+                "reg": nn.functional.mse_loss(b, x[:, 5]),
+            }
+            loss = mon.combine(parts) if mon is not None else parts["cls"] + parts["reg"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        stats = mon.stats if mon is not None else {}
+        if mon is not None:
+            mon.detach()
+        return model.state_dict(), stats
+
+    bare, _ = run(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watched, stats = run(True)
+    assert all(torch.equal(bare[k], watched[k]) for k in bare), [
+        k for k in bare if not torch.equal(bare[k], watched[k])
+    ]
+    told = [w for w in caught if "grad_ratio" in str(w.message)]
+    if reentrant:
+        assert len(told) == 1 and "checkpoint" in str(told[0].message)
+    else:
+        assert not told and "grad_ratio/cls/reg" in stats
