@@ -471,6 +471,23 @@ class _Batches(Iterator[Any]):
         self._batches.close()
 
 
+def _backward_hooked(model: nn.Module, params: Sequence[torch.Tensor]) -> str | None:
+    """What holds a backward hook that an extra backward (autograd.grad) would run again, with its
+    side effects (a K-FAC-style preconditioner's statistics, a gradient logger): a module's full or
+    pre backward hook (its name), a global module backward hook, a hook on a parameter. None: none."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks:
+        return "a global module hook (torch.nn.modules.module.register_module_full_backward_hook)"
+    for name, mod in model.named_modules():
+        if mod._backward_hooks or mod._backward_pre_hooks:
+            return f"module {name or type(mod).__name__!r}"
+    for p in params:
+        if p._backward_hooks:
+            return f"a parameter of shape {tuple(p.shape)}"
+    return None
+
+
 class Monitor:
     """Watches a model and optimizer each optimizer step; see the module docstring.
 
@@ -1106,6 +1123,9 @@ class Monitor:
             params = [p for p in self._params if p.requires_grad]
         comps = sorted({c for pair in pairs for c in pair})
         assert self.model is not None  # _grad_ratio_due
+        hooked = _backward_hooked(self.model, params)
+        if hooked is not None:
+            return self._grad_ratio_refused(f"{hooked} has a backward hook, which the extra backward would run again")
         buffers = [b for b in self.model.buffers() if b.numel()]
         kept = [b.detach().clone() for b in buffers]
         try:
@@ -1113,26 +1133,29 @@ class Monitor:
         except RuntimeError as e:
             if "checkpoint" not in str(e):
                 raise
-            self._grad_ratio_off = True
-            warnings.warn(
-                "sfmonitor: grad_ratio/* and grad_cos/* are off for this run: the model uses "
-                f"torch.utils.checkpoint with use_reentrant=True, which refuses autograd.grad ({e}). "
-                "use_reentrant=False keeps them.",
-                RuntimeWarning,
-                stacklevel=3,
+            return self._grad_ratio_refused(
+                f"the model uses torch.utils.checkpoint with use_reentrant=True, which refuses autograd.grad ({e}); "
+                "use_reentrant=False keeps them"
             )
-            return {}
         finally:
             with torch.no_grad():  # only those it changed: a buffer saved for backward must keep its version
-                for b, k in zip(buffers, kept):
-                    if not torch.equal(b, k):
-                        b.copy_(k)
+                for buf, before in zip(buffers, kept):
+                    if not torch.equal(buf, before):
+                        buf.copy_(before)
         out = {}
         for a, b in pairs:
             r = S.shared_grad_stats(grads[a], grads[b])
             if r is not None:
                 out[S.GRAD_RATIO.format(a, b)], out[S.GRAD_COS.format(a, b)] = r
         return out
+
+    def _grad_ratio_refused(self, why: str) -> dict[str, torch.Tensor]:
+        """grad_ratio's extra backward cannot run without changing the run: off for the run, one warning."""
+        self._grad_ratio_off = True
+        warnings.warn(
+            f"sfmonitor: grad_ratio/* and grad_cos/* are off for this run: {why}.", RuntimeWarning, stacklevel=4
+        )
+        return {}
 
     @property
     def stats(self) -> dict[str, float]:

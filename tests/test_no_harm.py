@@ -1126,3 +1126,50 @@ def test_loss_components_through_activation_checkpointing_train_as_without_the_m
         assert len(told) == 1 and "checkpoint" in str(told[0].message)
     else:
         assert not told and "grad_ratio/cls/reg" in stats
+
+
+@pytest.mark.parametrize("where", ["module", "parameter"])
+def test_a_backward_hook_that_feeds_training_is_not_run_again_by_grad_ratio(tmp_path, where):
+    """grad_ratio's extra backward per loss component ran the user's backward hooks again: a
+    preconditioner-style running statistic gathered in a hook (here it sets the layer's LR) took
+    154 calls in 150 steps and every weight ended off the bare run's. With a backward hook on the
+    model or its parameters the measurement is off for the run, with a warning."""
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        seen = {"n": 0, "sq": torch.zeros(())}
+
+        def gather(grad):
+            seen["n"] += 1
+            seen["sq"] = 0.9 * seen["sq"] + 0.1 * grad.detach().pow(2).mean()
+
+        if where == "module":
+            model[0].register_full_backward_hook(lambda m, gi, go: gather(go[0]))
+        else:
+            model[0].weight.register_hook(gather)
+        cfg = quiet(stats={"grad_ratio_every": 2})
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / str(monitored)), config=cfg) if monitored else None
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x = torch.randn(16, 6, generator=g)
+            out = model(x)
+            parts = {"cls": nn.functional.cross_entropy(out, x[:, :3].argmax(1)), "reg": out.pow(2).mean() * 1e-2}
+            loss = mon.combine(parts) if mon is not None else parts["cls"] + parts["reg"]
+            loss.backward()
+            opt.param_groups[0]["lr"] = float(0.05 / (1.0 + seen["sq"].sqrt()))  # the hook's statistic steers
+            opt.step()
+            opt.zero_grad()
+        if mon is not None:
+            mon.detach()
+        return model.state_dict(), seen["n"]
+
+    bare, calls = run(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watched, watched_calls = run(True)
+    assert watched_calls == calls
+    assert all(torch.equal(bare[k], watched[k]) for k in bare)
+    told = [str(w.message) for w in caught if "grad_ratio" in str(w.message)]
+    assert len(told) == 1 and "backward hook" in told[0]
