@@ -47,6 +47,7 @@ from .events import (
     SKIP_STEP,
     UNDO,
     UPDATE_RATIO_SPIKE,
+    VANISHING_GRADIENT,
     ConfigError,
     Finding,
 )
@@ -71,6 +72,8 @@ __all__ = [
     "RatioImbalanceConfig",
     "UpdateRatioSpike",
     "UpdateRatioSpikeConfig",
+    "VanishingGradient",
+    "VanishingGradientConfig",
     "build_detectors",
 ]
 
@@ -361,6 +364,26 @@ class PlateauConfig(Section):
     min_delta: float = option(0.0, "an improvement must beat the best by more than this", lo=0)
 
 
+@dataclass
+class VanishingGradientConfig(Section):
+    """Gradients that fade through a stack of like layers (Hochreiter 1991; Bengio et al. 1994; a
+    post-LN transformer without warm-up, Liu et al. 2020): the first layer's gradient norm a small
+    fraction of the last one's, step after step. Told, no action."""
+
+    enabled: bool = option(True, "watch stacks of like groups (the same parameter shapes, in model order)")
+    ratio: float = option(
+        0.01,
+        "tell when the first group's gradient norm is under this fraction of the last one's (median of "
+        "`window` steps); measured: fading runs 3e-11 to 6e-3, healthy runs >= 0.04 (docs/benchmarks.md)",
+        lo=0,
+        hi=1,
+        lo_open=True,
+    )
+    window: int = option(20, "steps whose median is judged", lo=1)
+    start: int = option(20, "optimizer steps before the first judgement (a default init's first steps fade)", lo=0)
+    min_layers: int = option(3, "the fewest like groups in a row that make a stack", lo=2)
+
+
 class DetectorsConfig(SectionTable):
     """Every registered detector, one sub-section each (``detectors.<name>``): the built-ins below
     and any registered with ``registry.register_detector``."""
@@ -446,6 +469,11 @@ class Detector:
         """The data changed at optimizer step ``step`` (the loss moved to a new level and stayed:
         ``loss_level_shift``): forget what was usual before it. Optional; the monitor calls it on
         the detectors that have it."""
+
+    def layout(self, groups: Mapping[str, list[tuple[int, ...]]]) -> None:
+        """The model's groups in model order, each with its parameters' shapes (plain data): at
+        attach, and again when the optimizer gains parameters. Optional; the monitor calls it on the
+        detectors that have it."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -1284,6 +1312,116 @@ class Plateau(Detector):
         self.best = state.get("best")
         self.stale = int(state.get("stale", 0))
         self.stage = int(state.get("stage", 0))
+
+
+# Gradients that fade with depth leave the first layers untrained. The stack is judged by its own
+# ends (like layers, so their norms compare): the first one's gradients must be a small fraction of
+# the last one's, and so must its updates (an Adam-family optimizer rescales faded gradients into
+# full-sized steps; a layer-wise LR decay makes the first updates small from healthy gradients).
+# Told once until the gradients come back (10x the ratio).
+UPDATE_RATIO_FADED = 0.2  # measured: stalled or faded runs <= 0.09, healthy >= 0.43 (docs/benchmarks.md)
+
+
+@register_detector("vanishing_gradient", config=VanishingGradientConfig, kinds={VANISHING_GRADIENT: [(1, [])]})
+class VanishingGradient(Detector):
+    """``grad_norm/<first>`` / ``grad_norm/<last>`` over each stack of like groups: runs of at least
+    ``min_layers`` consecutive groups (in model order) whose parameters have the same shapes (a
+    transformer's blocks, an MLP's hidden layers). The ends are the stack's first and last groups
+    with a positive gradient norm in the step (a frozen first block does not count). Told when the
+    median of ``window`` steps is under ``ratio`` and, where update ratios are measured, the first
+    group's update ratio is also under ``UPDATE_RATIO_FADED`` of the last one's (median). Judged one
+    step late (``after_update``: the update ratios of a step are read with the next). The monitor
+    gives the groups' shapes through ``layout()``; without it nothing is judged."""
+
+    kind = VANISHING_GRADIENT
+    after_update = True
+
+    def __init__(self, config: VanishingGradientConfig | None = None):
+        self.config = config or VanishingGradientConfig()
+        self.stacks: list[list[str]] = []
+        self.windows: dict[str, collections.deque[float]] = {}  # "<first>..<last>" (grads), "...:update"
+        self.told: set[str] = set()
+
+    def layout(self, groups: Mapping[str, list[tuple[int, ...]]]) -> None:
+        """The groups in model order, each with its parameters' shapes (plain data)."""
+        stacks: list[list[str]] = []
+        run: list[str] = []
+        last: tuple | None = None
+        for name, shapes in groups.items():
+            sig = tuple(sorted(shapes))
+            if run and sig == last and sig:
+                run.append(name)
+            else:
+                if len(run) >= self.config.min_layers:
+                    stacks.append(run)
+                run, last = [name], sig
+        if len(run) >= self.config.min_layers:
+            stacks.append(run)
+        self.stacks = stacks
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        out = []
+        for stack in self.stacks:
+            key = f"{stack[0]}..{stack[-1]}"
+            norms = [(g, stats.get(GRAD_NORM_PREFIX + g)) for g in stack]
+            live = [(g, v) for g, v in norms if v is not None and S.finite(v) and v > 0]
+            if len(live) < cfg.min_layers:
+                continue
+            (first, a), (last, b) = live[0], live[-1]
+            window = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
+            window.append(a / b)
+            ua, ub = stats.get(UPDATE_RATIO_PREFIX + first), stats.get(UPDATE_RATIO_PREFIX + last)
+            moved = self.windows.setdefault(key + ":update", collections.deque(maxlen=cfg.window))
+            if ua is not None and ub is not None and S.finite(ua) and S.finite(ub) and ub > 0:
+                moved.append(ua / ub)
+            if step < cfg.start or len(window) < cfg.window:
+                continue
+            median = _median(list(window))
+            if key in self.told:
+                if median > 10 * cfg.ratio:
+                    self.told.discard(key)
+                continue
+            update = _median(list(moved)) if moved else None
+            if median >= cfg.ratio or (update is not None and update >= UPDATE_RATIO_FADED):
+                continue
+            self.told.add(key)
+            out.append(
+                Finding(
+                    kind=self.kind,
+                    where=first,
+                    message=(
+                        f"gradients fade through the {len(stack)} like groups {key}: the gradient norm of "
+                        f"{first} is {_fmt(median)} of {last}'s (median of {cfg.window} steps, under "
+                        f"{_fmt(cfg.ratio)})"
+                        + (f" and its updates {_fmt(update)} of {last}'s" if update is not None else "")
+                        + ": the first layers barely train (vanishing gradients; a post-LN "
+                        "transformer without warm-up stalls so). Residual connections, normalisation, another "
+                        "activation or init, or an LR warm-up"
+                    ),
+                    data={
+                        "stack": stack,
+                        "first": first,
+                        "last": last,
+                        "ratio": median,
+                        "update_ratio": update,
+                        "threshold": cfg.ratio,
+                        "window": cfg.window,
+                        "step": step,
+                    },
+                )
+            )
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": {k: list(w) for k, w in self.windows.items()}, "told": sorted(self.told)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.windows = {
+            k: collections.deque((float(v) for v in w), maxlen=self.config.window)
+            for k, w in state.get("windows", {}).items()
+        }
+        self.told = set(state.get("told", []))
 
 
 def build_detectors(config: DetectorsConfig | None = None) -> list[Detector]:

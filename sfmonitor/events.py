@@ -35,6 +35,7 @@ ACCURACY_COLLAPSE = "accuracy_collapse"
 ACCURACY_DROP = "accuracy_drop"
 PLATEAU = "plateau"
 BAD_BATCH = "bad_batch"
+VANISHING_GRADIENT = "vanishing_gradient"
 
 # Action names; each is registered (registry.ACTIONS) in actions.py with its function.
 SKIP_STEP = "skip_step"

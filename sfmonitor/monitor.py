@@ -659,6 +659,11 @@ class Monitor:
                 self._ctx.undo.clear()
         self._param_names = [n for n, _ in ordered]
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
+        shapes = {g: [tuple(p.shape) for _, p in ps] for g, ps in self.groups.items()}
+        for d in self._detectors:  # plain data: detectors never touch the model
+            layout = getattr(d, "layout", None)
+            if layout is not None:
+                layout(shapes)
         device = self._params[0].device if self._params else torch.device("cpu")
         # FSDP2: statistics measure each rank's local shards, weighted by their share of the norms.
         self._layout = sharding.Layout(self._params)

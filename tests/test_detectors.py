@@ -370,8 +370,9 @@ def test_build_detectors_respects_enabled_and_all_state_is_plain():
         LOSS_SCALE_FLOOR,
         ACCURACY_COLLAPSE,
         PLATEAU,
+        "vanishing_gradient",
     ]
-    assert [d.after_update for d in dets].count(True) == 1
+    assert [d.after_update for d in dets].count(True) == 2
     cfg = D.DetectorsConfig.from_dict({"grad_spike": {"enabled": False}, "plateau": {"enabled": False}})
     assert GRAD_SPIKE not in [d.kind for d in D.build_detectors(cfg)]
     for s in range(40):
