@@ -374,7 +374,8 @@ class VanishingGradientConfig(Section):
     ratio: float = option(
         0.01,
         "tell when the first group's gradient norm is under this fraction of the last one's (median of "
-        "`window` steps); measured: fading runs 3e-11 to 6e-3, healthy runs >= 0.04 (docs/benchmarks.md)",
+        "`window` steps); measured: fading or stalled runs 3e-11 to 9e-3, healthy runs >= 0.04 but for deep "
+        "tanh MLPs under SGD that train slowly (0.013-0.06) (docs/benchmarks.md)",
         lo=0,
         hi=1,
         lo_open=True,
@@ -1314,6 +1315,13 @@ class Plateau(Detector):
         self.stage = int(state.get("stage", 0))
 
 
+def _maps_onto_itself(shapes: list[tuple[int, ...]]) -> bool:
+    """Whether a group holds a weight (2-D or more) that maps a width onto itself, as the layers of a
+    depth stack do (a block's output projection, a hidden layer, a residual block's conv); side-by-side
+    heads from one width to another hold none. Either orientation (nn.Linear's and GPT-2's Conv1D's)."""
+    return any(len(s) >= 2 and s[0] == s[1] for s in shapes)
+
+
 # Gradients that fade with depth leave the first layers untrained. The stack is judged by its own
 # ends (like layers, so their norms compare): the first one's gradients must be a small fraction of
 # the last one's, and so must its updates (an Adam-family optimizer rescales faded gradients into
@@ -1348,7 +1356,7 @@ class VanishingGradient(Detector):
         run: list[str] = []
         last: tuple | None = None
         for name, shapes in groups.items():
-            sig = tuple(sorted(shapes))
+            sig = tuple(sorted(shapes)) if _maps_onto_itself(shapes) else None
             if run and sig == last and sig:
                 run.append(name)
             else:

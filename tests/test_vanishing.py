@@ -78,7 +78,7 @@ def test_healthy_deep_stacks_say_nothing(tmp_path, case):
 
 def test_stacks_are_runs_of_like_groups_in_model_order():
     det = VanishingGradient(VanishingGradientConfig(min_layers=3))
-    a, b = [(4, 8), (4,)], [(8, 8), (8,)]
+    a, b = [(8, 8)], [(8, 8), (8,)]
     det.layout({"emb": [(10, 8)], "h0": b, "h1": b, "h2": b, "x": a, "y": b, "z": b, "head": a, "p": a, "q": a, "r": a})
     assert det.stacks == [["h0", "h1", "h2"], ["head", "p", "q", "r"]]
     det.layout({"a": b, "b": b})  # two like groups are no stack
@@ -102,3 +102,39 @@ def test_the_judgement_survives_a_state_dict_round_trip():
     assert [f.kind for f in (again.check(7, faded) + again.check(8, faded) + again.check(9, faded))] == [
         "vanishing_gradient"
     ]
+
+
+def test_like_siblings_that_do_not_chain_are_no_stack(tmp_path):
+    """Three task heads side by side (each 32 -> 5) have the same shapes but are no depth: a head
+    whose loss weight is small has small gradients by design. They were taken for a stack and told
+    as vanishing gradients under SGD. A stack's groups must hold a weight that maps a width onto
+    itself, as blocks and hidden layers do."""
+    det = VanishingGradient(VanishingGradientConfig(min_layers=3))
+    det.layout({"trunk": [(32, 8), (32,)], "a": [(5, 32), (5,)], "b": [(5, 32), (5,)], "c": [(5, 32), (5,)]})
+    assert det.stacks == []
+    conv = [(16, 16, 3, 3), (16,), (16,), (16, 16, 3, 3), (16,), (16,)]  # a residual block's convs and norms
+    det.layout({"b0": conv, "b1": conv, "b2": conv})
+    assert det.stacks == [["b0", "b1", "b2"]]
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Linear(8, 32)
+            self.head_a, self.head_b, self.head_c = nn.Linear(32, 5), nn.Linear(32, 5), nn.Linear(32, 5)
+
+    torch.manual_seed(0)
+    model = Heads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        x = torch.randn(32, 8, generator=g)
+        h = torch.tanh(model.trunk(x))
+        y = x[:, :5].argmax(1)
+        ce = nn.functional.cross_entropy
+        loss = mon.combine(1e-3 * ce(model.head_a(h), y) + ce(model.head_b(h), y) + ce(model.head_c(h), y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    assert [e.kind for e in mon.events if e.kind == "vanishing_gradient"] == []
