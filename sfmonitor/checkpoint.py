@@ -306,21 +306,23 @@ def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _own_state_inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The inner optimizers whose ``state`` is not the wrapper's own (that one is in its state_dict)."""
+    return [o for o in inner_optimizers(optimizer) if o.state is not optimizer.state]
+
+
 def _inner_state(optimizer: torch.optim.Optimizer) -> list[dict[int, Any]]:
-    """CPU copies of each inner optimizer's state (``INNER``), keyed by parameter position. An inner
-    optimizer whose ``state`` is the wrapper's own is held by the wrapper's state_dict already."""
+    """CPU copies of each inner optimizer's state (``INNER``), keyed by parameter position."""
     return [
         {i: copy_tree(inner.state[p], "cpu") for i, p in enumerate(_params_of(inner)) if inner.state.get(p)}
-        for inner in inner_optimizers(optimizer)
-        if inner.state is not optimizer.state
+        for inner in _own_state_inners(optimizer)
     ]
 
 
 def _restore_inner_state(optimizer: torch.optim.Optimizer, saved: list[Mapping[int, Any]]) -> None:
     """Put ``_inner_state``'s copies back: each inner optimizer's state holds exactly them, on its
     parameters' devices (a ``step`` count stays where it was saved, as torch's own load does)."""
-    inners = [o for o in inner_optimizers(optimizer) if o.state is not optimizer.state]
-    for inner, states in zip(inners, saved):
+    for inner, states in zip(_own_state_inners(optimizer), saved):
         params = _params_of(inner)
         inner.state.clear()
         for i, st in states.items():

@@ -1331,7 +1331,7 @@ UPDATE_RATIO_FADED = 0.2  # measured: stalled or faded runs <= 0.09, healthy >= 
 
 
 @register_detector("vanishing_gradient", config=VanishingGradientConfig, kinds={VANISHING_GRADIENT: [(1, [])]})
-class VanishingGradient(Detector):
+class VanishingGradient(_Windowed):
     """``grad_norm/<first>`` / ``grad_norm/<last>`` over each stack of like groups: runs of at least
     ``min_layers`` consecutive groups (in model order) whose parameters have the same shapes (a
     transformer's blocks, an MLP's hidden layers). The ends are the stack's first and last groups
@@ -1345,9 +1345,8 @@ class VanishingGradient(Detector):
     after_update = True
 
     def __init__(self, config: VanishingGradientConfig | None = None):
-        self.config = config or VanishingGradientConfig()
+        super().__init__(config or VanishingGradientConfig())  # windows: "<first>..<last>", and ":update"
         self.stacks: list[list[str]] = []
-        self.windows: dict[str, collections.deque[float]] = {}  # "<first>..<last>" (grads), "...:update"
         self.told: set[str] = set()
 
     def layout(self, groups: Mapping[str, list[tuple[int, ...]]]) -> None:
@@ -1422,13 +1421,10 @@ class VanishingGradient(Detector):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"windows": {k: list(w) for k, w in self.windows.items()}, "told": sorted(self.told)}
+        return {**super().state_dict(), "told": sorted(self.told)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.windows = {
-            k: collections.deque((float(v) for v in w), maxlen=self.config.window)
-            for k, w in state.get("windows", {}).items()
-        }
+        super().load_state_dict(state)
         self.told = set(state.get("told", []))
 
 

@@ -546,7 +546,7 @@ class Monitor:
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
         self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
         self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
-        self._grad_ratio_off = False  # the model refuses autograd.grad (a reentrant checkpoint)
+        self._grad_ratio_off = False  # its extra backward cannot run unseen (a reentrant checkpoint, a backward hook)
         self._driven_externally = False  # an integration calls before_update()/after_update()
         self._closure_grads: list[weakref.ref[torch.Tensor] | None] | None = None  # what step(closure) left
         self._model_factory: tuple[str, dict[str, Any]] | None = None

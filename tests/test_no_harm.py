@@ -1128,7 +1128,7 @@ def test_loss_components_through_activation_checkpointing_train_as_without_the_m
         assert not told and "grad_ratio/cls/reg" in stats
 
 
-@pytest.mark.parametrize("where", ["module", "parameter"])
+@pytest.mark.parametrize("where", ["module", "parameter", "global"])
 def test_a_backward_hook_that_feeds_training_is_not_run_again_by_grad_ratio(tmp_path, where):
     """grad_ratio's extra backward per loss component ran the user's backward hooks again: a
     preconditioner-style running statistic gathered in a hook (here it sets the layer's LR) took
@@ -1147,6 +1147,12 @@ def test_a_backward_hook_that_feeds_training_is_not_run_again_by_grad_ratio(tmp_
 
         if where == "module":
             model[0].register_full_backward_hook(lambda m, gi, go: gather(go[0]))
+        elif where == "global":
+            hooks.append(
+                torch.nn.modules.module.register_module_full_backward_hook(
+                    lambda m, gi, go: gather(go[0]) if m is model[0] else None
+                )
+            )
         else:
             model[0].weight.register_hook(gather)
         cfg = quiet(stats={"grad_ratio_every": 2})
@@ -1165,10 +1171,15 @@ def test_a_backward_hook_that_feeds_training_is_not_run_again_by_grad_ratio(tmp_
             mon.detach()
         return model.state_dict(), seen["n"]
 
-    bare, calls = run(False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        watched, watched_calls = run(True)
+    hooks: list = []
+    try:
+        bare, calls = run(False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            watched, watched_calls = run(True)
+    finally:
+        for h in hooks:
+            h.remove()
     assert watched_calls == calls
     assert all(torch.equal(bare[k], watched[k]) for k in bare)
     told = [str(w.message) for w in caught if "grad_ratio" in str(w.message)]

@@ -138,3 +138,30 @@ def test_like_siblings_that_do_not_chain_are_no_stack(tmp_path):
         opt.zero_grad()
     mon.detach()
     assert [e.kind for e in mon.events if e.kind == "vanishing_gradient"] == []
+
+
+def test_detectors_get_the_groups_again_when_the_optimizer_gains_parameters(tmp_path):
+    """layout() at attach and after add_param_group (a parameter outside the model joins group
+    "other"), so a detector's view of the groups follows the monitor's."""
+
+    class Spy(sfmonitor.Detector):
+        name, kind = "spy", "spy_told"
+
+        def __init__(self):
+            self.seen: list[list[str]] = []
+
+        def layout(self, groups):
+            self.seen.append(list(groups))
+
+    model = _mlp(nn.Tanh, depth=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    spy = Spy()
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet(), detectors=[spy])
+    assert spy.seen == [["0", "2", "4", "6"]]
+    temperature = nn.Parameter(torch.ones(()))
+    opt.add_param_group({"params": [temperature]})
+    x = torch.randn(4, 8)
+    mon.combine((model(x) * temperature).pow(2).mean()).backward()
+    opt.step()
+    mon.detach()
+    assert spy.seen[-1] == ["0", "2", "4", "6", "other"]
