@@ -33,6 +33,7 @@ import copy
 import functools
 import itertools
 import math
+import numbers
 import operator
 import os
 import sys
@@ -416,6 +417,8 @@ class _ScalerPatch:
 
 
 _SCALER_PATCHES: weakref.WeakKeyDictionary[Any, _ScalerPatch] = weakref.WeakKeyDictionary()
+# The monitor attached to each optimizer (weakly both ways: a lost monitor or optimizer goes).
+_ATTACHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
 
 
 def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]:
@@ -677,6 +680,21 @@ class Monitor:
     def attached(self) -> bool:
         return self.model is not None
 
+    @staticmethod
+    def attached_to(optimizer: Any) -> Monitor | None:
+        """The monitor attached to ``optimizer`` (or to the torch optimizer inside a wrapper
+        such as accelerate's), or None: finds a monitor whose handle was lost (a notebook cell
+        run again) so that it can be detached."""
+        for _ in range(9):
+            ref = _ATTACHED.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+            found = ref() if ref is not None else None
+            if found is not None and found.attached:
+                return found
+            optimizer = getattr(optimizer, "optimizer", None)
+            if optimizer is None:
+                return None
+        return None
+
     def _live(self) -> A.ActionContext:
         """The action context of the attached model and optimizer (what the pipeline works on)."""
         if self._ctx is None:
@@ -732,6 +750,14 @@ class Monitor:
                 "could not be kept bit-identical; use a first-order optimizer"
             )
         # Everything that can fail on bad input fails here, before any hook is registered.
+        other = Monitor.attached_to(optimizer)
+        if other is not None:
+            raise ConfigError(
+                f"attach: this {type(optimizer).__name__} already has a monitor attached (run_dir "
+                f"{other.run_dir!r}, at step {other.step}); two monitors would both act on every step (two "
+                f"LR drops for one finding, two clips). Call detach() on that one first (if you no longer "
+                f"hold it: sfmonitor.Monitor.attached_to(optimizer).detach())"
+            )
         if isinstance(unwrap(model), torch.jit.ScriptModule):
             raise ConfigError(
                 "attach: the model is a TorchScript module (torch.jit.script or torch.jit.trace), which takes "
@@ -780,6 +806,8 @@ class Monitor:
         # (host reads, clocks, RNG captures), break the graph on each and recompile on snapshots.
         self._hooks.append(optimizer.register_step_pre_hook(torch.compiler.disable(self._on_optimizer_pre_step)))
         self._hooks.append(optimizer.register_step_post_hook(torch.compiler.disable(self._on_optimizer_post_step)))
+        _ATTACHED[optimizer] = weakref.ref(self)
+        self._undo.append(lambda: _ATTACHED.pop(optimizer, None))
         if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
             self.scaler = scaler
             self._wrap_scaler(scaler)
@@ -1248,6 +1276,17 @@ class Monitor:
                 "observe_eval: the monitor is not attached (call attach() first); "
                 "its actions would have no model to act on"
             )
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"observe_eval: metrics must be a mapping {{name: number}}, got {type(metrics).__name__}")
+        for name, value in metrics.items():
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (numbers.Real, torch.Tensor))
+                or (isinstance(value, torch.Tensor) and value.numel() != 1)
+            ):
+                raise TypeError(
+                    f"observe_eval: metrics[{name!r}] is {value!r:.40} (a {type(value).__name__}); expected a number"
+                )
         values = agree_metrics(metrics)  # torch.distributed: the mean over ranks, so every rank decides alike
         self._live().epoch += 1  # validations mark epochs (the gradient-noise decay counts them)
         findings = [f for d in self._detectors for f in d.observe_eval(self.step, values, chance)]
@@ -2142,7 +2181,21 @@ class Monitor:
         """Restore what ``state_dict`` returned; works before or after ``attach``. Detector state
         is matched by detector name: state of a detector this monitor does not run is ignored
         with a warning, and a detector without saved state starts fresh."""
-        self.step = int(sd["step"])
+        if not isinstance(sd, Mapping):
+            raise TypeError(
+                f"load_state_dict: expected the mapping Monitor.state_dict() returned, got {type(sd).__name__}"
+            )
+        if "step" not in sd:
+            raise ConfigError(
+                f"load_state_dict: expected what Monitor.state_dict() returned (a mapping with 'step', "
+                f"'detectors', 'policy', ...), got keys {sorted(map(str, sd))[:8]}: pass the monitor's own "
+                f"entry of your checkpoint, not the checkpoint or a model's state"
+            )
+        step = sd["step"]
+        whole = isinstance(step, (numbers.Integral, torch.Tensor)) and not isinstance(step, bool)
+        if not whole or int(step) != step or step < 0:
+            raise ConfigError(f"load_state_dict: state['step'] must be a whole number, got {step!r}")
+        self.step = int(step)
         self._record = StepRecord(step=self.step)
         if self._ctx is not None and self._ctx.undo is not None:
             self._ctx.undo.clear()  # a copy from another step of another timeline

@@ -444,3 +444,82 @@ def test_gradient_ratio_and_cosine_of_complex_gradients_use_both_parts():
     ra, rb = torch.view_as_real(a[0]).flatten(), torch.view_as_real(b[0]).flatten()
     assert float(ratio) == pytest.approx(float(ra.norm() / rb.norm()), rel=1e-5)
     assert float(cos) == pytest.approx(float(ra @ rb / (ra.norm() * rb.norm())), rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. a second monitor on one optimizer; state and metrics that are not what they should be
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_second_monitor_on_the_same_optimizer_is_refused_and_the_first_can_be_found(tmp_path):
+    """A notebook cell run twice attaches a second monitor beside the first: both would act on
+    every step (two LR drops for one finding, two clips). Refused, naming the first; and the first
+    can be found from the optimizer when its handle is lost."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "a"), config=quiet())
+    assert sfmonitor.Monitor.attached_to(opt) is first
+    second = sfmonitor.Monitor(run_dir=str(tmp_path / "b"), config=quiet())
+    with pytest.raises(sfmonitor.ConfigError, match=r"already has a monitor attached \(run_dir .*a'.*detach\(\)"):
+        second.attach(model, opt)
+    assert not second.attached and not os.path.exists(tmp_path / "b")
+    hooks = len(opt._optimizer_step_pre_hooks)
+    sfmonitor.Monitor.attached_to(opt).detach()
+    assert sfmonitor.Monitor.attached_to(opt) is None and len(opt._optimizer_step_pre_hooks) == hooks - 1
+    second.attach(model, opt)  # now it may
+    assert sfmonitor.Monitor.attached_to(opt) is second
+    second.detach()
+    # A GAN: one monitor per optimizer, each on its own parameters, is fine.
+    d, g = nn.Linear(4, 1), nn.Linear(2, 4)
+    od, og = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)
+    md = sfmonitor.attach(d, od, run_dir=str(tmp_path / "d"), config=quiet())
+    mg = sfmonitor.attach(g, og, run_dir=str(tmp_path / "g"), config=quiet())
+    assert sfmonitor.Monitor.attached_to(od) is md and sfmonitor.Monitor.attached_to(og) is mg
+    md.detach()
+    mg.detach()
+
+
+@pytest.mark.parametrize(
+    "state, error, match",
+    [
+        (
+            {"model": {}, "optimizer": {}},
+            sfmonitor.ConfigError,
+            r"load_state_dict: .*'step'.*got keys \['model', 'optimizer'\]",
+        ),
+        ([1, 2], TypeError, r"load_state_dict: expected the mapping Monitor.state_dict\(\) returned, got list"),
+        ({"step": "x"}, sfmonitor.ConfigError, r"load_state_dict: state\['step'\] must be a whole number, got 'x'"),
+    ],
+)
+def test_load_state_dict_names_what_is_wrong_and_changes_nothing(state, error, match, tmp_path):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    mon.combine(model(torch.randn(8, 4)).pow(2).mean()).backward()
+    opt.step()
+    before = mon.state_dict()
+    with pytest.raises(error, match=match):
+        mon.load_state_dict(state)
+    assert mon.state_dict() == before
+    mon.detach()
+
+
+def test_observe_eval_names_a_metric_that_is_not_a_number(tmp_path):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    with pytest.raises(TypeError, match=r"observe_eval: metrics\['loss'\] is 'low' \(a str\); expected a number"):
+        mon.observe_eval({"loss": "low"})
+    with pytest.raises(TypeError, match=r"observe_eval: metrics must be a mapping"):
+        mon.observe_eval(0.5)  # type: ignore[arg-type]
+    assert mon.observe_eval({"loss": torch.tensor(0.5), "accuracy": 0.9}) == []  # tensors and floats both fine
+    mon.detach()
+
+
+def test_observe_eval_takes_numpy_numbers(tmp_path):
+    np = pytest.importorskip("numpy")
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    assert mon.observe_eval({"loss": np.float32(0.5), "accuracy": np.float64(0.9), "n": np.int64(3)}) == []
+    mon.detach()
