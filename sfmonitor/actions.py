@@ -878,6 +878,13 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     cause = decision.cause
     target = (ctx.step - 1) if cause.before_update else (cause.step if cause.step is not None else ctx.step - 1)
     state = ctx.undo
+    if state is not None and state.label == target and state.loaded_since(ctx.optimizer):
+        return {
+            "applied": False,
+            "undone_step": target,
+            "reason": f"the loop loaded the optimizer's state after step {target}'s update (a resume): the "
+            "update is no longer there to undo, and the copy from before it would overwrite what was loaded",
+        }
     if state is None or state.label != target or not state.params:
         facts = rollback(ctx, decision)
         have = None if state is None else state.label

@@ -359,6 +359,25 @@ def capture_state(
     return state
 
 
+def _with_groups_added_since(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``saved`` (an optimizer's state dict) with the param groups the live optimizer gained since
+    it was taken (``add_param_group``: a frozen part of the model unfrozen), without state: their
+    parameters were not the optimizer's then, so it held none for them; torch's load refuses a
+    different number of groups. Any other difference is left for torch's load to refuse."""
+    groups, live = saved.get("param_groups", []), optimizer.param_groups
+    if len(groups) >= len(live) or [len(g["params"]) for g in groups] != [
+        len(g["params"]) for g in live[: len(groups)]
+    ]:
+        return saved
+    n = sum(len(g["params"]) for g in groups)
+    for group in live[len(groups) :]:
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(n, n + len(group["params"])))}
+        )
+        n += len(group["params"])
+    return saved
+
+
 def restore_state(
     state: Mapping[str, Any],
     model: torch.nn.Module,
@@ -381,7 +400,7 @@ def restore_state(
         # when they share the list (the user's LR schedule would then reach only one of them).
         live = optimizer.param_groups
         sharing = [o for o in inner_optimizers(optimizer) if o.param_groups is live]
-        optimizer.load_state_dict(copy_tree(state[OPTIMIZER]))
+        optimizer.load_state_dict(_with_groups_added_since(copy_tree(state[OPTIMIZER]), optimizer))
         if not keep_hyperparams:
             for group, loaded in zip(live, optimizer.param_groups):
                 group.update(loaded)  # the same parameters, the snapshot's hyperparameters

@@ -654,11 +654,16 @@ class Monitor:
         self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
         group_index = {g: i for i, g in enumerate(self._group_names)}
         ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group] + outside
+        held = getattr(self, "_params", [])
         self._params = [p for _, p in ordered]
         self._buffers = list(model.buffers())  # walked once, not every step: the undo copy holds them
-        if self._ctx is not None:  # add_param_group(): the undo copy starts over with the new list
+        if self._ctx is not None:  # add_param_group()
             self._ctx.undo_params, self._ctx.undo_buffers = self._params, self._buffers
-            if self._ctx.undo is not None:
+            same = len(held) == len(self._params) and all(a is b for a, b in zip(held, self._params))
+            if self._ctx.undo is not None and not same:
+                # New tensors: the undo copy starts over with the new list. The same tensors (a
+                # frozen part of the model unfrozen into a new group) keep it: it holds them, and
+                # the new group's parameters had no optimizer state, which an undo leaves so.
                 self._ctx.undo.clear()
         self._param_names = [n for n, _ in ordered]
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]

@@ -65,6 +65,9 @@ class UndoState:
         # per state owner (state_owners: the optimizer's, then those it wraps), per parameter:
         # key -> buffer or value; None: no state
         self._state: list[list[dict[str, Any] | None]] = []
+        # Which state dicts the capture copied (ids, not references: they may be dropped): the
+        # loop's own optimizer.load_state_dict() gives the optimizer a new one (a resume).
+        self.owner_ids: list[int] = []
 
     @property
     def nbytes(self) -> int:
@@ -138,6 +141,12 @@ class UndoState:
         src += live_scaler
         torch._foreach_copy_(dst, src)
         self.label = label
+        self.owner_ids = [id(o) for o in owners]
+
+    def loaded_since(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer's state was replaced since the capture (``load_state_dict``: the
+        loop resumed from a checkpoint), so the copy belongs to a timeline the loop left."""
+        return bool(self.owner_ids) and [id(o) for o in state_owners(optimizer)] != self.owner_ids
 
     @torch.no_grad()
     def start(self, label: int, buffers: Sequence[torch.Tensor]) -> None:
@@ -179,10 +188,18 @@ class UndoState:
             torch._foreach_copy_([local(b) for b in buffers], self.prev_buffers)
         else:
             self.restore_buffers(buffers)
-        dst = [local(p.detach()) for p in params]
-        src = list(self.params)
+        # Only what this optimizer updates goes back: a parameter another optimizer steps (a
+        # second optimizer over part of the same model, with its own monitor) keeps its value.
+        mine = {
+            id(p) for opt in [optimizer, *inner_optimizers(optimizer)] for g in opt.param_groups for p in g["params"]
+        }
+        held = [i for i, p in enumerate(params) if id(p) in mine]
+        dst = [local(params[i].detach()) for i in held]
+        src = [self.params[i] for i in held]
         for owner, kept in zip(state_owners(optimizer), self._state):
             for p, saved in zip(params, kept):
+                if id(p) not in mine:
+                    continue
                 if saved is None:
                     owner.pop(p, None)
                     continue
@@ -198,6 +215,7 @@ class UndoState:
     def clear(self) -> None:
         self.label, self.params, self.buffers, self._state = None, [], [], []
         self.prev_label, self.prev_buffers, self.scaler_state = None, [], []
+        self.owner_ids = []
 
 
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once

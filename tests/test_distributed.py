@@ -125,6 +125,21 @@ def test_tell_ranks_names_where_a_nonfinite_value_started():
     tell_ranks(grad_only[:0], None)  # no process group: nothing to say
 
 
+def test_tell_ranks_names_the_rank_of_a_bad_batch():
+    """A NaN input on rank 1 of 2 is a bad_batch (its loss and gradient findings merged into it):
+    its event named no rank (a probe under torchrun), while a NaN loss on that rank was named."""
+    from sfmonitor.events import BAD_BATCH, Finding
+    from sfmonitor.integrations.distributed import tell_ranks
+
+    found = [Finding(BAD_BATCH, "the batch holds 1 non-finite input value(s): loss is nan")]
+    tell_ranks(found, [0, 1, 3, 3, 0, 0])  # rank 1's loss; the reduced gradients on both
+    assert found[0].data["ranks"] == [1]
+    assert found[0].message.endswith("(started on rank 1: its loss was non-finite)")
+    masked = [Finding(BAD_BATCH, "b")]  # the NaN never reached a loss (masked): the gradients' ranks
+    tell_ranks(masked, [0, 0, 0, 3, 0, 0])
+    assert masked[0].data["ranks"] == [1]
+
+
 def test_read_all_reads_vectors_and_norm_ratios_in_one_read():
     from sfmonitor import stats as S
 

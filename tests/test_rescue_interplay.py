@@ -4,6 +4,10 @@ run must end as its twin that never saw the bad step, bit for bit."""
 
 from __future__ import annotations
 
+import copy
+import warnings
+
+import pytest
 import torch
 from _state import quiet, train
 from torch import nn
@@ -297,3 +301,146 @@ def test_an_emergency_checkpoint_decided_with_an_undo_holds_the_state_the_undo_r
     saved = torch.load(event.data["action_results"]["checkpoint"]["path"], weights_only=True)
     assert saved["model"].keys() == before_bad.keys()
     assert all(torch.equal(saved["model"][k], before_bad[k]) for k in before_bad)
+
+
+def _two_optimizer_run(tmp_path, monitored, spike_at=None, omit=(), n=24):
+    """An encoder on Adam and a decoder on SGD, two optimizers over halves of one model; each
+    monitor is given the whole model (attach(model, opt)), as a user would write it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    enc, dec = torch.optim.Adam(model[0].parameters(), lr=1e-2), torch.optim.SGD(model[2].parameters(), lr=0.1)
+    mons = []
+    if monitored:
+        mons = [
+            sfmonitor.attach(model, o, run_dir=str(tmp_path / name), sinks=[], config=quiet())
+            for name, o in (("enc", enc), ("dec", dec))
+        ]
+    for i in range(n):
+        if i in omit:
+            continue
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(16, 6, generator=g)
+        loss = (model(x) - x[:, :3]).pow(2).mean()
+        loss.backward()
+        if i == spike_at:  # both optimizers' LR: each monitor undoes its own update
+            enc.param_groups[0]["lr"], dec.param_groups[0]["lr"] = 1e2, 1e3
+        enc.step()
+        dec.step()
+        enc.param_groups[0]["lr"], dec.param_groups[0]["lr"] = 1e-2, 0.1
+        enc.zero_grad()
+        dec.zero_grad()
+    for m in mons:
+        m.detach()
+    return model, [(e.step, e.kind, e.actions) for m in mons for e in m.events if e.actions]
+
+
+def test_an_undo_puts_back_only_what_its_own_optimizer_updated(tmp_path):
+    """Each monitor's copy held the whole model: the decoder's monitor, copying after the encoder's
+    bad update, put that bad update back with its undo (a probe: a loss of 8.5e5 against 0.056, the
+    rescue budget spent). An undo restores the parameters its optimizer updates, nothing else."""
+    bare, acts = _two_optimizer_run(tmp_path / "bare", monitored=False)
+    healthy, acts = _two_optimizer_run(tmp_path / "healthy", monitored=True)
+    assert same(healthy, bare) and acts == []
+    faulted, acts = _two_optimizer_run(tmp_path / "fault", monitored=True, spike_at=12)
+    twin, _ = _two_optimizer_run(tmp_path / "twin", monitored=False, omit={12, 13})
+    assert sorted(acts) == [(12, "update_ratio_spike", ["undo"])] * 2, acts
+    assert same(faulted, twin)
+
+
+def _unfreeze_run(tmp_path, monitored, spike_at=None, omit=(), n=30, unfreeze_at=15, undo=True):
+    """A head trained first, the body unfrozen later with add_param_group (fine-tuning)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adam(model[2].parameters(), lr=1e-2)
+    mon = None
+    if monitored:
+        mon = sfmonitor.attach(
+            model, opt, run_dir=str(tmp_path), sinks=[], config=quiet(actions={"undo": {"enabled": undo}})
+        )
+    for i in range(n):
+        if i == unfreeze_at:
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+        if i in omit:
+            continue
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(16, 6, generator=g)
+        loss = (model(x) - x[:, :3]).pow(2).mean()
+        if mon is not None:
+            loss = mon.combine(loss)
+        loss.backward()
+        if i == spike_at:
+            opt.param_groups[0]["lr"] = 1e2
+        opt.step()
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.zero_grad()
+    events = []
+    if mon is not None:
+        events = [(e.step, e.kind, e.actions, e.data.get("action_results")) for e in mon.events if e.actions]
+        mon.detach()
+    return model, opt, events
+
+
+@pytest.mark.parametrize("undo", [True, False])
+def test_a_bad_update_just_before_add_param_group_is_still_put_back(undo, tmp_path):
+    """The update of step 14 lands at 1e4x the LR, the loop adds a param group at 15 (unfreezing
+    the body), and the finding comes at 15: the undo copy, taken with one group, and every
+    snapshot failed to load into two ("loaded state dict has a different number of parameter
+    groups"): the weights went back, the optimizer state did not, step 15 landed, and the event
+    said nothing changed. Now the rescue restores the groups it holds and leaves the new one, whose
+    parameters were frozen then, as it is."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "action ... failed" is a RuntimeWarning
+        model, opt, events = _unfreeze_run(tmp_path / "fault", monitored=True, spike_at=14, undo=undo)
+    assert events, "the bad update is found"
+    step, kind, actions, results = events[0]
+    assert step in (14, 15) and actions in (["undo"], ["rollback", "lr_drop"], ["rollback"]), events
+    assert all("error" not in str(r) for r in (results or {}).values()), results
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if undo:  # at most one step lost: the twin that never took steps 14 and 15
+        twin, twin_opt, _ = _unfreeze_run(tmp_path / "twin", monitored=False, omit={14, 15})
+        assert same(model, twin)
+
+
+def _resume_run(tmp_path, monitored):
+    """The update of step 14 lands at 1e4x the LR; the loop then resumes from its own checkpoint of
+    step 10 (load_state_dict into the model and optimizer) before step 15's forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=quiet()) if monitored else None
+    saved = None
+    for i in range(20):
+        if i == 10:
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        if i == 15:
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(16, 6, generator=g)
+        loss = (model(x) - x[:, :3]).pow(2).mean()
+        (mon.combine(loss) if mon is not None else loss).backward()
+        if i == 14:
+            opt.param_groups[0]["lr"] = 1e2
+        opt.step()
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.zero_grad()
+    events = []
+    if mon is not None:
+        events = [e for e in mon.events if e.actions]
+        mon.detach()
+    return model, events
+
+
+def test_an_undo_leaves_a_state_the_loop_loaded_after_the_bad_update(tmp_path):
+    """The undo, found at step 15, put the monitor's copy from before step 14 back over the state
+    the loop had just loaded (a probe: its resume silently discarded). The loaded state holds no
+    trace of the bad update: nothing is undone, the event says why, and the run equals the bare
+    loop's, which resumed the same way."""
+    model, events = _resume_run(tmp_path / "mon", monitored=True)
+    bare, _ = _resume_run(tmp_path / "bare", monitored=False)
+    assert [e.kind for e in events] == ["update_ratio_spike"], events
+    undo = events[0].data["action_results"]["undo"]
+    assert undo["applied"] is False and "loaded the optimizer's state" in undo["reason"], undo
+    assert same(model, bare)

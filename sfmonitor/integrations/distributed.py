@@ -178,11 +178,11 @@ def rank_slots(loss: Any, grad_count: torch.Tensor, param_count: torch.Tensor) -
 
 
 def tell_ranks(findings: Sequence[Any], by_rank: Sequence[float] | None) -> None:
-    """Name the rank(s) where a non-finite value started in the non-finite findings (their
+    """Name the rank(s) where a non-finite value started in the non-finite findings and a bad batch (their
     ``data["ranks"]`` and message): the ranks whose own loss was non-finite, else those whose
     gradients (after the gradient reduction, which spreads a NaN to every rank) or parameters were.
     ``data["ranks_by_kind"]`` keeps all three lists. Nothing without a process group."""
-    from ..events import NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM
+    from ..events import BAD_BATCH, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM
 
     seen = culprit_ranks(by_rank)
     if not seen:
@@ -190,12 +190,12 @@ def tell_ranks(findings: Sequence[Any], by_rank: Sequence[float] | None) -> None
     for f in findings:
         if f.kind == NONFINITE_PARAM:
             where, why = seen["param"], "non-finite parameters"
-        elif f.kind in (NONFINITE_LOSS, NONFINITE_GRAD) and seen["loss"]:
+        elif f.kind in (NONFINITE_LOSS, NONFINITE_GRAD, BAD_BATCH) and seen["loss"]:
             where, why = (
                 seen["loss"],
                 "its loss was non-finite" if len(seen["loss"]) == 1 else "their losses were non-finite",
             )
-        elif f.kind == NONFINITE_GRAD:
+        elif f.kind in (NONFINITE_GRAD, BAD_BATCH):  # (a NaN input a mask kept from the loss)
             where, why = seen["grad"], "non-finite gradients"
         else:
             continue
