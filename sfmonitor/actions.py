@@ -109,6 +109,7 @@ _RULE = re.compile(r"^(sqrt|norm):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
 ANY_GROUP = "*"
 EMERGENCY_PREFIX = "emergency-step"
 OUTSIDE_PARAMS = "outside_params"  # key in a state's extra: parameters held by the optimizer only
+TRACKED = "tracked"  # key in a state's extra: the state dicts of the modules Monitor.track() holds
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
 
 
@@ -386,25 +387,40 @@ class ActionContext:
     fp32_modules: list[str] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
     outside_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # optimizer-only
+    # Monitor.track(): modules the loop derives from the weights after each step (an EMA), which an
+    # undo, a rollback and the emergency checkpoint hold beside the model
+    tracked: list[tuple[str, nn.Module]] = field(default_factory=list)
     last_checkpoint: str | None = None
     last_checkpoint_step: int | None = None
     _noise_gen: torch.Generator | None = None
 
     def with_outside_params(self, extra: Mapping[str, Any]) -> dict[str, Any]:
         """``extra`` plus the values of the parameters the optimizer holds outside the model (a
-        learnable temperature in a loss module): a model state_dict does not carry them."""
+        learnable temperature in a loss module): a model state_dict does not carry them; and the
+        state dicts of the tracked modules (``Monitor.track``: an EMA)."""
         out = dict(extra)
         if self.outside_params:
             out[OUTSIDE_PARAMS] = {name: p.detach() for name, p in self.outside_params}
+        if self.tracked:
+            out[TRACKED] = {name: m.state_dict() for name, m in self.tracked}
         return out
 
     def restore_outside_params(self, state: Mapping[str, Any]) -> None:
         """Put back what ``with_outside_params`` saved (in a snapshot's or checkpoint's extra)."""
-        saved = (state.get(EXTRA) or {}).get(OUTSIDE_PARAMS, {})
+        extra = state.get(EXTRA) or {}
+        saved = extra.get(OUTSIDE_PARAMS, {})
         with torch.no_grad():
             for name, p in self.outside_params:
                 if name in saved:
                     p.copy_(saved[name])
+        tracked = extra.get(TRACKED, {})
+        for name, m in self.tracked:
+            if name in tracked:
+                m.load_state_dict(sharding.rebuild(tracked[name]))  # (copies in: the snapshot stays intact)
+
+    def tracked_tensors(self) -> list[torch.Tensor]:
+        """The tracked modules' parameters and buffers, walked now (a module may replace one)."""
+        return [t for _, m in self.tracked for t in (*m.parameters(), *m.buffers())]
 
     def params_with_grad(self) -> dict[str, list[nn.Parameter]]:
         groups = self.groups or {"all": list(self.model.named_parameters())}
@@ -890,7 +906,7 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         have = None if state is None else state.label
         return {**facts, "fallback": "rollback", "reason": f"no copy from before step {target}'s update ({have})"}
     # the undone step's batch leaves no trace in the buffers either (BatchNorm statistics)
-    state.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers, before_forward=True)
+    state.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers, before_forward=True, tracked=ctx.tracked_tensors())
     if state.scaler_state:  # (clones: the capture of this step overwrites the undo copy)
         ctx.scaler_restore = [t.clone() for t in state.scaler_state]
     ctx.skip = True

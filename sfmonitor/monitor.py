@@ -685,6 +685,37 @@ class Monitor:
     def attached(self) -> bool:
         return self.model is not None
 
+    def track(self, *modules: nn.Module) -> Monitor:
+        """Hold ``modules`` (an EMA of the weights: ``torch.optim.swa_utils.AveragedModel``, timm's
+        ``ModelEmaV2``) beside the model: what the loop derives from the weights after each step.
+        The undo copy holds their parameters and buffers (an undo puts them back with the
+        weights: an EMA updated after a bad update, before the step that finds it, mixed it in),
+        and so do the rollback snapshots and the emergency checkpoint (``extra["tracked"]``, one
+        state dict per module, by the names ``tracked.0``, ``tracked.1``, ...). Call it after
+        ``attach`` (once per module; again after a new attach). Returns the monitor."""
+        ctx = self._live()
+        model_tensors = {id(t) for t in (*unwrap(ctx.model).parameters(), *unwrap(ctx.model).buffers())}
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.Module):
+                raise TypeError(
+                    f"track: argument {i} must be an nn.Module (an EMA of the model), got {type(m).__name__}"
+                )
+            if any(m is held for _, held in ctx.tracked):
+                raise ConfigError(f"track: argument {i} ({type(m).__name__}) is already tracked")
+            shared = [n for n, t in (*m.named_parameters(), *m.named_buffers()) if id(t) in model_tensors]
+            if shared:
+                names = ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "")
+                raise ConfigError(
+                    f"track: argument {i} ({type(m).__name__}) holds tensors of the model itself ({names}), which "
+                    f"the monitor holds already; track a separate copy (an EMA is a deep copy of the model)"
+                )
+        for m in modules:
+            ctx.tracked.append((f"tracked.{len(ctx.tracked)}", m))
+        if ctx.undo is not None:
+            ctx.undo.tracked = []  # the next capture holds them; an undo before it leaves them
+        self._plan_memory()
+        return self
+
     @staticmethod
     def attached_to(optimizer: Any) -> Monitor | None:
         """The monitor attached to ``optimizer`` (or to the torch optimizer inside a wrapper
@@ -860,21 +891,27 @@ class Monitor:
             sinks = []  # events stay in monitor.events on every rank
         self._router = SinkRouter(sinks)
         self._router.open(self._ensure_run_dir(), self.config.to_dict())
-        rb = self.config.actions.rollback
-        self.memory = memory_plan(
-            self._layout.local(self._params),
-            self._buffers,
-            optimizer,
-            self.config.actions.undo.enabled,
-            rb.keep,
-            int(rb.max_host_mb * 2**20),
-            self.config.stats.update_ratio_fraction if self.config.stats.update_ratio_every else 0.0,
-        )
+        self._plan_memory()
         if self._writer:
             meta = run_metadata(self._params, self.groups, world_size(), self.config.to_dict())
             self._write_json(RUN_FILE, {**meta, "memory": self.memory})
             if self.config.console:
                 print(format_memory(self.memory), file=sys.stderr)
+
+    def _plan_memory(self) -> None:
+        """``self.memory``: what the undo copy and the snapshots will hold (at attach; again when
+        ``track`` adds modules to them)."""
+        ctx = self._live()
+        rb = self.config.actions.rollback
+        self.memory = memory_plan(
+            self._layout.local(self._params),
+            [*self._buffers, *ctx.tracked_tensors()],
+            ctx.optimizer,
+            self.config.actions.undo.enabled,
+            rb.keep,
+            int(rb.max_host_mb * 2**20),
+            self.config.stats.update_ratio_fraction if self.config.stats.update_ratio_every else 0.0,
+        )
 
     def _abandon_attach(self, run_dir: str | None, made: list[str]) -> None:
         """Undo what a failed attach did, in reverse: its hooks, the patches it made (scaler,
@@ -1111,6 +1148,13 @@ class Monitor:
             record_scale,
         )
         return total
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the monitor kept the update of the step that just closed from landing (a skip,
+        an undo, a rollback, a stop): what the loop derives from the weights after the step (an
+        EMA's ``update_parameters``) should be left out too, as the run without that step would."""
+        return self._last is not None and self._last.skip
 
     def last_step_skipped_its_batch(self) -> bool:
         """Whether the step that just closed was skipped for its batch: a NaN input, a non-finite
@@ -1655,7 +1699,9 @@ class Monitor:
                 if ctx.undo is not None and not ctx.stopped:
                     # The state this update starts from: an exact undo of it, and the update ratio's
                     # "before" (no other copy of the parameters is held).
-                    ctx.undo.capture(step, self._params, ctx.optimizer, ctx.undo_buffers, ctx.scaler)
+                    ctx.undo.capture(
+                        step, self._params, ctx.optimizer, ctx.undo_buffers, ctx.scaler, ctx.tracked_tensors()
+                    )
                     rec.before_params = ctx.undo.params
                 for i, pg in enumerate(ctx.optimizer.param_groups):
                     if pg["lr"] is not None:  # (None: the optimizer sizes its steps itself)
@@ -2004,7 +2050,7 @@ class Monitor:
             ctx = self._ctx
             if ctx is not None and ctx.undo is not None and rec.restore_after:
                 # a skip by restoring: the parameters, optimizer state and buffers as captured
-                ctx.undo.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers)
+                ctx.undo.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers, tracked=ctx.tracked_tensors())
                 rec.restore_after = False
             elif ctx is not None and ctx.undo is not None and ctx.undo.label == rec.step and rec.closure_in_step:
                 # the closure's forward ran after this step's copy: the buffers a skip of the next

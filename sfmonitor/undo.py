@@ -62,6 +62,9 @@ class UndoState:
         # A GradScaler's scale and growth tracker at the capture: after an undo the scaler is put
         # back too (its next update would otherwise count the undone step's overflow).
         self.scaler_state: list[torch.Tensor] = []
+        # The tracked tensors (Monitor.track) at the capture: an undo puts them back from the same
+        # capture as the parameters (the loop updates an EMA after the step, not in its forward).
+        self.tracked: list[torch.Tensor] = []
         # per state owner (state_owners: the optimizer's, then those it wraps), per parameter:
         # key -> buffer or value; None: no state
         self._state: list[list[dict[str, Any] | None]] = []
@@ -75,6 +78,7 @@ class UndoState:
             self.params
             + self.buffers
             + self.prev_buffers
+            + self.tracked
             + [v for owner in self._state for st in owner if st for v in st.values() if isinstance(v, torch.Tensor)]
         )
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -87,9 +91,11 @@ class UndoState:
         optimizer: torch.optim.Optimizer,
         buffers: Sequence[torch.Tensor] = (),
         scaler: Any = None,
+        tracked: Sequence[torch.Tensor] = (),
     ) -> None:
-        """Copy the parameters, their optimizer state, the model's buffers and a GradScaler's
-        scale and growth tracker (one fused copy).
+        """Copy the parameters, their optimizer state, the model's buffers, a GradScaler's
+        scale and growth tracker and the ``tracked`` tensors (``Monitor.track``: an EMA of the
+        weights, which the loop updates after each step) in one fused copy.
         Taken after the step's forward: the buffers hold the running statistics up to this step's
         batch, which a later skip of the next step puts back."""
         live_buffers = [local(b) for b in buffers]
@@ -139,6 +145,13 @@ class UndoState:
             self.scaler_state = [torch.empty_like(t) for t in live_scaler]
         dst += self.scaler_state
         src += live_scaler
+        live_tracked = [local(t.detach()) for t in tracked]
+        if len(self.tracked) != len(live_tracked) or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(self.tracked, live_tracked)
+        ):
+            self.tracked = [torch.empty_like(t) for t in live_tracked]
+        dst += self.tracked
+        src += live_tracked
         torch._foreach_copy_(dst, src)
         self.label = label
         self.owner_ids = [id(o) for o in owners]
@@ -180,8 +193,10 @@ class UndoState:
         optimizer: torch.optim.Optimizer,
         buffers: Sequence[torch.Tensor] = (),
         before_forward: bool = False,
+        tracked: Sequence[torch.Tensor] = (),
     ) -> None:
-        """Put the copy back: parameters, optimizer state and buffers bit-identical to the capture.
+        """Put the copy back: parameters, optimizer state, buffers and tracked tensors
+        bit-identical to the capture.
         ``before_forward``: the buffers as they were before the captured step's forward (when the
         capture before it is held), so the undone step's batch is as if never seen."""
         if before_forward and self.label is not None and self.prev_label == self.label - 1 and buffers:
@@ -210,12 +225,15 @@ class UndoState:
                         src.append(value)
                     else:
                         state[key] = copy.deepcopy(value)
+        if self.tracked and len(self.tracked) == len(tracked):
+            dst += [local(t.detach()) for t in tracked]
+            src += self.tracked
         torch._foreach_copy_(dst, src)
 
     def clear(self) -> None:
         self.label, self.params, self.buffers, self._state = None, [], [], []
         self.prev_label, self.prev_buffers, self.scaler_state = None, [], []
-        self.owner_ids = []
+        self.owner_ids, self.tracked = [], []
 
 
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once

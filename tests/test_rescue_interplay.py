@@ -444,3 +444,106 @@ def test_an_undo_leaves_a_state_the_loop_loaded_after_the_bad_update(tmp_path):
     undo = events[0].data["action_results"]["undo"]
     assert undo["applied"] is False and "loaded the optimizer's state" in undo["reason"], undo
     assert same(model, bare)
+
+
+def _ema_run(tmp_path, monitored, track=True, spike_at=None, omit=(), n=30):
+    """torchvision's reference recipe in small: an EMA of the weights (AveragedModel) updated after
+    every optimizer step the monitor kept."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    mon = None
+    if monitored:
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=quiet())
+        if track:
+            mon.track(ema)
+    for i in range(n):
+        if i in omit:
+            continue
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(16, 6, generator=g)
+        loss = (model(x) - x[:, :3]).pow(2).mean()
+        (mon.combine(loss) if mon is not None else loss).backward()
+        if i == spike_at:
+            opt.param_groups[0]["lr"] = 1e2
+        opt.step()
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.zero_grad()
+        if mon is None or not mon.last_step_skipped:
+            ema.update_parameters(model)
+    events = []
+    if mon is not None:
+        events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+        mon.detach()
+    return ema, events
+
+
+def test_an_undo_puts_back_a_tracked_ema_that_had_mixed_in_the_bad_update(tmp_path):
+    """The bad update of step 14 is found at 15; the loop's EMA, updated after step 14, had mixed
+    it in (a probe's torchvision-style EMA ended 5.4x its twin's loss while the model was 1.0x).
+    Tracked, the undo puts the EMA back with the weights: bit-identical to the twin's EMA."""
+    twin, _ = _ema_run(tmp_path / "twin", monitored=False, omit={14, 15})
+    ema, events = _ema_run(tmp_path / "tracked", monitored=True, spike_at=14)
+    assert events == [(14, "update_ratio_spike", ["undo"])]
+    assert same(ema, twin)
+    untracked, _ = _ema_run(tmp_path / "untracked", monitored=True, track=False, spike_at=14)
+    gap = max((a - b).abs().max().item() for a, b in zip(untracked.parameters(), twin.parameters()))
+    assert gap > 1.0, "without track() the EMA keeps the bad update (what the test guards against)"
+    healthy, events = _ema_run(tmp_path / "healthy", monitored=True)
+    bare, _ = _ema_run(tmp_path / "bare", monitored=False)
+    assert events == [] and same(healthy, bare)
+
+
+def test_a_rollback_and_the_emergency_checkpoint_hold_a_tracked_module(tmp_path):
+    from torch.optim.swa_utils import AveragedModel
+
+    from sfmonitor.checkpoint import load_checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ema = AveragedModel(model)
+    cfg = quiet(actions={"undo": {"enabled": False}, "rollback": {"snapshot_every": 5}})
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=cfg).track(ema)
+    assert mon.memory["buffer_bytes"] >= sum(p.numel() * 4 for p in ema.parameters())
+    at_snapshot = None
+    for i in range(9):
+        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i))
+        mon.combine((model(x) - x[:, :3]).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update_parameters(model)
+        if mon.step == 5 and at_snapshot is None:  # the snapshot of step 5 is taken in step 5's before_update
+            at_snapshot = copy.deepcopy(ema.state_dict())
+    ctx = mon._live()
+    label, _ = ctx.snapshots.latest_before(8)
+    from sfmonitor.actions import checkpoint, rollback
+    from sfmonitor.events import UPDATE_RATIO_SPIKE, Decision, Finding
+
+    facts = checkpoint(ctx, Decision("checkpoint", Finding(UPDATE_RATIO_SPIKE, "t", step=mon.step - 1)))
+    saved = load_checkpoint(facts["path"])
+    assert set(saved["extra"]["tracked"]) == {"tracked.0"}
+    rollback(ctx, Decision("rollback", Finding(UPDATE_RATIO_SPIKE, "t", step=label)))
+    snap_ema = ctx.snapshots.latest_before(label)[1]["extra"]["tracked"]["tracked.0"]
+    assert all(torch.equal(v, snap_ema[k]) for k, v in ema.state_dict().items())
+    mon.detach()
+
+
+def test_track_names_bad_input(tmp_path):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="not attached"):
+        sfmonitor.Monitor(config=quiet()).track(copy.deepcopy(model))
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=quiet())
+    with pytest.raises(TypeError, match=r"track: argument 0 must be an nn.Module .*got Tensor"):
+        mon.track(torch.zeros(3))
+    with pytest.raises(sfmonitor.ConfigError, match=r"holds tensors of the model itself \(weight, bias\)"):
+        mon.track(model)
+    ema = copy.deepcopy(model)
+    mon.track(ema)
+    with pytest.raises(sfmonitor.ConfigError, match="already tracked"):
+        mon.track(ema)
+    mon.detach()
