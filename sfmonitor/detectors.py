@@ -821,7 +821,9 @@ class GradSpike(Detector):
     "update_ratio_spike",
     config=UpdateRatioSpikeConfig,
     window=50,
-    kinds={UPDATE_RATIO_SPIKE: [(1, [UNDO]), (2, [UNDO, LR_DROP])], LARGE_UPDATE: [(1, [])]},
+    # A third within the window: the undos keep landing on a state the damage already reached
+    # (gradients that grew for steps before the first spike): back to the newest snapshot.
+    kinds={UPDATE_RATIO_SPIKE: [(1, [UNDO]), (2, [UNDO, LR_DROP]), (3, [ROLLBACK, LR_DROP])], LARGE_UPDATE: [(1, [])]},
 )
 class UpdateRatioSpike(_Windowed):
     """update_ratio/<group> above ``factor`` x its rolling median, or above ``ceiling``.
