@@ -45,6 +45,7 @@ from .events import (
     REWEIGHT,
     ROLLBACK,
     SKIP_STEP,
+    STALE_UPDATE,
     UNDO,
     UPDATE_RATIO_SPIKE,
     VANISHING_GRADIENT,
@@ -70,6 +71,8 @@ __all__ = [
     "Plateau",
     "PlateauConfig",
     "RatioImbalanceConfig",
+    "StaleUpdate",
+    "StaleUpdateConfig",
     "UpdateRatioSpike",
     "UpdateRatioSpikeConfig",
     "VanishingGradient",
@@ -81,6 +84,7 @@ __all__ = [
 LOSS_PREFIX = S.LOSS.format("")
 GRAD_NORM_PREFIX = S.GRAD_NORM.format("")
 UPDATE_RATIO_PREFIX = S.UPDATE_RATIO.format("")
+UPDATE_STALE_PREFIX = S.UPDATE_STALE.format("")
 LOSS_RATIO_PREFIX = S.LOSS_RATIO.format("", "")[:-1]
 GRAD_RATIO_PREFIX = S.GRAD_RATIO.format("", "")[:-1]
 LOSS_TOTAL, GRAD_NORM_TOTAL, LOSS_SCALE, RATIO_EPS = S.LOSS_TOTAL, S.GRAD_NORM_TOTAL, S.AMP_LOSS_SCALE, S.RATIO_EPS
@@ -385,6 +389,27 @@ class VanishingGradientConfig(Section):
     min_layers: int = option(3, "the fewest like groups in a row that make a stack", lo=2)
 
 
+@dataclass
+class StaleUpdateConfig(Section):
+    """Updates rounded away in bf16/fp16 weights (pure low-precision training: the weights and the
+    optimizer's steps in bf16, no fp32 master copy): an update under half a unit in the last place
+    of its weight leaves it unchanged. Told, no action."""
+
+    enabled: bool = option(True, "watch the groups that hold bf16/fp16 parameters (update_stale/<group>)")
+    threshold: float = option(
+        0.7,
+        "tell when this share of a group's gradient mass fell on weights its updates left unchanged (median of "
+        "`window` steps); measured (a char-level GPT, weights in bf16, docs/benchmarks.md): AdamW at LR 1e-4 "
+        "0.84 (held-out loss 1.16x the fp32-master run's), 3e-4 0.60 (1.045x), 1e-3 0.35 (1.012x); SGD at "
+        "LR 0.03-0.3 0.45-0.6 (1.001-1.012x)",
+        lo=0,
+        hi=1,
+        lo_open=True,
+    )
+    window: int = option(20, "steps whose median is judged", lo=1)
+    start: int = option(20, "optimizer steps before the first judgement", lo=0)
+
+
 class DetectorsConfig(SectionTable):
     """Every registered detector, one sub-section each (``detectors.<name>``): the built-ins below
     and any registered with ``registry.register_detector``."""
@@ -498,6 +523,21 @@ class _Windowed(Detector):
             k: collections.deque((float(v) for v in w), maxlen=self.config.window)
             for k, w in state.get("windows", {}).items()
         }
+
+
+class _Told(_Windowed):
+    """A windowed detector that tells a condition once per key (``told``) until it clears."""
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.told: set[str] = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "told": sorted(self.told)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.told = set(state.get("told", []))
 
 
 # A loss jump alone is most often the batch (a bad update shows as an update-ratio spike, undone
@@ -1333,7 +1373,7 @@ UPDATE_RATIO_FADED = 0.2  # measured: stalled or faded runs <= 0.09, healthy >= 
 
 
 @register_detector("vanishing_gradient", config=VanishingGradientConfig, kinds={VANISHING_GRADIENT: [(1, [])]})
-class VanishingGradient(_Windowed):
+class VanishingGradient(_Told):
     """``grad_norm/<first>`` / ``grad_norm/<last>`` over each stack of like groups: runs of at least
     ``min_layers`` consecutive groups (in model order) whose parameters have the same shapes (a
     transformer's blocks, an MLP's hidden layers). The ends are the stack's first and last groups
@@ -1349,7 +1389,6 @@ class VanishingGradient(_Windowed):
     def __init__(self, config: VanishingGradientConfig | None = None):
         super().__init__(config or VanishingGradientConfig())  # windows: "<first>..<last>", and ":update"
         self.stacks: list[list[str]] = []
-        self.told: set[str] = set()
 
     def layout(self, groups: Mapping[str, list[tuple[int, ...]]]) -> None:
         """The groups in model order, each with its parameters' shapes (plain data)."""
@@ -1422,12 +1461,54 @@ class VanishingGradient(_Windowed):
             )
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "told": sorted(self.told)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.told = set(state.get("told", []))
+@register_detector("stale_update", config=StaleUpdateConfig, kinds={STALE_UPDATE: [(1, [])]})
+class StaleUpdate(_Told):
+    """``update_stale/<group>`` (groups holding bf16/fp16 parameters): the share of the gradient's
+    mass on weights the update left exactly unchanged. Told once per group when the median of
+    ``window`` steps passes ``threshold``, again only after it fell under half of it. Judged one
+    step late (``after_update``: the value is read with the next step's statistics)."""
+
+    kind = STALE_UPDATE
+    after_update = True
+
+    def __init__(self, config: StaleUpdateConfig | None = None):
+        super().__init__(config or StaleUpdateConfig())
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        out = []
+        for key, value in stats.items():
+            if not key.startswith(UPDATE_STALE_PREFIX) or not S.finite(value):
+                continue
+            group = key[len(UPDATE_STALE_PREFIX) :]
+            window = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
+            window.append(value)
+            if step < cfg.start or len(window) < cfg.window:
+                continue
+            median = _median(list(window))
+            if key in self.told:
+                if median < cfg.threshold / 2:
+                    self.told.discard(key)
+                continue
+            if median < cfg.threshold:
+                continue
+            self.told.add(key)
+            out.append(
+                Finding(
+                    kind=self.kind,
+                    where=group,
+                    message=(
+                        f"{_fmt(100 * median)}% of group {group}'s gradient fell on weights its updates left "
+                        f"unchanged (median of {cfg.window} steps): in bf16/fp16 an update under half a unit in "
+                        "the last place of its weight rounds away (bf16: an Adam step of lr on any weight over "
+                        "~256 lr). Keep fp32 weights and train under torch.autocast, or use an update with "
+                        "Kahan summation or stochastic rounding, or a higher LR"
+                    ),
+                    data={"group": group, "share": median, "threshold": cfg.threshold, "window": cfg.window},
+                )
+            )
+        return out
 
 
 def build_detectors(config: DetectorsConfig | None = None) -> list[Detector]:

@@ -36,6 +36,7 @@ ACCURACY_DROP = "accuracy_drop"
 PLATEAU = "plateau"
 BAD_BATCH = "bad_batch"
 VANISHING_GRADIENT = "vanishing_gradient"
+STALE_UPDATE = "stale_update"
 
 # Action names; each is registered (registry.ACTIONS) in actions.py with its function.
 SKIP_STEP = "skip_step"

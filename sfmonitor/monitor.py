@@ -110,7 +110,7 @@ from .summary import (
     run_summary,
     write_json,
 )
-from .undo import UndoState, update_norms
+from .undo import UndoState, local, update_norms
 from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
 
@@ -667,6 +667,8 @@ class Monitor:
                 self._ctx.undo.clear()
         self._param_names = [n for n, _ in ordered]
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
+        # bf16/fp16 parameters: the share of each update rounded away (update_stale/<group>)
+        self._lowp = [i for i, p in enumerate(self._params) if p.dtype in S.LOW_PRECISION]
         shapes = {g: [tuple(p.shape) for _, p in ps] for g, ps in self.groups.items()}
         for d in self._detectors:  # plain data: detectors never touch the model
             layout = getattr(d, "layout", None)
@@ -2072,6 +2074,8 @@ class Monitor:
                     before = rec.before_params
                     if self._ctx is not None and before is getattr(self._ctx.undo, "params", None):
                         upd = update_norms(before, now, self._scratch)  # the undo copy stays intact
+                        if self._lowp:  # (the whole parameters: the undo copy, not a slice)
+                            self._stale_shares(rec, before, now)
                     else:
                         upd = S.update_norms_(rec.before_params, now)
                     per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))
@@ -2103,6 +2107,20 @@ class Monitor:
             self._watch.reset(self.step)
             self._recorder.clear()
             self._own_seconds += time.perf_counter() - started
+
+    def _stale_shares(self, rec: StepRecord, before: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> None:
+        """``update_stale/<group>`` of the groups holding bf16/fp16 parameters, read with the
+        update ratios (``stats.stale_shares``)."""
+        low = self._lowp
+        shares = S.stale_shares(
+            [before[i] for i in low],
+            [now[i] for i in low],
+            [local(g) if (g := self._params[i].grad) is not None else None for i in low],
+            [self._param_group[i] for i in low],
+            len(self._group_names),
+        )
+        for gi in sorted({self._param_group[i] for i in low}):
+            rec.after[S.UPDATE_STALE.format(self._group_names[gi])] = shares[gi]
 
     @_in_its_world
     def _finish_pending(self, final: bool = False) -> None:

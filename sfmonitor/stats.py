@@ -56,6 +56,10 @@ GRAD_NORM_TOTAL = "grad_norm/total"
 GRAD_NORM = "grad_norm/{}"
 PARAM_NORM = "param_norm/{}"
 UPDATE_RATIO = "update_ratio/{}"
+# Of a group's low-precision (bf16/fp16) parameters: the share of the gradient's mass (sum of |g|)
+# on elements the update left exactly unchanged, rounded away (only groups holding such parameters).
+UPDATE_STALE = "update_stale/{}"
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The user's LR of a group's update (the largest of its parameters' param groups, before the
 # monitor's LR drop): given to the after-update detectors with the step's values, not published
 # (lr/<i> is: the LR used, per param group).
@@ -239,6 +243,30 @@ def update_norms_(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor])
         return torch.zeros(0)
     torch._foreach_sub_(list(before), list(after))
     return norms(before)
+
+
+def stale_shares(
+    before: Sequence[torch.Tensor],
+    after: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    groups: Sequence[int],
+    n_groups: int,
+) -> torch.Tensor:
+    """Per group (``groups[i]``: tensor i's group index), the share of the gradient's mass
+    (sum of |g|) on elements that ``after`` holds exactly as ``before``: an update under half a
+    unit in the last place of its weight rounds away (bf16 keeps 8 significant bits: an Adam step
+    of lr is lost on every weight over ~256 lr). Weighted by |g| so that elements the gradient
+    barely touched count little (SGD loses those harmlessly). No host read; 0 where a group had no
+    gradient."""
+    lost = torch.zeros(n_groups, dtype=torch.float32, device=before[0].device if before else None)
+    mass = torch.zeros_like(lost)
+    for b, a, g, gi in zip(before, after, grads, groups):
+        if g is None or g.is_sparse:
+            continue
+        weight = g.abs()
+        mass[gi] += weight.sum(dtype=torch.float32)
+        lost[gi] += (weight * (a == b)).sum(dtype=torch.float32)
+    return lost / mass.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _windows(t: torch.Tensor, fraction: float) -> tuple[torch.Tensor, int, int]:

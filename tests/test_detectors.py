@@ -371,8 +371,9 @@ def test_build_detectors_respects_enabled_and_all_state_is_plain():
         ACCURACY_COLLAPSE,
         PLATEAU,
         "vanishing_gradient",
+        "stale_update",
     ]
-    assert [d.after_update for d in dets].count(True) == 2
+    assert [d.after_update for d in dets].count(True) == 3
     cfg = D.DetectorsConfig.from_dict({"grad_spike": {"enabled": False}, "plateau": {"enabled": False}})
     assert GRAD_SPIKE not in [d.kind for d in D.build_detectors(cfg)]
     for s in range(40):

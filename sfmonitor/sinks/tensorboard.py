@@ -51,6 +51,7 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gradient norm by group", ("grad_norm/",)),
     ("parameter norm by group", ("param_norm/",)),
     ("update ratio by group", ("update_ratio/",)),
+    ("update share rounded away (bf16/fp16 weights)", ("update_stale/",)),
     ("loss scale", ("amp/loss_scale",)),
     ("skipped steps (GradScaler)", ("amp/skipped_steps",)),
     ("learning rate", ("lr/",)),
