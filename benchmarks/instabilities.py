@@ -1,6 +1,6 @@
 """Instabilities the monitor was not tuned on: bare, monitored and the standard remedy.
 
-Four small training instabilities from the literature and from everyday bugs, each run three ways
+Five small training instabilities from the literature and from everyday bugs, each run three ways
 on the same seed and the same batches: ``bare`` (the trouble as it is), ``monitored`` (sfmonitor at
 its defaults, ``config={"console": False}``, the loop drawing its batches through
 ``monitor.batches()`` and its loss through ``monitor.combine()``) and ``fixed`` (the remedy a
@@ -18,20 +18,24 @@ practitioner would apply). CPU, one thread, synthetic data from ``torch.Generato
   step should make the monitored run bit-identical to it).
 * ``lr_jump_sgd``: the same regression under SGD 0.05 momentum 0.9 with a schedule bug: the LR is
   x10 from step 300 on (the loop's own counter sets it each iteration). Fixed: no jump.
+* ``deep_residual_no_warmup`` (Goyal et al. 2017, arXiv 1706.02677, on warm-up): a 16-block residual
+  MLP (width 64, no normalisation) classifying a teacher's labels under SGD lr 0.2 momentum 0.9
+  from the first step, 400 steps of batch 64; its gradients grow for ten steps, then it diverges
+  (a helper's probe of published instabilities). Fixed: a linear warm-up over 100 steps.
 
-Columns, per scenario over the seeds: the step at which each bare run shows the trouble (its
-first training loss that is non-finite or over 3x the running minimum, after step 10: a generic
-rule that also fires on the noise of small batches; where the scenario has a fault step, the same
-rule from that step on is given in brackets), the first monitor event per seed (kind@step), the
-monitor's actions (summed over seeds) and the events it only told, the held-out loss (2048 fresh
-samples, or 512 sequences) bare / monitored / fixed (mean over seeds; NaN or inf when a run ended
-so), the gap closed, (bare - monitored) / (bare - fixed) with a non-finite loss counted as 1e9
-(mean of the seeds' values, 100% = as good as the remedy; left out for a seed whose bare run ends
-within 1.1x of the fixed one, where there is nothing to close), how many monitored runs ended
-finite and within 2x of the fixed one (the gap closed reads ~100% for a monitored run that ends
-far worse than the fixed one when the bare one is NaN), and, for ``corrupt_batch``, how many
-monitored runs ended bit-identical to the run without the bad batch. ``--json`` writes each
-seed's row with its events.
+Columns, per scenario over the seeds: the step at which each bare run shows the trouble (its first
+training loss that is non-finite or over 3x the running minimum, after step 10: a generic rule that
+also fires on the noise of small batches; where the scenario has a fault step, the same rule from
+that step on is given in brackets), the first monitor event per seed (kind@step), the monitor's
+actions (summed over seeds) and the events it only told, the held-out loss (2048 fresh samples, or
+512 sequences; cross-entropy on 4096 for the residual MLP) bare / monitored / fixed (mean over
+seeds; NaN or inf when a run ended so), the gap closed, (bare - monitored) / (bare - fixed) with a
+non-finite loss counted as 1e9 (mean of the seeds' values, 100% = as good as the remedy; left out
+for a seed whose bare run ends within 1.1x of the fixed one, where there is nothing to close), how
+many monitored runs ended finite and within 2x of the fixed one (the gap closed reads ~100% for a
+monitored run that ends far worse than the fixed one when the bare one is NaN), and, for
+``corrupt_batch``, how many monitored runs ended bit-identical to the run without the bad batch.
+``--json`` writes each seed's row with its events.
 
     python benchmarks/instabilities.py [--seeds 3] [--scenarios 'rnn_*,corrupt_batch'] [--json out.json]
 
@@ -70,6 +74,7 @@ class Spec:
     clip: Callable[[str], float | None] = lambda arm: None
     twin: bool = False  # fixed is the exact twin (the bad batch left out): compare bit for bit
     bad_step: int | None = None  # the batch index of the fault, where there is one
+    held_out_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None  # None: the MSE
 
 
 def _gen(seed: int, salt: int) -> torch.Generator:
@@ -200,11 +205,47 @@ def lr_jump_sgd(seed: int, steps: int = 600) -> Spec:
     return Spec(build, lambda arm: data, _mse, held, lr_at=lr_at, bad_step=jump)
 
 
+class _ResidualBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def deep_residual_no_warmup(seed: int, steps: int = 400, lr: float = 0.2) -> Spec:
+    """A 16-block residual MLP without normalisation under SGD (momentum 0.9) at a high LR from
+    the first step: its gradients grow for ten steps, then it diverges. Fixed: a linear warm-up
+    over 100 steps (Goyal et al. 2017) to the same LR."""
+    g = _gen(seed, 5)
+    wt, vt = torch.randn(32, 64, generator=g), torch.randn(64, 10, generator=g)
+
+    def mk(n):
+        x = torch.randn(n, 32, generator=g)
+        return x, (torch.tanh(x @ wt) @ vt).argmax(1)
+
+    data = [mk(64) for _ in range(steps)]
+
+    def build(arm):
+        m = nn.Sequential(nn.Linear(32, 64), *[_ResidualBlock(64) for _ in range(16)], nn.Linear(64, 10))
+        return m, torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+
+    def lr_at(arm, k):
+        return lr * (min(1.0, (k + 1) / 100) if arm == "fixed" else 1.0)
+
+    def ce(m, b):
+        return nn.functional.cross_entropy(m(b[0]), b[1])
+
+    return Spec(build, lambda arm: data, ce, mk(4096), lr_at=lr_at, held_out_loss=ce)
+
+
 SCENARIOS: dict[str, Callable[..., Spec]] = {
     "adam_second_moment_lag": adam_second_moment_lag,
     "rnn_exploding_gradients": rnn_exploding_gradients,
     "corrupt_batch": corrupt_batch,
     "lr_jump_sgd": lr_jump_sgd,
+    "deep_residual_no_warmup": deep_residual_no_warmup,
 }
 ARMS = ("bare", "monitored", "fixed")
 
@@ -242,7 +283,9 @@ def run(spec: Spec, arm: str, seed: int) -> dict[str, Any]:
     model.eval()
     with torch.no_grad():
         x, y = spec.held_out
-        held_out = float(((model(x) - y) ** 2).mean())
+        held_out = float(
+            spec.held_out_loss(model, spec.held_out) if spec.held_out_loss else ((model(x) - y) ** 2).mean()
+        )
     return {
         "losses": losses,
         "events": events,

@@ -395,10 +395,10 @@ class StaleUpdateConfig(Section):
     optimizer's steps in bf16, no fp32 master copy): an update under half a unit in the last place
     of its weight leaves it unchanged. Told, no action."""
 
-    enabled: bool = option(True, "watch the groups that hold bf16/fp16 parameters (update_stale/<group>)")
+    enabled: bool = option(True, "watch the bf16/fp16 parameters (update_stale/total)")
     threshold: float = option(
         0.7,
-        "tell when this share of a group's gradient mass fell on weights its updates left unchanged (median of "
+        "tell when this share of the gradient mass fell on bf16/fp16 weights their updates left unchanged (median of "
         "`window` steps); measured (a char-level GPT, weights in bf16, docs/benchmarks.md): AdamW at LR 1e-4 "
         "0.84 (held-out loss 1.16x the fp32-master run's), 3e-4 0.60 (1.045x), 1e-3 0.35 (1.012x); SGD at "
         "LR 0.03-0.3 0.45-0.6 (1.001-1.012x)",
@@ -1464,51 +1464,58 @@ class VanishingGradient(_Told):
 
 @register_detector("stale_update", config=StaleUpdateConfig, kinds={STALE_UPDATE: [(1, [])]})
 class StaleUpdate(_Told):
-    """``update_stale/<group>`` (groups holding bf16/fp16 parameters): the share of the gradient's
-    mass on weights the update left exactly unchanged. Told once per group when the median of
-    ``window`` steps passes ``threshold``, again only after it fell under half of it. Judged one
-    step late (``after_update``: the value is read with the next step's statistics)."""
+    """``update_stale/total``: over every bf16/fp16 parameter, the share of the step's gradient
+    mass on weights the update left exactly unchanged. Told once when the median of ``window``
+    steps passes ``threshold`` (naming the groups with the largest shares), again only after it
+    fell under half of it. The whole model, not each group: a small group of weights near 1 (a
+    LayerNorm's gains: bf16 rounds away any step under ~0.004) loses its updates at any usual LR and
+    costs little (a probe: 0.98x the held-out loss of fp32 weights). Judged one step late
+    (``after_update``: the value is read with the next step's statistics)."""
 
     kind = STALE_UPDATE
     after_update = True
+    KEY = S.UPDATE_STALE.format("total")
 
     def __init__(self, config: StaleUpdateConfig | None = None):
         super().__init__(config or StaleUpdateConfig())
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
-        out = []
-        for key, value in stats.items():
-            if not key.startswith(UPDATE_STALE_PREFIX) or not S.finite(value):
-                continue
-            group = key[len(UPDATE_STALE_PREFIX) :]
-            window = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
-            window.append(value)
-            if step < cfg.start or len(window) < cfg.window:
-                continue
-            median = _median(list(window))
-            if key in self.told:
-                if median < cfg.threshold / 2:
-                    self.told.discard(key)
-                continue
-            if median < cfg.threshold:
-                continue
-            self.told.add(key)
-            out.append(
-                Finding(
-                    kind=self.kind,
-                    where=group,
-                    message=(
-                        f"{_fmt(100 * median)}% of group {group}'s gradient fell on weights its updates left "
-                        f"unchanged (median of {cfg.window} steps): in bf16/fp16 an update under half a unit in "
-                        "the last place of its weight rounds away (bf16: an Adam step of lr on any weight over "
-                        "~256 lr). Keep fp32 weights and train under torch.autocast, or use an update with "
-                        "Kahan summation or stochastic rounding, or a higher LR"
-                    ),
-                    data={"group": group, "share": median, "threshold": cfg.threshold, "window": cfg.window},
-                )
+        value = stats.get(self.KEY)
+        if value is None or not S.finite(value):
+            return []
+        window = self.windows.setdefault(self.KEY, collections.deque(maxlen=cfg.window))
+        window.append(value)
+        if step < cfg.start or len(window) < cfg.window:
+            return []
+        median = _median(list(window))
+        if self.KEY in self.told:
+            if median < cfg.threshold / 2:
+                self.told.discard(self.KEY)
+            return []
+        if median < cfg.threshold:
+            return []
+        self.told.add(self.KEY)
+        groups = sorted(
+            ((k[len(UPDATE_STALE_PREFIX) :], v) for k, v in stats.items() if k.startswith(UPDATE_STALE_PREFIX)),
+            key=lambda kv: -kv[1],
+        )
+        groups = [(g, v) for g, v in groups if g != "total"]
+        worst = ", ".join(f"{g} {_fmt(100 * v)}%" for g, v in groups[:3])
+        return [
+            Finding(
+                kind=self.kind,
+                where=groups[0][0] if groups else "",
+                message=(
+                    f"{_fmt(100 * median)}% of the gradient fell on bf16/fp16 weights its updates left unchanged "
+                    f"(median of {cfg.window} steps; by group, this step: {worst}): an update under half a unit in "
+                    "the last place of its weight rounds away (bf16: an Adam step of lr on any weight over ~256 lr). "
+                    "Keep fp32 weights and train under torch.autocast, or use an update with Kahan summation or "
+                    "stochastic rounding, or a higher LR"
+                ),
+                data={"share": median, "groups": dict(groups), "threshold": cfg.threshold, "window": cfg.window},
             )
-        return out
+        ]
 
 
 def build_detectors(config: DetectorsConfig | None = None) -> list[Detector]:

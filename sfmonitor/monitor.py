@@ -2109,8 +2109,8 @@ class Monitor:
             self._own_seconds += time.perf_counter() - started
 
     def _stale_shares(self, rec: StepRecord, before: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> None:
-        """``update_stale/<group>`` of the groups holding bf16/fp16 parameters, read with the
-        update ratios (``stats.stale_shares``)."""
+        """``update_stale/<group>`` of the groups holding bf16/fp16 parameters and
+        ``update_stale/total`` over all of them, read with the update ratios (``stats.stale_shares``)."""
         low = self._lowp
         shares = S.stale_shares(
             [before[i] for i in low],
@@ -2121,6 +2121,7 @@ class Monitor:
         )
         for gi in sorted({self._param_group[i] for i in low}):
             rec.after[S.UPDATE_STALE.format(self._group_names[gi])] = shares[gi]
+        rec.after[S.UPDATE_STALE.format("total")] = shares[-1]
 
     @_in_its_world
     def _finish_pending(self, final: bool = False) -> None:

@@ -57,7 +57,8 @@ GRAD_NORM = "grad_norm/{}"
 PARAM_NORM = "param_norm/{}"
 UPDATE_RATIO = "update_ratio/{}"
 # Of a group's low-precision (bf16/fp16) parameters: the share of the gradient's mass (sum of |g|)
-# on elements the update left exactly unchanged, rounded away (only groups holding such parameters).
+# on elements the update left exactly unchanged, rounded away (only groups holding such parameters;
+# update_stale/total: over all of them).
 UPDATE_STALE = "update_stale/{}"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The user's LR of a group's update (the largest of its parameters' param groups, before the
@@ -252,12 +253,12 @@ def stale_shares(
     groups: Sequence[int],
     n_groups: int,
 ) -> torch.Tensor:
-    """Per group (``groups[i]``: tensor i's group index), the share of the gradient's mass
-    (sum of |g|) on elements that ``after`` holds exactly as ``before``: an update under half a
-    unit in the last place of its weight rounds away (bf16 keeps 8 significant bits: an Adam step
-    of lr is lost on every weight over ~256 lr). Weighted by |g| so that elements the gradient
-    barely touched count little (SGD loses those harmlessly). No host read; 0 where a group had no
-    gradient."""
+    """Per group (``groups[i]``: tensor i's group index), then over all of them (the last of the
+    ``n_groups + 1`` values), the share of the gradient's mass (sum of |g|) on elements that
+    ``after`` holds exactly as ``before``: an update under half a unit in the last place of its
+    weight rounds away (bf16 keeps 8 significant bits: an Adam step of lr is lost on every weight
+    over ~256 lr). Weighted by |g| so that elements the gradient barely touched count little (SGD
+    loses those harmlessly). No host read; 0 where a group had no gradient."""
     lost = torch.zeros(n_groups, dtype=torch.float32, device=before[0].device if before else None)
     mass = torch.zeros_like(lost)
     for b, a, g, gi in zip(before, after, grads, groups):
@@ -266,6 +267,7 @@ def stale_shares(
         weight = g.abs()
         mass[gi] += weight.sum(dtype=torch.float32)
         lost[gi] += (weight * (a == b)).sum(dtype=torch.float32)
+    lost, mass = torch.cat([lost, lost.sum().reshape(1)]), torch.cat([mass, mass.sum().reshape(1)])
     return lost / mass.clamp_min(torch.finfo(torch.float32).tiny)
 
 
