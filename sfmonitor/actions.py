@@ -953,6 +953,18 @@ def _live_state_healthy(ctx: ActionContext, cause: Any) -> bool:
     return sharding.all_finite(params)  # FSDP2: over every rank's shards, one answer everywhere
 
 
+def _last_good_snapshot(ctx: ActionContext, cause: Any) -> tuple[int, dict[str, Any]] | None:
+    """None when the live state is the last healthy one (``_live_state_healthy``); else the
+    newest snapshot from before the damage (a landed update, non-finite weights), if one is held."""
+    if ctx.snapshots is None or _live_state_healthy(ctx, cause):
+        return None
+    if cause.before_update:
+        target = ctx.step - 1
+    else:
+        target = cause.step if cause.step is not None else ctx.step
+    return ctx.snapshots.latest_before(target)
+
+
 # Cooldown 100: emergency checkpoints are big; one per incident. After undo and rollback (order
 # 35): when they put the state back in this step, the live state is the last healthy one (an undo
 # holds it exactly; an older snapshot would throw away the steps since).
@@ -979,15 +991,7 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if ctx.monitor_state is not None:
         extra["monitor"] = ctx.monitor_state()
     source = "live"
-    snap = None
-    if ctx.snapshots is not None and not _live_state_healthy(ctx, cause):
-        # The live state holds the damage (a landed update, non-finite weights): the newest
-        # snapshot from before it is the last healthy state.
-        if cause.before_update:
-            target = ctx.step - 1
-        else:
-            target = cause.step if cause.step is not None else ctx.step
-        snap = ctx.snapshots.latest_before(target)
+    snap = _last_good_snapshot(ctx, cause)
     # Imported here: importing the package must not import sfmonitor.dcp, which also runs as
     # `python -m sfmonitor.dcp` (runpy warns when the module is already in sys.modules).
     from . import dcp as sharded_checkpoint
@@ -1146,6 +1150,16 @@ def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         return facts
     ctx.stopped = True  # later steps are skipped without new checkpoints or events
     ctx.skip = True
+    # The run ends in its last healthy state, as the checkpoint holds it: the loop's own code after
+    # training (a final save, an evaluation) must not meet the damage (a probe: a held-out loss of
+    # 1.2e4 left in the model while the checkpoint held the healthy weights).
+    snap = _last_good_snapshot(ctx, cause)
+    if snap is not None:
+        label, state = snap
+        restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=False)
+        ctx.restore_outside_params(state)
+        ctx.restored_at = ctx.step
+        facts["restored_from"] = label
     if ctx.graceful_stop:  # the loop draws from monitor.batches(): it ends there, cleanly
         facts["graceful"] = True
         return facts

@@ -32,7 +32,7 @@ def test_a_spent_budget_ends_the_plain_loop_and_leaves_a_healthy_loadable_checkp
         opt.step()
         opt.zero_grad()
         steps += 1
-        if mon.step >= 20:  # from step 20 on, every update lands a NaN weight (damage, not a batch)
+        if mon.step >= 20 and not mon.should_stop:  # from step 20 on, every update lands a NaN weight
             with torch.no_grad():
                 model[0].weight[0, 0] = float("nan")
     mon.detach()
@@ -50,3 +50,10 @@ def test_a_spent_budget_ends_the_plain_loop_and_leaves_a_healthy_loadable_checkp
     fresh_opt.load_state_dict(ckpt["optimizer"])
     assert all(torch.isfinite(p).all() for p in fresh.parameters()), "the checkpoint holds the last healthy state"
     assert all(math.isfinite(float(v.abs().max())) for st in fresh_opt.state.values() for v in st.values())
+    # The run ends in that state too: the loop's own code after training (a final save, an
+    # evaluation) meets the healthy weights, not the damage (they were left in the model).
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    stop = next(e for e in mon.events if "stop" in e.actions)
+    assert saved[-1]["source"] == f"snapshot@{stop.data['action_results']['stop']['restored_from']}"
+    final = torch.load(saved[-1]["path"], weights_only=True)["model"]
+    assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
