@@ -41,6 +41,7 @@ from .checkpoint import (
     DEFAULT_SNAPSHOT_EVERY,
     DEFAULT_SNAPSHOT_KEEP,
     EXTRA,
+    TRACKED,
     SnapshotRing,
     capture_state,
     restore_state,
@@ -109,7 +110,6 @@ _RULE = re.compile(r"^(sqrt|norm):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
 ANY_GROUP = "*"
 EMERGENCY_PREFIX = "emergency-step"
 OUTSIDE_PARAMS = "outside_params"  # key in a state's extra: parameters held by the optimizer only
-TRACKED = "tracked"  # key in a state's extra: the state dicts of the modules Monitor.track() holds
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
 
 
@@ -394,14 +394,14 @@ class ActionContext:
     last_checkpoint_step: int | None = None
     _noise_gen: torch.Generator | None = None
 
-    def with_outside_params(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+    def with_outside_params(self, extra: Mapping[str, Any], tracked: bool = True) -> dict[str, Any]:
         """``extra`` plus the values of the parameters the optimizer holds outside the model (a
-        learnable temperature in a loss module): a model state_dict does not carry them; and the
-        state dicts of the tracked modules (``Monitor.track``: an EMA)."""
+        learnable temperature in a loss module): a model state_dict does not carry them; and, with
+        ``tracked``, the state dicts of the tracked modules (``Monitor.track``: an EMA)."""
         out = dict(extra)
         if self.outside_params:
             out[OUTSIDE_PARAMS] = {name: p.detach() for name, p in self.outside_params}
-        if self.tracked:
+        if self.tracked and tracked:
             out[TRACKED] = {name: m.state_dict() for name, m in self.tracked}
         return out
 
@@ -1001,7 +1001,9 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if snap is not None:
         label, state = snap
         state = dict(state)
-        state["extra"] = {**extra, "snapshot_step": label}
+        # the snapshot's own extra carries what the model state lacks (optimizer-only parameters,
+        # tracked modules); the checkpoint's facts go beside it
+        state[EXTRA] = {**(state.get(EXTRA) or {}), **extra, "snapshot_step": label}
         source = f"snapshot@{label}"
     else:
         state = capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params(extra))

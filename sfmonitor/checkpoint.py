@@ -59,6 +59,7 @@ MODEL, OPTIMIZER, SCALER, RNG, EXTRA = "model", "optimizer", "scaler", "rng", "e
 # The state of the optimizers a wrapper optimizer steps (``inner_optimizers``), per inner optimizer
 # {parameter position in its param_groups: state}: SAM's and Lookahead's momentum lives there.
 INNER = "inner_optimizer_state"
+TRACKED = "tracked"  # key in a state's extra: the state dicts of the modules Monitor.track() holds
 
 
 # --------------------------------------------------------------------------------------------

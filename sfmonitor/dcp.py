@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from .checkpoint import TRACKED, capture_rng_state, restore_rng_state, save_checkpoint
 from .errors import CheckpointError
 from .sharding import (
     clean_name,
@@ -163,10 +163,14 @@ def save_emergency(ctx: Any, folder: Path, prefix: str, snap: Any, extra: Mappin
     if snap is not None:
         label, state = snap
         # The snapshot's own extra carries what the model state lacks (optimizer-only parameters).
-        extra = {**(state.get(EXTRA) or {}), **extra, "snapshot_step": label}
+        # Not its tracked modules (Monitor.track): sharded, each rank's part would go into one
+        # per-rank entry of plain data that only one rank's copy survives in (and that
+        # weights_only cannot read); this checkpoint holds the model's, optimizer's and scaler's state.
+        extra = {k: v for k, v in {**(state.get(EXTRA) or {}), **extra}.items() if k != TRACKED}
+        extra["snapshot_step"] = label
         source = f"snapshot@{label}"
     else:
-        extra = ctx.with_outside_params(extra)
+        extra = ctx.with_outside_params(extra, tracked=False)
     path = folder / f"{prefix}{ctx.step:08d}{SUFFIX}"
     try:
         save(path, ctx.model, ctx.optimizer, ctx.scaler, extra, snapshot=state)

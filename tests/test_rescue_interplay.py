@@ -525,7 +525,14 @@ def test_a_rollback_and_the_emergency_checkpoint_hold_a_tracked_module(tmp_path)
 
     facts = checkpoint(ctx, Decision("checkpoint", Finding(UPDATE_RATIO_SPIKE, "t", step=mon.step - 1)))
     saved = load_checkpoint(facts["path"])
-    assert set(saved["extra"]["tracked"]) == {"tracked.0"}
+    assert facts["source"] == "live" and set(saved["extra"]["tracked"]) == {"tracked.0"}
+    # a landed bad update: the checkpoint is the snapshot before it, with the snapshot's tracked state
+    # (the checkpoint's own facts replaced the snapshot's extra: a helper's probe found it without it)
+    landed = Finding(UPDATE_RATIO_SPIKE, "t", step=mon.step - 1, before_update=False)
+    facts = checkpoint(ctx, Decision("checkpoint", landed))
+    saved = load_checkpoint(facts["path"])
+    assert facts["source"] == f"snapshot@{label}" and saved["extra"]["snapshot_step"] == label
+    assert all(torch.equal(v, saved["extra"]["tracked"]["tracked.0"][k]) for k, v in at_snapshot.items())
     rollback(ctx, Decision("rollback", Finding(UPDATE_RATIO_SPIKE, "t", step=label)))
     snap_ema = ctx.snapshots.latest_before(label)[1]["extra"]["tracked"]["tracked.0"]
     assert all(torch.equal(v, snap_ema[k]) for k, v in ema.state_dict().items())
