@@ -303,6 +303,12 @@ def test_an_emergency_checkpoint_decided_with_an_undo_holds_the_state_the_undo_r
     assert all(torch.equal(saved["model"][k], before_bad[k]) for k in before_bad)
 
 
+def _batch_loss(model, i):
+    """The loss of batch ``i`` (seeded by ``i``): the model maps 6 inputs onto their first 3."""
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i))
+    return (model(x) - x[:, :3]).pow(2).mean()
+
+
 def _two_optimizer_run(tmp_path, monitored, spike_at=None, omit=(), n=24):
     """An encoder on Adam and a decoder on SGD, two optimizers over halves of one model; each
     monitor is given the whole model (attach(model, opt)), as a user would write it."""
@@ -318,9 +324,7 @@ def _two_optimizer_run(tmp_path, monitored, spike_at=None, omit=(), n=24):
     for i in range(n):
         if i in omit:
             continue
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(16, 6, generator=g)
-        loss = (model(x) - x[:, :3]).pow(2).mean()
+        loss = _batch_loss(model, i)
         loss.backward()
         if i == spike_at:  # both optimizers' LR: each monitor undoes its own update
             enc.param_groups[0]["lr"], dec.param_groups[0]["lr"] = 1e2, 1e3
@@ -364,9 +368,7 @@ def _unfreeze_run(tmp_path, monitored, spike_at=None, omit=(), n=30, unfreeze_at
             opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
         if i in omit:
             continue
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(16, 6, generator=g)
-        loss = (model(x) - x[:, :3]).pow(2).mean()
+        loss = _batch_loss(model, i)
         if mon is not None:
             loss = mon.combine(loss)
         loss.backward()
@@ -417,9 +419,7 @@ def _resume_run(tmp_path, monitored):
         if i == 15:
             model.load_state_dict(saved[0])
             opt.load_state_dict(saved[1])
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(16, 6, generator=g)
-        loss = (model(x) - x[:, :3]).pow(2).mean()
+        loss = _batch_loss(model, i)
         (mon.combine(loss) if mon is not None else loss).backward()
         if i == 14:
             opt.param_groups[0]["lr"] = 1e2
@@ -463,9 +463,7 @@ def _ema_run(tmp_path, monitored, track=True, spike_at=None, omit=(), n=30):
     for i in range(n):
         if i in omit:
             continue
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(16, 6, generator=g)
-        loss = (model(x) - x[:, :3]).pow(2).mean()
+        loss = _batch_loss(model, i)
         (mon.combine(loss) if mon is not None else loss).backward()
         if i == spike_at:
             opt.param_groups[0]["lr"] = 1e2
@@ -511,8 +509,7 @@ def test_a_rollback_and_the_emergency_checkpoint_hold_a_tracked_module(tmp_path)
     assert mon.memory["buffer_bytes"] >= sum(p.numel() * 4 for p in ema.parameters())
     at_snapshot = None
     for i in range(9):
-        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i))
-        mon.combine((model(x) - x[:, :3]).pow(2).mean()).backward()
+        mon.combine(_batch_loss(model, i)).backward()
         opt.step()
         opt.zero_grad()
         ema.update_parameters(model)
