@@ -309,6 +309,15 @@ def _batch_loss(model, i):
     return (model(x) - x[:, :3]).pow(2).mean()
 
 
+def _step(opt, spike=False):
+    """One optimizer step, at 1e4x the LR of 1e-2 when ``spike`` (a landed bad update)."""
+    if spike:
+        opt.param_groups[0]["lr"] = 1e2
+    opt.step()
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.zero_grad()
+
+
 def _two_optimizer_run(tmp_path, monitored, spike_at=None, omit=(), n=24):
     """An encoder on Adam and a decoder on SGD, two optimizers over halves of one model; each
     monitor is given the whole model (attach(model, opt)), as a user would write it."""
@@ -372,11 +381,7 @@ def _unfreeze_run(tmp_path, monitored, spike_at=None, omit=(), n=30, unfreeze_at
         if mon is not None:
             loss = mon.combine(loss)
         loss.backward()
-        if i == spike_at:
-            opt.param_groups[0]["lr"] = 1e2
-        opt.step()
-        opt.param_groups[0]["lr"] = 1e-2
-        opt.zero_grad()
+        _step(opt, i == spike_at)
     events = []
     if mon is not None:
         events = [(e.step, e.kind, e.actions, e.data.get("action_results")) for e in mon.events if e.actions]
@@ -421,11 +426,7 @@ def _resume_run(tmp_path, monitored):
             opt.load_state_dict(saved[1])
         loss = _batch_loss(model, i)
         (mon.combine(loss) if mon is not None else loss).backward()
-        if i == 14:
-            opt.param_groups[0]["lr"] = 1e2
-        opt.step()
-        opt.param_groups[0]["lr"] = 1e-2
-        opt.zero_grad()
+        _step(opt, i == 14)
     events = []
     if mon is not None:
         events = [e for e in mon.events if e.actions]
@@ -465,11 +466,7 @@ def _ema_run(tmp_path, monitored, track=True, spike_at=None, omit=(), n=30):
             continue
         loss = _batch_loss(model, i)
         (mon.combine(loss) if mon is not None else loss).backward()
-        if i == spike_at:
-            opt.param_groups[0]["lr"] = 1e2
-        opt.step()
-        opt.param_groups[0]["lr"] = 1e-2
-        opt.zero_grad()
+        _step(opt, i == spike_at)
         if mon is None or not mon.last_step_skipped:
             ema.update_parameters(model)
     events = []
