@@ -953,6 +953,14 @@ def _live_state_healthy(ctx: ActionContext, cause: Any) -> bool:
     return sharding.all_finite(params)  # FSDP2: over every rank's shards, one answer everywhere
 
 
+def _restore_snapshot(ctx: ActionContext, state: Mapping[str, Any], rng: bool) -> None:
+    """Put a snapshot back: model, optimizer, scaler (and RNG, with ``rng``), the optimizer-only
+    parameters and the tracked modules; the state now is the one restored in this step."""
+    restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=rng)
+    ctx.restore_outside_params(state)
+    ctx.restored_at = ctx.step
+
+
 def _last_good_snapshot(ctx: ActionContext, cause: Any) -> tuple[int, dict[str, Any]] | None:
     """None when the live state is the last healthy one (``_live_state_healthy``); else the
     newest snapshot from before the damage (a landed update, non-finite weights), if one is held."""
@@ -1054,9 +1062,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
             "reason": f"no snapshot at or before step {target} (snapshots held: {have})",
         }
     label, state = snap
-    restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=cfg.restore_rng)
-    ctx.restore_outside_params(state)
-    ctx.restored_at = ctx.step
+    _restore_snapshot(ctx, state, rng=cfg.restore_rng)
     assert ctx.snapshots is not None  # snap came from it
     ctx.snapshots.discard_after(label)
     ctx.batches_to_skip += cfg.skip_batches
@@ -1157,11 +1163,8 @@ def stop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     # 1.2e4 left in the model while the checkpoint held the healthy weights).
     snap = _last_good_snapshot(ctx, cause)
     if snap is not None:
-        label, state = snap
-        restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=False)
-        ctx.restore_outside_params(state)
-        ctx.restored_at = ctx.step
-        facts["restored_from"] = label
+        _restore_snapshot(ctx, snap[1], rng=False)
+        facts["restored_from"] = snap[0]
     if ctx.graceful_stop:  # the loop draws from monitor.batches(): it ends there, cleanly
         facts["graceful"] = True
         return facts

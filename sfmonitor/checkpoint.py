@@ -303,7 +303,7 @@ def inner_optimizers(optimizer: torch.optim.Optimizer, depth: int = 2) -> list[t
     return found
 
 
-def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -315,7 +315,7 @@ def _own_state_inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Opti
 def _inner_state(optimizer: torch.optim.Optimizer) -> list[dict[int, Any]]:
     """CPU copies of each inner optimizer's state (``INNER``), keyed by parameter position."""
     return [
-        {i: copy_tree(inner.state[p], "cpu") for i, p in enumerate(_params_of(inner)) if inner.state.get(p)}
+        {i: copy_tree(inner.state[p], "cpu") for i, p in enumerate(params_of(inner)) if inner.state.get(p)}
         for inner in _own_state_inners(optimizer)
     ]
 
@@ -324,7 +324,7 @@ def _restore_inner_state(optimizer: torch.optim.Optimizer, saved: list[Mapping[i
     """Put ``_inner_state``'s copies back: each inner optimizer's state holds exactly them, on its
     parameters' devices (a ``step`` count stays where it was saved, as torch's own load does)."""
     for inner, states in zip(_own_state_inners(optimizer), saved):
-        params = _params_of(inner)
+        params = params_of(inner)
         inner.state.clear()
         for i, st in states.items():
             p = params[int(i)]

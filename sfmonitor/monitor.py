@@ -526,6 +526,7 @@ class Monitor:
         self.groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
         self._model_groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
         self._outside: list[tuple[str, nn.Parameter]] = []
+        self._params: list[nn.Parameter] = []  # the monitored parameters (_index_params)
         self._lock: str | None = None
         self._router: SinkRouter | None = None
         self._hooks: list[Any] = []
@@ -654,7 +655,7 @@ class Monitor:
         self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
         group_index = {g: i for i, g in enumerate(self._group_names)}
         ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group] + outside
-        held = getattr(self, "_params", [])
+        held = self._params
         self._params = [p for _, p in ordered]
         self._buffers = list(model.buffers())  # walked once, not every step: the undo copy holds them
         if self._ctx is not None:  # add_param_group()
@@ -692,8 +693,9 @@ class Monitor:
         ``ModelEmaV2``) beside the model: what the loop derives from the weights after each step.
         The undo copy holds their parameters and buffers (an undo puts them back with the
         weights: an EMA updated after a bad update, before the step that finds it, mixed it in),
-        and so do the rollback snapshots and the emergency checkpoint (``extra["tracked"]``, one
-        state dict per module, by the names ``tracked.0``, ``tracked.1``, ...). Call it after
+        and so do the rollback snapshots and the single-file emergency checkpoint
+        (``extra["tracked"]``, one state dict per module, by the names ``tracked.0``, ``tracked.1``,
+        ...; not the FSDP2 (DCP) checkpoint: a sharded module's parts would not all land). Call it after
         ``attach`` (once per module; again after a new attach). Returns the monitor."""
         ctx = self._live()
         model_tensors = {id(t) for t in (*unwrap(ctx.model).parameters(), *unwrap(ctx.model).buffers())}

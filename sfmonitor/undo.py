@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import inner_optimizers
+from .checkpoint import inner_optimizers, params_of
 from .stats import norms
 
 __all__ = ["UndoState", "local", "state_owners"]
@@ -46,6 +46,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (a view of its storage), or the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _fitted(held: list[torch.Tensor], live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``held`` when it can take a copy of ``live`` (the same count, shapes and dtypes: reused, no
+    allocation), else new empty buffers for it."""
+    if len(held) == len(live) and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(held, live)):
+        return held
+    return [torch.empty_like(t) for t in live]
 
 
 class UndoState:
@@ -101,10 +109,7 @@ class UndoState:
         live_buffers = [local(b) for b in buffers]
         # two sets of buffers, alternating: this capture's, and the one before (reused, no allocation)
         self.buffers, self.prev_buffers, self.prev_label = self.prev_buffers, self.buffers, self.label
-        if len(self.buffers) != len(live_buffers) or any(
-            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(self.buffers, live_buffers)
-        ):
-            self.buffers = [torch.empty_like(b) for b in live_buffers]
+        self.buffers = _fitted(self.buffers, live_buffers)
         if len(self.prev_buffers) != len(self.buffers):
             self.prev_label = None
         live = [local(p.detach()) for p in params]
@@ -141,15 +146,11 @@ class UndoState:
                 scaler._growth_tracker,
             ]
         )
-        if len(self.scaler_state) != len(live_scaler):
-            self.scaler_state = [torch.empty_like(t) for t in live_scaler]
+        self.scaler_state = _fitted(self.scaler_state, live_scaler)
         dst += self.scaler_state
         src += live_scaler
         live_tracked = [local(t.detach()) for t in tracked]
-        if len(self.tracked) != len(live_tracked) or any(
-            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(self.tracked, live_tracked)
-        ):
-            self.tracked = [torch.empty_like(t) for t in live_tracked]
+        self.tracked = _fitted(self.tracked, live_tracked)
         dst += self.tracked
         src += live_tracked
         torch._foreach_copy_(dst, src)
@@ -205,9 +206,7 @@ class UndoState:
             self.restore_buffers(buffers)
         # Only what this optimizer updates goes back: a parameter another optimizer steps (a
         # second optimizer over part of the same model, with its own monitor) keeps its value.
-        mine = {
-            id(p) for opt in [optimizer, *inner_optimizers(optimizer)] for g in opt.param_groups for p in g["params"]
-        }
+        mine = {id(p) for opt in [optimizer, *inner_optimizers(optimizer)] for p in params_of(opt)}
         held = [i for i, p in enumerate(params) if id(p) in mine]
         dst = [local(params[i].detach()) for i in held]
         src = [self.params[i] for i in held]

@@ -17,7 +17,9 @@ from _integration_helpers import leave_process_group as _leave
 from torch import nn
 
 import sfmonitor
+from sfmonitor import actions as A
 from sfmonitor import dcp as sfdcp
+from sfmonitor.events import UPDATE_RATIO_SPIKE, Decision, Finding
 from sfmonitor.sharding import optimizer_state_by_index
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -350,9 +352,16 @@ def _checkpoint_worker(rank, port, out):
             with torch.no_grad():
                 for e, p in zip(ema.parameters(), model.parameters()):
                     e.lerp_(p, 0.1)
+    # written from a snapshot (a landed update): the snapshot held the tracked EMA's shards
+    ctx = mon._live()
+    ctx.step = mon.step  # the step about to run (its own checkpoint name), finding the last update bad
+    landed = Finding(UPDATE_RATIO_SPIKE, "a landed update", step=mon.step - 1, before_update=False)
+    from_snapshot = A.checkpoint(ctx, Decision("checkpoint", landed))
     events = [(e.step, e.kind, e.actions, e.data) for e in mon.events]
     mon.detach()
-    torch.save({"events": events, "starts": starts}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save(
+        {"events": events, "starts": starts, "from_snapshot": from_snapshot}, os.path.join(out, f"rank{rank}.pt")
+    )
     _leave()
 
 
@@ -400,6 +409,10 @@ def test_an_emergency_checkpoint_written_by_two_ranks_loads_into_one_process(tmp
         fresh.load_state_dict(sd["model"])
         fresh_opt.load_state_dict(optimizer_state_by_index(sd["optimizer"], fresh, fresh_opt))
         assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], want_opt["0.weight"]["exp_avg"])
+    from_snapshot = r0["from_snapshot"]
+    assert from_snapshot["source"].startswith("snapshot@") and from_snapshot == r1["from_snapshot"]
+    extra = sfdcp.load(from_snapshot["path"], _mlp())  # readable, without the EMA's per-rank parts
+    assert extra["snapshot_step"] == int(from_snapshot["source"].split("@")[1]) and "tracked" not in extra
 
 
 def test_a_folder_that_is_not_a_dcp_checkpoint_is_a_checkpoint_error(tmp_path, capsys):

@@ -365,6 +365,7 @@ def test_accelerates_optimizer_is_unwrapped(tmp_path):
     model, opt = acc.prepare(model, opt)
     mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=quiet())
     assert mon.optimizer is opt.optimizer
+    assert sfmonitor.Monitor.attached_to(opt) is mon  # found through the wrapper too
     acc.backward(mon.combine(model(torch.randn(8, 4)).pow(2).mean()))
     opt.step()
     assert mon.step == 1 and mon.events == []
