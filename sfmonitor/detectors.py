@@ -32,6 +32,7 @@ from .events import (
     ACCURACY_COLLAPSE,
     ACCURACY_DROP,
     CLIP,
+    DEAD_UNITS,
     GRAD_RATIO_IMBALANCE,
     GRAD_SPIKE,
     LARGE_UPDATE,
@@ -58,6 +59,8 @@ from .schema import Section, SectionTable, option
 __all__ = [
     "AccuracyCollapse",
     "AccuracyCollapseConfig",
+    "DeadUnits",
+    "DeadUnitsConfig",
     "Detector",
     "DetectorsConfig",
     "GradRatioImbalance",
@@ -85,6 +88,7 @@ LOSS_PREFIX = S.LOSS.format("")
 GRAD_NORM_PREFIX = S.GRAD_NORM.format("")
 UPDATE_RATIO_PREFIX = S.UPDATE_RATIO.format("")
 UPDATE_STALE_PREFIX = S.UPDATE_STALE.format("")
+DEAD_UNITS_PREFIX = S.DEAD_UNITS.format("")
 LOSS_RATIO_PREFIX = S.LOSS_RATIO.format("", "")[:-1]
 GRAD_RATIO_PREFIX = S.GRAD_RATIO.format("", "")[:-1]
 LOSS_TOTAL, GRAD_NORM_TOTAL, LOSS_SCALE, RATIO_EPS = S.LOSS_TOTAL, S.GRAD_NORM_TOTAL, S.AMP_LOSS_SCALE, S.RATIO_EPS
@@ -408,6 +412,23 @@ class StaleUpdateConfig(Section):
     )
     window: int = option(20, "steps whose median is judged", lo=1)
     start: int = option(20, "optimizer steps before the first judgement", lo=0)
+
+
+@dataclass
+class DeadUnitsConfig(Section):
+    """Units whose gradients stay exactly zero (``dead_units/<group>``, sampled every
+    ``stats.dead_units_every`` steps): ReLUs that no input switches on any more, after a too-high LR
+    or a large negative bias (Lu et al. 2019, arXiv 1903.06733). Told, no action."""
+
+    enabled: bool = option(True, "watch dead_units/<group>")
+    threshold: float = option(
+        0.5,
+        "tell when a layer has this share of its units dead (gradient rows exactly zero on "
+        "stats.dead_units_samples samples in a row); again only after it fell under half of it",
+        lo=0,
+        hi=1,
+        lo_open=True,
+    )
 
 
 class DetectorsConfig(SectionTable):
@@ -1519,6 +1540,50 @@ class StaleUpdate(_Told):
                 data={"share": median, "groups": dict(groups), "threshold": cfg.threshold, "window": cfg.window},
             )
         ]
+
+
+@register_detector("dead_units", config=DeadUnitsConfig, kinds={DEAD_UNITS: [(1, [])]})
+class DeadUnits(_Told):
+    """``dead_units/<group>``: the largest share, over the group's nn.Linear / nn.Conv layers, of
+    units whose gradient row was exactly zero on each of the last ``stats.dead_units_samples``
+    samples. Told once per group when it reaches ``threshold``, again only after it fell under half
+    of it. A unit dead for good stays so under every action the monitor has (a lower LR does not
+    switch it on): the event names the cause and the cures."""
+
+    kind = DEAD_UNITS
+
+    def __init__(self, config: DeadUnitsConfig | None = None):
+        super().__init__(config or DeadUnitsConfig())
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        out = []
+        for key, value in stats.items():
+            if not key.startswith(DEAD_UNITS_PREFIX) or not S.finite(value):
+                continue
+            if key in self.told:
+                if value < cfg.threshold / 2:
+                    self.told.discard(key)
+                continue
+            if value < cfg.threshold:
+                continue
+            self.told.add(key)
+            group = key[len(DEAD_UNITS_PREFIX) :]
+            out.append(
+                Finding(
+                    kind=self.kind,
+                    where=group,
+                    message=(
+                        f"{_fmt(100 * value)}% of the units of a layer in group {group} are dead: their gradients "
+                        "were exactly zero on every sample of the last ones (no input switches them on; "
+                        f"told from {_fmt(100 * cfg.threshold)}%). They no longer learn and the layer works with "
+                        "what is left. Causes: a too-high LR (early, without warm-up), a large negative bias. "
+                        "Cures: a lower LR or a warm-up, LeakyReLU/GELU, re-initialising the dead units"
+                    ),
+                    data={"share": value, "threshold": cfg.threshold},
+                )
+            )
+        return out
 
 
 def build_detectors(config: DetectorsConfig | None = None) -> list[Detector]:

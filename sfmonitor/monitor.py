@@ -141,6 +141,10 @@ NONFINITE_KINDS = (NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, BAD_BATCH)
 # not the loss scale's doing).
 BATCH_FAULT_KINDS = (BAD_BATCH, NONFINITE_LOSS, LOSS_SPIKE)
 ON_DEMAND = "on_demand"  # the kind of a bundle written because the user asked for one
+# Layers whose units dead_units/<group> counts: dim 0 of their weight is the output unit (not
+# nn.Embedding: a row is a token, unused ones have none; not ConvTranspose: dim 0 is the input).
+_UNIT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+MIN_UNITS = 8  # a layer with fewer units is not counted: one unit would be an eighth of it
 
 
 def resolve_groups(
@@ -670,6 +674,20 @@ class Monitor:
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
         # bf16/fp16 parameters: the share of each update rounded away (update_stale/<group>)
         self._lowp = [i for i, p in enumerate(self._params) if p.dtype in S.LOW_PRECISION]
+        # The weights of nn.Linear / nn.Conv layers whose units' gradient rows dead_units/<group>
+        # watches (a tied weight once); their counts of zero rows start over with the new list.
+        position = {id(p): i for i, p in enumerate(self._params)}
+        self._unit_layers = list(
+            dict.fromkeys(
+                position[id(m.weight)]
+                for m in model.modules()
+                if isinstance(m, _UNIT_LAYERS)
+                and id(m.weight) in position
+                and m.weight.dim() >= 2
+                and m.weight.shape[0] >= MIN_UNITS
+            )
+        )
+        self._unit_streaks: dict[int, torch.Tensor] = {}
         shapes = {g: [tuple(p.shape) for _, p in ps] for g, ps in self.groups.items()}
         for d in self._detectors:  # plain data: detectors never touch the model
             layout = getattr(d, "layout", None)
@@ -1833,6 +1851,9 @@ class Monitor:
         per_group_p = S.group_norms(param_norms, self._param_group_t, len(self._group_names))
         for gi, g in enumerate(self._group_names):
             out[S.PARAM_NORM.format(g)] = per_group_p[gi]
+        every = self.config.stats.dead_units_every
+        if every and rec.step % every == 0 and self._unit_layers:
+            out.update(self._dead_units(grads))
         optimizer = self._live().optimizer
         for i, pg in enumerate(optimizer.param_groups):
             lr = pg["lr"]
@@ -1883,6 +1904,27 @@ class Monitor:
             # the ratio of the slices: ||delta slice|| / ||slice||
             rec.before_norms = S.group_norms(S.norms(before), self._param_group_t, len(self._group_names))
         return out, key
+
+    def _dead_units(self, grads: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """``dead_units/<group>`` of a sampled step: per layer, the share of its units whose gradient
+        row was exactly zero on each of the last ``stats.dead_units_samples`` samples (the counts
+        live on the device between samples: ``stats.dead_rows``); per group, its layers' largest
+        share. A layer without a gradient this step (frozen, unused) keeps its counts."""
+        samples = self.config.stats.dead_units_samples
+        shares: dict[int, list[torch.Tensor]] = {}
+        for i in self._unit_layers:
+            g = grads[i]
+            if g is None or g.is_sparse:
+                continue
+            g = local(g)  # FSDP2: this rank's rows
+            if g.shape[0] == 0:
+                continue
+            streak = self._unit_streaks[i] = S.dead_rows(g, self._unit_streaks.get(i))
+            shares.setdefault(self._param_group[i], []).append((streak >= samples).float().mean())
+        return {
+            S.DEAD_UNITS.format(self._group_names[gi]): torch.stack(v).amax() if len(v) > 1 else v[0]
+            for gi, v in shares.items()
+        }
 
     # A loss spike on a state that a sound step made is the batch's fault: the update that made the
     # state was measured and normal-sized (no update-ratio finding), and the loss of the step that

@@ -24,6 +24,8 @@ key                            meaning
 ``act_absmax/<module>``        max |activation| seen in the module (overflow watch)
 ``attn_logit_max/<module>``    max attention logit of an attention module (``/h<i>``: per head)
 ``attn_entropy/<module>``      mean softmax entropy (nats) of its attention rows, over heads
+``dead_units/<group>``         the largest share, over the group's layers, of units whose
+                               gradient row stayed exactly zero on the last samples
 =============================  ==============================================================
 
 Sharded parameters (FSDP2 ``fully_shard``: DTensor parameters and gradients) are measured on each
@@ -60,6 +62,10 @@ UPDATE_RATIO = "update_ratio/{}"
 # on elements the update left exactly unchanged, rounded away (only groups holding such parameters;
 # update_stale/total: over all of them).
 UPDATE_STALE = "update_stale/{}"
+# Of a group's nn.Linear / nn.Conv layers: the largest share of a layer's units (output features,
+# output channels) whose gradient row was exactly zero on each of the last
+# ``stats.dead_units_samples`` sampled steps (``dead_rows``). Sampled steps only.
+DEAD_UNITS = "dead_units/{}"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The user's LR of a group's update (the largest of its parameters' param groups, before the
 # monitor's LR drop): given to the after-update detectors with the step's values, not published
@@ -143,6 +149,7 @@ REDUCTIONS: dict[str, Reduce] = {
     ACT_ABSMAX.format(""): Reduce.MAX,
     GRAD_NORM.format(""): Reduce.NORM,
     PARAM_NORM.format(""): Reduce.NORM,
+    DEAD_UNITS.format(""): Reduce.MAX,  # FSDP2: each rank's rows of a layer; one near-dead shard counts
 }
 
 
@@ -269,6 +276,20 @@ def stale_shares(
         lost[gi] += (weight * (a == b)).sum(dtype=torch.float32)
     lost, mass = torch.cat([lost, lost.sum().reshape(1)]), torch.cat([mass, mass.sum().reshape(1)])
     return lost / mass.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def dead_rows(grad: torch.Tensor, streak: torch.Tensor | None) -> torch.Tensor:
+    """A layer's units whose gradient row (dim 0: nn.Linear's output features, a convolution's
+    output channels) is exactly zero in this gradient: their count of such samples in a row grows by
+    one, every other unit's starts over (``streak``: the counts so far, None at first). A ReLU unit
+    that no input of the batch switches on gets exactly zero; one inactive on sample after sample
+    is dead. A gradient zero everywhere (an expert no token reached, a path cut off from the loss)
+    says nothing about single units: the counts stay as they were. No host read."""
+    rows = grad.shape[0]
+    zero = torch.linalg.vector_norm(grad.reshape(rows, -1), ord=math.inf, dim=1) == 0
+    if streak is None:
+        streak = torch.zeros(rows, dtype=torch.int32, device=grad.device)
+    return torch.where(zero.all(), streak, torch.where(zero, streak + 1, 0))
 
 
 def _windows(t: torch.Tensor, fraction: float) -> tuple[torch.Tensor, int, int]:
@@ -537,6 +558,18 @@ class StatsConfig(Section):
         lo=0,
         hi=1,
         lo_open=True,
+    )
+    dead_units_every: int = option(
+        10,
+        "sample dead_units/<group> every N optimizer steps (0: never): one max-abs per gradient row of each "
+        "nn.Linear / nn.Conv layer (a read of their gradients)",
+        lo=0,
+    )
+    dead_units_samples: int = option(
+        5,
+        "a unit is dead when its gradient row was exactly zero on this many samples in a row (every "
+        "dead_units_every steps): a healthy ReLU unit is off for a whole batch now and then, a dead one always",
+        lo=1,
     )
     grad_ratio_every: int = option(
         100,

@@ -52,6 +52,7 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("parameter norm by group", ("param_norm/",)),
     ("update ratio by group", ("update_ratio/",)),
     ("update share rounded away (bf16/fp16 weights)", ("update_stale/",)),
+    ("dead units by group (largest share of a layer)", ("dead_units/",)),
     ("loss scale", ("amp/loss_scale",)),
     ("skipped steps (GradScaler)", ("amp/skipped_steps",)),
     ("learning rate", ("lr/",)),

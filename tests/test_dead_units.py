@@ -1,0 +1,131 @@
+"""dead_units: units whose gradients stay exactly zero (dead ReLUs), told, nothing changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _state import quiet
+from torch import nn
+
+import sfmonitor
+from sfmonitor import stats as S
+from sfmonitor.detectors import DeadUnits, DeadUnitsConfig
+
+
+class Net(nn.Module):
+    """A ReLU MLP; ``kill`` of the first hidden layer's 64 units get a bias of -100: no input of
+    this data switches them on, their gradients are exactly zero from the first step."""
+
+    def __init__(self, kill: int = 0):
+        super().__init__()
+        self.inp = nn.Linear(8, 64)
+        self.hidden = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 1)
+        with torch.no_grad():
+            self.inp.bias[:kill] = -100.0
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(torch.relu(self.inp(x)))))
+
+
+def _run(tmp_path, kill, steps=60, monitored=True, config=None):
+    torch.manual_seed(0)
+    model = Net(kill)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = (
+        sfmonitor.attach(model, optimizer, run_dir=str(tmp_path), sinks=[], config={**quiet(), **(config or {})})
+        if monitored
+        else None
+    )
+    seen = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(16, 8, generator=g)
+        loss = (model(x) - x[:, :1]).pow(2).mean()
+        (mon.combine(loss) if mon is not None else loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if mon is not None:
+            seen.append({k: v for k, v in mon.stats.items() if k.startswith("dead_units/")})
+    events = list(mon.events) if mon is not None else []
+    if mon is not None:
+        mon.detach()
+    return model, events, seen
+
+
+def test_a_layer_whose_units_died_is_told_once_naming_its_group_and_training_is_untouched(tmp_path):
+    """48 of the first layer's 64 units dead: every sample (each 10 steps) finds their gradient rows
+    exactly zero; at the fifth sample (step 40) 75% of the layer's units are dead. Told once, no
+    action, the run bit-identical to the bare one."""
+    model, events, seen = _run(tmp_path / "mon", kill=48)
+    bare, _, _ = _run(tmp_path / "bare", kill=48, monitored=False)
+    told = [e for e in events if e.kind == "dead_units"]
+    assert [(e.step, e.data["share"]) for e in told] == [(40, 0.75)], events
+    assert told[0].actions == [] and "group inp" in told[0].message and "LR" in told[0].message
+    assert seen[40]["dead_units/inp"] == 0.75 and seen[30]["dead_units/inp"] == 0.0  # 4 samples: not yet
+    assert seen[41] == {}  # sampled steps only (stats.dead_units_every: 10)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+
+
+def test_a_healthy_relu_network_is_not_told(tmp_path):
+    _, events, seen = _run(tmp_path, kill=0)
+    assert not [e for e in events if e.kind == "dead_units"], events
+    assert set(seen[50]) == {"dead_units/inp", "dead_units/hidden"}  # out: one unit, not counted
+    assert max(seen[50].values()) < 0.2, seen[50]
+
+
+def test_the_statistic_is_off_with_dead_units_every_0(tmp_path):
+    _, events, seen = _run(tmp_path, kill=48, config={"stats": {"dead_units_every": 0}})
+    assert not [e for e in events if e.kind == "dead_units"] and all(s == {} for s in seen)
+
+
+def test_unused_embedding_rows_are_not_dead_units(tmp_path):
+    """Half of the vocabulary never occurs: those rows of nn.Embedding have zero gradients, as
+    designed (a row is a token, not a unit). Only the Linear layers count."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 16), nn.Flatten(), nn.Linear(4 * 16, 32), nn.Tanh(), nn.Linear(32, 64))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, optimizer, run_dir=str(tmp_path), sinks=[], config=quiet())
+    for i in range(60):
+        x = torch.randint(0, 32, (8, 4), generator=torch.Generator().manual_seed(i))
+        loss = nn.functional.cross_entropy(model(x), x[:, 0])
+        mon.combine(loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i == 50:
+            assert set(k for k in mon.stats if k.startswith("dead_units/")) == {"dead_units/2", "dead_units/4"}
+    assert not [e for e in mon.events if e.kind == "dead_units"]
+    mon.detach()
+
+
+def test_dead_rows_count_zero_rows_in_a_row_and_keep_counts_through_an_all_zero_gradient():
+    g = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    streak = S.dead_rows(g, None)
+    assert streak.tolist() == [1, 0, 1]
+    streak = S.dead_rows(torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, -2.0]]), streak)
+    assert streak.tolist() == [2, 1, 0]  # row 2 came alive: starts over
+    streak = S.dead_rows(torch.zeros(3, 2), streak)  # an expert no token reached: says nothing
+    assert streak.tolist() == [2, 1, 0]
+    conv = torch.zeros(4, 3, 2, 2)
+    conv[1, 2, 1, 0] = 1e-30  # a tiny gradient is no zero
+    assert S.dead_rows(conv, None).tolist() == [1, 0, 1, 1]
+
+
+def test_the_detector_tells_once_per_group_until_the_share_falls_under_half_its_threshold():
+    det = DeadUnits(DeadUnitsConfig(threshold=0.5))
+    assert det.check(0, {"dead_units/a": 0.4, "loss/total": 1.0}) == []
+    found = det.check(10, {"dead_units/a": 0.6, "dead_units/b": 0.7})
+    assert [(f.where, f.data["share"]) for f in found] == [("a", 0.6), ("b", 0.7)]
+    assert det.check(20, {"dead_units/a": 0.3, "dead_units/b": 0.9}) == []  # still over half of it
+    assert det.check(30, {"dead_units/a": 0.2}) == []  # under half: re-armed
+    assert [f.where for f in det.check(40, {"dead_units/a": 0.55})] == ["a"]
+    state = det.state_dict()
+    fresh = DeadUnits(DeadUnitsConfig(threshold=0.5))
+    fresh.load_state_dict(state)
+    assert fresh.check(50, {"dead_units/a": 0.9}) == []
+
+
+@pytest.mark.parametrize("bad", [{"threshold": 0.0}, {"threshold": 1.5}])
+def test_bad_thresholds_are_refused(bad):
+    with pytest.raises(sfmonitor.ConfigError, match="threshold"):
+        sfmonitor.MonitorConfig.from_dict({"detectors": {"dead_units": bad}})
