@@ -531,6 +531,7 @@ class Monitor:
         self._model_groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
         self._outside: list[tuple[str, nn.Parameter]] = []
         self._params: list[nn.Parameter] = []  # the monitored parameters (_index_params)
+        self._dead = S.DeadUnitCounter([], 1)  # dead_units/<group> (_index_params: its layers)
         self._lock: str | None = None
         self._router: SinkRouter | None = None
         self._hooks: list[Any] = []
@@ -674,20 +675,20 @@ class Monitor:
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
         # bf16/fp16 parameters: the share of each update rounded away (update_stale/<group>)
         self._lowp = [i for i, p in enumerate(self._params) if p.dtype in S.LOW_PRECISION]
-        # The weights of nn.Linear / nn.Conv layers whose units' gradient rows dead_units/<group>
-        # watches (a tied weight once); their counts of zero rows start over with the new list.
+        # The weights of nn.Linear / nn.Conv layers whose units dead_units/<group> watches (a tied
+        # weight once); their counts start over with the new list.
         position = {id(p): i for i, p in enumerate(self._params)}
-        self._unit_layers = list(
-            dict.fromkeys(
-                position[id(m.weight)]
-                for m in model.modules()
-                if isinstance(m, _UNIT_LAYERS)
-                and id(m.weight) in position
-                and m.weight.dim() >= 2
-                and m.weight.shape[0] >= MIN_UNITS
-            )
+        units = dict.fromkeys(
+            position[id(m.weight)]
+            for m in model.modules()
+            if isinstance(m, _UNIT_LAYERS)
+            and id(m.weight) in position
+            and m.weight.dim() >= 2
+            and m.weight.shape[0] >= MIN_UNITS
         )
-        self._unit_streaks: dict[int, torch.Tensor] = {}
+        self._dead = S.DeadUnitCounter(
+            [(i, self._group_names[self._param_group[i]]) for i in units], self.config.stats.dead_units_samples
+        )
         shapes = {g: [tuple(p.shape) for _, p in ps] for g, ps in self.groups.items()}
         for d in self._detectors:  # plain data: detectors never touch the model
             layout = getattr(d, "layout", None)
@@ -1503,6 +1504,7 @@ class Monitor:
         last = self._last if self._last is not None and self._last.after else None
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
+        self._dead.resolve(values)  # dead_units/<group>: counts summed across ranks -> shares
         if last is not None:
             self._publish(last, {k[len("prev:") :]: values.pop(k) for k in prev})
         rec.internal = {k: values.pop(k) for k in list(values) if k in S.INTERNAL}
@@ -1852,8 +1854,8 @@ class Monitor:
         for gi, g in enumerate(self._group_names):
             out[S.PARAM_NORM.format(g)] = per_group_p[gi]
         every = self.config.stats.dead_units_every
-        if every and rec.step % every == 0 and self._unit_layers:
-            out.update(self._dead_units(grads))
+        if every and rec.step % every == 0 and self._dead.layers:
+            out.update(self._dead.measure({i: local(gr) for i, _ in self._dead.layers if (gr := grads[i]) is not None}))
         optimizer = self._live().optimizer
         for i, pg in enumerate(optimizer.param_groups):
             lr = pg["lr"]
@@ -1904,27 +1906,6 @@ class Monitor:
             # the ratio of the slices: ||delta slice|| / ||slice||
             rec.before_norms = S.group_norms(S.norms(before), self._param_group_t, len(self._group_names))
         return out, key
-
-    def _dead_units(self, grads: Sequence[torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """``dead_units/<group>`` of a sampled step: per layer, the share of its units whose gradient
-        row was exactly zero on each of the last ``stats.dead_units_samples`` samples (the counts
-        live on the device between samples: ``stats.dead_rows``); per group, its layers' largest
-        share. A layer without a gradient this step (frozen, unused) keeps its counts."""
-        samples = self.config.stats.dead_units_samples
-        shares: dict[int, list[torch.Tensor]] = {}
-        for i in self._unit_layers:
-            g = grads[i]
-            if g is None or g.is_sparse:
-                continue
-            g = local(g)  # FSDP2: this rank's rows
-            if g.shape[0] == 0:
-                continue
-            streak = self._unit_streaks[i] = S.dead_rows(g, self._unit_streaks.get(i))
-            shares.setdefault(self._param_group[i], []).append((streak >= samples).float().mean())
-        return {
-            S.DEAD_UNITS.format(self._group_names[gi]): torch.stack(v).amax() if len(v) > 1 else v[0]
-            for gi, v in shares.items()
-        }
 
     # A loss spike on a state that a sound step made is the batch's fault: the update that made the
     # state was measured and normal-sized (no update-ratio finding), and the loss of the step that

@@ -29,11 +29,12 @@ class Net(nn.Module):
 
 
 def _run(tmp_path, kill, steps=60, monitored=True, config=None):
+    config = {"stats": {"dead_units_samples": 5}} if config is None else config
     torch.manual_seed(0)
     model = Net(kill)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     mon = (
-        sfmonitor.attach(model, optimizer, run_dir=str(tmp_path), sinks=[], config={**quiet(), **(config or {})})
+        sfmonitor.attach(model, optimizer, run_dir=str(tmp_path), sinks=[], config={**quiet(), **config})
         if monitored
         else None
     )
@@ -55,8 +56,8 @@ def _run(tmp_path, kill, steps=60, monitored=True, config=None):
 
 def test_a_layer_whose_units_died_is_told_once_naming_its_group_and_training_is_untouched(tmp_path):
     """48 of the first layer's 64 units dead: every sample (each 10 steps) finds their gradient rows
-    exactly zero; at the fifth sample (step 40) 75% of the layer's units are dead. Told once, no
-    action, the run bit-identical to the bare one."""
+    exactly zero; at the fifth sample (step 40; stats.dead_units_samples 5) 75% of the layer's
+    units are dead. Told once, no action, the run bit-identical to the bare one."""
     model, events, seen = _run(tmp_path / "mon", kill=48)
     bare, _, _ = _run(tmp_path / "bare", kill=48, monitored=False)
     told = [e for e in events if e.kind == "dead_units"]
@@ -65,6 +66,12 @@ def test_a_layer_whose_units_died_is_told_once_naming_its_group_and_training_is_
     assert seen[40]["dead_units/inp"] == 0.75 and seen[30]["dead_units/inp"] == 0.0  # 4 samples: not yet
     assert seen[41] == {}  # sampled steps only (stats.dead_units_every: 10)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+
+
+def test_at_the_defaults_a_unit_is_dead_after_20_samples_10_steps_apart(tmp_path):
+    _, events, seen = _run(tmp_path, kill=48, steps=200, config={})
+    assert [(e.step, e.kind) for e in events] == [(190, "dead_units")], events
+    assert seen[180]["dead_units/inp"] == 0.0 and seen[190]["dead_units/inp"] == 0.75
 
 
 def test_a_healthy_relu_network_is_not_told(tmp_path):
@@ -98,17 +105,25 @@ def test_unused_embedding_rows_are_not_dead_units(tmp_path):
     mon.detach()
 
 
-def test_dead_rows_count_zero_rows_in_a_row_and_keep_counts_through_an_all_zero_gradient():
-    g = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
-    streak = S.dead_rows(g, None)
-    assert streak.tolist() == [1, 0, 1]
-    streak = S.dead_rows(torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, -2.0]]), streak)
-    assert streak.tolist() == [2, 1, 0]  # row 2 came alive: starts over
-    streak = S.dead_rows(torch.zeros(3, 2), streak)  # an expert no token reached: says nothing
-    assert streak.tolist() == [2, 1, 0]
+def test_zero_rows_are_rows_exactly_zero():
     conv = torch.zeros(4, 3, 2, 2)
     conv[1, 2, 1, 0] = 1e-30  # a tiny gradient is no zero
-    assert S.dead_rows(conv, None).tolist() == [1, 0, 1, 1]
+    conv[3, 0, 0, 0] = float("nan")
+    assert S.zero_rows(conv).tolist() == [True, False, True, False]
+
+
+def test_the_counter_counts_zero_rows_in_a_row_and_keeps_them_through_an_all_zero_gradient():
+    counter = S.DeadUnitCounter([(0, "g")], samples=2)
+
+    def sample(grad):
+        values = S.read_all(counter.measure({0: grad}))
+        counter.resolve(values)
+        return values["dead_units/g"], counter.streaks[0].tolist()
+
+    assert sample(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])) == (0.0, [1, 0, 1])
+    assert sample(torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, -2.0]])) == (pytest.approx(1 / 3), [2, 1, 0])
+    assert sample(torch.zeros(3, 2)) == (pytest.approx(1 / 3), [2, 1, 0])  # an expert no token reached
+    assert sample(torch.zeros(3, 2) + torch.tensor([[0.0], [0.0], [1.0]])) == (pytest.approx(2 / 3), [3, 2, 0])
 
 
 def test_the_detector_tells_once_per_group_until_the_share_falls_under_half_its_threshold():

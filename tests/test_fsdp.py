@@ -770,3 +770,64 @@ def test_blocks_compiled_one_by_one_under_fsdp2_compile_and_train_as_without_the
         assert all(torch.equal(a, b) for a, b in zip(bare["params"], mon["params"]))
         assert mon["events"] == []
         assert mon["watched"] == ["act_absmax/0", "act_absmax/4"]  # outside the compiled blocks: watched
+
+
+# --------------------------------------------------------------------------------------------
+# dead units
+# --------------------------------------------------------------------------------------------
+
+
+def _relu_mlp(sharded):
+    """16 units in each hidden layer; the first layer's units 0-11 never switch on (bias -100).
+    Sharded, rank 0 holds rows 0-7 (all dead), rank 1 rows 8-15 (4 dead): 12 of 16 in all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        model[0].bias[:12] = -100.0
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+    return model
+
+
+def _train_dead(model, mon, opt, batches):
+    seen = []
+    for x, y in batches:
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append({k: v for k, v in mon.stats.items() if k.startswith("dead_units/")})
+    return seen
+
+
+def _dead_worker(rank, port, out):
+    _join(rank, port)
+    model = _relu_mlp(sharded=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cfg = _quiet(stats={"dead_units_every": 1, "dead_units_samples": 3})
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=cfg)
+    seen = _train_dead(model, mon, opt, [_half(b, rank) for b in _batches(4)])
+    events = _events(mon)
+    mon.detach()
+    torch.save({"seen": seen, "events": events}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_dead_units_under_fsdp2_are_the_unsharded_models_shares_on_every_rank(tmp_path):
+    """Each rank counts the dead units of its own rows; the counts are summed at the read, so every
+    rank reads 12 of 16 (not its own 8 of 8 or 4 of 8) and tells the same event."""
+    r0, r1 = _run(_dead_worker, tmp_path)
+    model = _relu_mlp(sharded=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cfg = _quiet(stats={"dead_units_every": 1, "dead_units_samples": 3})
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "ref"), sinks=[], config=cfg)
+    ref = _train_dead(model, mon, opt, _batches(4))
+    ref_events = _events(mon)
+    mon.detach()
+    assert r0["seen"] == r1["seen"] == ref
+    assert [s["dead_units/0"] for s in ref] == [0.0, 0.0, 0.75, 0.75]
+    assert r0["events"] == r1["events"] == ref_events == [(2, "dead_units", [], None)]
