@@ -22,6 +22,10 @@ practitioner would apply). CPU, one thread, synthetic data from ``torch.Generato
   MLP (width 64, no normalisation) classifying a teacher's labels under SGD lr 0.2 momentum 0.9
   from the first step, 400 steps of batch 64; its gradients grow for ten steps, then it diverges
   (a helper's probe of published instabilities). Fixed: a linear warm-up over 100 steps.
+* ``dying_relu`` (Lu et al. 2019, arXiv 1903.06733): a ReLU MLP 32-256-256-256-1 regressing a
+  teacher under Adam, 400 steps of batch 64, its LR schedule starting hot (0.05 for 50 steps, then
+  1e-3): most hidden units end below zero for every input and never come back. Fixed: 1e-3 from
+  the first step.
 
 Columns, per scenario over the seeds: the step at which each bare run shows the trouble (its first
 training loss that is non-finite or over 3x the running minimum, after step 10: a generic rule that
@@ -240,12 +244,40 @@ def deep_residual_no_warmup(seed: int, steps: int = 400, lr: float = 0.2) -> Spe
     return Spec(build, lambda arm: data, ce, mk(4096), lr_at=lr_at, held_out_loss=ce)
 
 
+def dying_relu(seed: int, steps: int = 400, hot: int = 50) -> Spec:
+    """A ReLU MLP (32-256-256-256-1) regressing a teacher under Adam, its LR schedule starting hot:
+    0.05 for the first ``hot`` steps, then 1e-3. The hot start pushes most hidden units below zero
+    for every input; they never come back (Lu et al. 2019, arXiv 1903.06733). Fixed: 1e-3 from
+    the first step."""
+    g = _gen(seed, 6)
+    wt, vt = torch.randn(32, 64, generator=g) / 32**0.5, torch.randn(64, 1, generator=g) / 8
+
+    def mk(n):
+        x = torch.randn(n, 32, generator=g)
+        return x, torch.tanh(x @ wt) @ vt
+
+    data = [mk(64) for _ in range(steps)]
+
+    def build(arm):
+        layers: list[nn.Module] = [nn.Linear(32, 256), nn.ReLU()]
+        for _ in range(2):
+            layers += [nn.Linear(256, 256), nn.ReLU()]
+        m = nn.Sequential(*layers, nn.Linear(256, 1))
+        return m, torch.optim.Adam(m.parameters(), lr=1e-3)
+
+    def lr_at(arm, k):
+        return 0.05 if k < hot and arm != "fixed" else 1e-3
+
+    return Spec(build, lambda arm: data, _mse, mk(2048), lr_at=lr_at)
+
+
 SCENARIOS: dict[str, Callable[..., Spec]] = {
     "adam_second_moment_lag": adam_second_moment_lag,
     "rnn_exploding_gradients": rnn_exploding_gradients,
     "corrupt_batch": corrupt_batch,
     "lr_jump_sgd": lr_jump_sgd,
     "deep_residual_no_warmup": deep_residual_no_warmup,
+    "dying_relu": dying_relu,
 }
 ARMS = ("bare", "monitored", "fixed")
 
