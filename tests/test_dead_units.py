@@ -144,3 +144,11 @@ def test_the_detector_tells_once_per_group_until_the_share_falls_under_half_its_
 def test_bad_thresholds_are_refused(bad):
     with pytest.raises(sfmonitor.ConfigError, match="threshold"):
         sfmonitor.MonitorConfig.from_dict({"detectors": {"dead_units": bad}})
+
+
+def test_zero_rows_of_bf16_and_complex_gradients():
+    g = torch.tensor([[0.0, 0.0], [0.0, -1.0]], dtype=torch.bfloat16)
+    assert S.zero_rows(g).tolist() == [True, False]
+    c = torch.zeros(2, 3, dtype=torch.complex64)
+    c[1, 2] = 1j
+    assert S.zero_rows(c).tolist() == [True, False]
