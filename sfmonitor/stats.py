@@ -288,8 +288,12 @@ def zero_rows(grad: torch.Tensor) -> torch.Tensor:
 
 
 class DeadUnitCounter:
-    """``dead_units/<group>``: per layer, the share of its units whose gradient row was exactly
-    zero on each of the last ``samples`` samples; per group, its layers' largest share.
+    """``dead_units/<group>``: per layer, the share of its units that died: their gradient row was
+    exactly zero on each of the last ``samples`` samples, and non-zero on some sample before; per
+    group, its layers' largest share. Units never seen alive are not counted: a deep narrow ReLU
+    MLP at PyTorch's default init has most units of some layers off from the start, for every input,
+    and trains as well as with an init that has few (a helper's sweep: 0.66-0.75 of a layer at
+    batch 1-64 for units off from the start; units that died, 0.09-0.25).
 
     Each unit's count of zero rows in a row lives on the device (4 bytes a unit). ``measure`` (before
     the step's read) gives per group, per layer, the units whose count reaches ``samples`` with this
@@ -304,6 +308,7 @@ class DeadUnitCounter:
         self.layers = list(layers)  # (parameter index, group name) of each weight watched
         self.samples = samples
         self.streaks: dict[int, torch.Tensor] = {}
+        self.alive: dict[int, torch.Tensor] = {}  # per unit: a non-zero gradient row seen on some sample
         self._units: dict[int, torch.Tensor] = {}  # a layer's local units, as a tensor (built once)
         self._pending: dict[str, list[tuple[int, torch.Tensor | None]]] = {}
 
@@ -325,7 +330,9 @@ class DeadUnitCounter:
                 streak = self.streaks.get(i)
                 if streak is None:
                     streak = self.streaks[i] = torch.zeros(g.shape[0], dtype=torch.int32, device=g.device)
-                counts = [((streak >= k - 1) & zero).sum(), (streak >= k).sum(), (~zero).sum()]
+                    self.alive[i] = torch.zeros(g.shape[0], dtype=torch.bool, device=g.device)
+                was = self.alive[i]  # (a unit dead on the last k samples was alive before them)
+                counts = [((streak >= k - 1) & zero & was).sum(), ((streak >= k) & was).sum(), (~zero).sum()]
                 slots = torch.stack(counts).float()
             else:  # FSDP2: this rank holds none of the layer's rows; the same slots, empty
                 slots = torch.zeros(3, device=g.device)
@@ -348,6 +355,7 @@ class DeadUnitCounter:
                 if zero is not None and not cut:
                     streak = self.streaks[i]
                     self.streaks[i] = torch.where(zero, streak + 1, 0)
+                    self.alive[i] = self.alive[i] | ~zero
                 if units > 0:
                     shares.append((kept if cut else reached) / units)
             values[key] = max(shares, default=0.0)

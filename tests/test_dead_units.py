@@ -13,16 +13,20 @@ from sfmonitor.detectors import DeadUnits, DeadUnitsConfig
 
 
 class Net(nn.Module):
-    """A ReLU MLP; ``kill`` of the first hidden layer's 64 units get a bias of -100: no input of
-    this data switches them on, their gradients are exactly zero from the first step."""
+    """A ReLU MLP; at step 5 (``kill_units``) ``kill`` of the first hidden layer's 64 units get a
+    bias of -100: no input of this data switches them on any more, their gradients are exactly zero
+    from then on (the sample at step 0 saw them alive)."""
 
     def __init__(self, kill: int = 0):
         super().__init__()
+        self.kill = kill
         self.inp = nn.Linear(8, 64)
         self.hidden = nn.Linear(64, 64)
         self.out = nn.Linear(64, 1)
+
+    def kill_units(self):
         with torch.no_grad():
-            self.inp.bias[:kill] = -100.0
+            self.inp.bias[: self.kill] = -100.0
 
     def forward(self, x):
         return self.out(torch.relu(self.hidden(torch.relu(self.inp(x)))))
@@ -40,6 +44,8 @@ def _run(tmp_path, kill, steps=60, monitored=True, config=None):
     )
     seen = []
     for i in range(steps):
+        if i == 5:
+            model.kill_units()
         g = torch.Generator().manual_seed(i)
         x = torch.randn(16, 8, generator=g)
         loss = (model(x) - x[:, :1]).pow(2).mean()
@@ -55,23 +61,41 @@ def _run(tmp_path, kill, steps=60, monitored=True, config=None):
 
 
 def test_a_layer_whose_units_died_is_told_once_naming_its_group_and_training_is_untouched(tmp_path):
-    """48 of the first layer's 64 units dead: every sample (each 10 steps) finds their gradient rows
-    exactly zero; at the fifth sample (step 40; stats.dead_units_samples 5) 75% of the layer's
-    units are dead. Told once, no action, the run bit-identical to the bare one."""
+    """48 of the first layer's 64 units die at step 5: every sample from step 10 on (each 10 steps)
+    finds their gradient rows exactly zero; at the fifth (step 50; stats.dead_units_samples 5) 75%
+    of the layer's units are dead. Told once, no action, the run bit-identical to the bare one."""
     model, events, seen = _run(tmp_path / "mon", kill=48)
     bare, _, _ = _run(tmp_path / "bare", kill=48, monitored=False)
     told = [e for e in events if e.kind == "dead_units"]
-    assert [(e.step, e.data["share"]) for e in told] == [(40, 0.75)], events
+    assert [(e.step, e.data["share"]) for e in told] == [(50, 0.75)], events
     assert told[0].actions == [] and "group inp" in told[0].message and "LR" in told[0].message
-    assert seen[40]["dead_units/inp"] == 0.75 and seen[30]["dead_units/inp"] == 0.0  # 4 samples: not yet
-    assert seen[41] == {}  # sampled steps only (stats.dead_units_every: 10)
+    assert seen[50]["dead_units/inp"] == 0.75 and seen[40]["dead_units/inp"] == 0.0  # 4 samples: not yet
+    assert seen[51] == {}  # sampled steps only (stats.dead_units_every: 10)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
 
 
 def test_at_the_defaults_a_unit_is_dead_after_20_samples_10_steps_apart(tmp_path):
-    _, events, seen = _run(tmp_path, kill=48, steps=200, config={})
-    assert [(e.step, e.kind) for e in events] == [(190, "dead_units")], events
-    assert seen[180]["dead_units/inp"] == 0.0 and seen[190]["dead_units/inp"] == 0.75
+    _, events, seen = _run(tmp_path, kill=48, steps=210, config={})
+    assert [(e.step, e.kind) for e in events] == [(200, "dead_units")], events
+    assert seen[190]["dead_units/inp"] == 0.0 and seen[200]["dead_units/inp"] == 0.75
+
+
+def test_units_off_from_the_start_are_not_counted(tmp_path):
+    """Units no input switched on from the first step (a deep narrow ReLU MLP at the default init
+    has many, and trains as well as with an init that has few) did not die: not counted."""
+    torch.manual_seed(0)
+    model = Net(kill=48)
+    model.kill_units()  # before the first step
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    cfg = {**quiet(), "stats": {"dead_units_samples": 5}}
+    mon = sfmonitor.attach(model, optimizer, run_dir=str(tmp_path), sinks=[], config=cfg)
+    for i in range(61):  # the last one sampled
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+        mon.combine((model(x) - x[:, :1]).pow(2).mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert mon.stats["dead_units/inp"] == 0.0 and not [e for e in mon.events if e.kind == "dead_units"]
+    mon.detach()
 
 
 def test_a_healthy_relu_network_is_not_told(tmp_path):
@@ -112,18 +136,20 @@ def test_zero_rows_are_rows_exactly_zero():
     assert S.zero_rows(conv).tolist() == [True, False, True, False]
 
 
-def test_the_counter_counts_zero_rows_in_a_row_and_keeps_them_through_an_all_zero_gradient():
+def test_the_counter_counts_units_that_died_and_keeps_counts_through_an_all_zero_gradient():
     counter = S.DeadUnitCounter([(0, "g")], samples=2)
 
-    def sample(grad):
-        values = S.read_all(counter.measure({0: grad}))
+    def sample(*rows):
+        values = S.read_all(counter.measure({0: torch.tensor(rows, dtype=torch.float32)}))
         counter.resolve(values)
         return values["dead_units/g"], counter.streaks[0].tolist()
 
-    assert sample(torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])) == (0.0, [1, 0, 1])
-    assert sample(torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, -2.0]])) == (pytest.approx(1 / 3), [2, 1, 0])
-    assert sample(torch.zeros(3, 2)) == (pytest.approx(1 / 3), [2, 1, 0])  # an expert no token reached
-    assert sample(torch.zeros(3, 2) + torch.tensor([[0.0], [0.0], [1.0]])) == (pytest.approx(2 / 3), [3, 2, 0])
+    z = [0.0, 0.0]
+    assert sample([1.0, 0.0], [1.0, 0.0], z, z) == (0.0, [0, 0, 1, 1])  # units 2, 3: not seen alive
+    assert sample(z, z, z, z) == (0.0, [0, 0, 1, 1])  # an expert no token reached: says nothing
+    assert sample(z, z, [0.0, 1.0], z) == (0.0, [1, 1, 0, 2])
+    assert sample(z, [1.0, 0.0], z, z) == (0.25, [2, 0, 1, 3])  # unit 0 died; unit 3 never lived
+    assert sample(z, z, z, z) == (0.25, [2, 0, 1, 3])
 
 
 def test_the_detector_tells_once_per_group_until_the_share_falls_under_half_its_threshold():

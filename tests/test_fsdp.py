@@ -778,12 +778,11 @@ def test_blocks_compiled_one_by_one_under_fsdp2_compile_and_train_as_without_the
 
 
 def _relu_mlp(sharded):
-    """16 units in each hidden layer; the first layer's units 0-11 never switch on (bias -100).
-    Sharded, rank 0 holds rows 0-7 (all dead), rank 1 rows 8-15 (4 dead): 12 of 16 in all."""
+    """16 units in each hidden layer; after the first step the first layer's units 0-11 never
+    switch on again (``_kill``). Sharded, rank 0 holds rows 0-7 (all dead), rank 1 rows 8-15 (4
+    dead): 12 of 16 in all."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-    with torch.no_grad():
-        model[0].bias[:12] = -100.0
     if sharded:
         from torch.distributed.fsdp import fully_shard
 
@@ -794,9 +793,21 @@ def _relu_mlp(sharded):
     return model
 
 
+def _kill(model):
+    bias = model[0].bias
+    with torch.no_grad():
+        if hasattr(bias, "to_local"):  # this rank's rows: 8 of the 16
+            rows = range(dist.get_rank() * 8, dist.get_rank() * 8 + 8)
+            bias.to_local()[[r - rows.start for r in rows if r < 12]] = -100.0
+        else:
+            bias[:12] = -100.0
+
+
 def _train_dead(model, mon, opt, batches):
     seen = []
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if i == 1:
+            _kill(model)
         mon.combine(nn.functional.mse_loss(model(x), y)).backward()
         opt.step()
         opt.zero_grad()
@@ -810,7 +821,7 @@ def _dead_worker(rank, port, out):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     cfg = _quiet(stats={"dead_units_every": 1, "dead_units_samples": 3})
     mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=cfg)
-    seen = _train_dead(model, mon, opt, [_half(b, rank) for b in _batches(4)])
+    seen = _train_dead(model, mon, opt, [_half(b, rank) for b in _batches(5)])
     events = _events(mon)
     mon.detach()
     torch.save({"seen": seen, "events": events}, os.path.join(out, f"rank{rank}.pt"))
@@ -825,9 +836,9 @@ def test_dead_units_under_fsdp2_are_the_unsharded_models_shares_on_every_rank(tm
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     cfg = _quiet(stats={"dead_units_every": 1, "dead_units_samples": 3})
     mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "ref"), sinks=[], config=cfg)
-    ref = _train_dead(model, mon, opt, _batches(4))
+    ref = _train_dead(model, mon, opt, _batches(5))
     ref_events = _events(mon)
     mon.detach()
     assert r0["seen"] == r1["seen"] == ref
-    assert [s["dead_units/0"] for s in ref] == [0.0, 0.0, 0.75, 0.75]
-    assert r0["events"] == r1["events"] == ref_events == [(2, "dead_units", [], None)]
+    assert [s["dead_units/0"] for s in ref] == [0.0, 0.0, 0.0, 0.75, 0.75]
+    assert r0["events"] == r1["events"] == ref_events == [(3, "dead_units", [], None)]
