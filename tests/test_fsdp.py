@@ -47,10 +47,11 @@ def _mlp():
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def _sharded():
+def _sharded(model=None):
+    """``model`` (the MLP by default) with each Linear and the root sharded."""
     from torch.distributed.fsdp import fully_shard
 
-    model = _mlp()
+    model = _mlp() if model is None else model
     for m in model:
         if isinstance(m, nn.Linear):
             fully_shard(m)
@@ -783,14 +784,7 @@ def _relu_mlp(sharded):
     dead): 12 of 16 in all."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
-    if sharded:
-        from torch.distributed.fsdp import fully_shard
-
-        for m in model:
-            if isinstance(m, nn.Linear):
-                fully_shard(m)
-        fully_shard(model)
-    return model
+    return _sharded(model) if sharded else model
 
 
 def _kill(model):
