@@ -424,7 +424,7 @@ class DeadUnitsConfig(Section):
     threshold: float = option(
         0.5,
         "tell when a layer has this share of its units dead (gradient rows exactly zero on "
-        "stats.dead_units_samples samples in a row); again only after it fell under half of it",
+        "stats.dead_units_samples samples in a row after one that was not); again only after it fell under half of it",
         lo=0,
         hi=1,
         lo_open=True,
@@ -559,6 +559,18 @@ class _Told(_Windowed):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.told = set(state.get("told", []))
+
+    def reaches(self, key: str, value: float, threshold: float) -> bool:
+        """Whether ``key`` is to be told now: ``value`` at or over ``threshold`` and not told since
+        it last fell under half of it (which re-arms it)."""
+        if key in self.told:
+            if value < threshold / 2:
+                self.told.discard(key)
+            return False
+        if value < threshold:
+            return False
+        self.told.add(key)
+        return True
 
 
 # A loss jump alone is most often the batch (a bad update shows as an update-ratio spike, undone
@@ -1510,13 +1522,8 @@ class StaleUpdate(_Told):
         if step < cfg.start or len(window) < cfg.window:
             return []
         median = _median(list(window))
-        if self.KEY in self.told:
-            if median < cfg.threshold / 2:
-                self.told.discard(self.KEY)
+        if not self.reaches(self.KEY, median, cfg.threshold):
             return []
-        if median < cfg.threshold:
-            return []
-        self.told.add(self.KEY)
         groups = sorted(
             (
                 (k[len(UPDATE_STALE_PREFIX) :], v)
@@ -1545,10 +1552,11 @@ class StaleUpdate(_Told):
 @register_detector("dead_units", config=DeadUnitsConfig, kinds={DEAD_UNITS: [(1, [])]})
 class DeadUnits(_Told):
     """``dead_units/<group>``: the largest share, over the group's nn.Linear / nn.Conv layers, of
-    units whose gradient row was exactly zero on each of the last ``stats.dead_units_samples``
-    samples. Told once per group when it reaches ``threshold``, again only after it fell under half
-    of it. A unit dead for good stays so under every action the monitor has (a lower LR does not
-    switch it on): the event names the cause and the cures."""
+    units that died: their gradient row was exactly zero on each of the last
+    ``stats.dead_units_samples`` samples and non-zero on one before (``stats.DeadUnitCounter``).
+    Told once per group when it reaches ``threshold``, again only after it fell under half of it.
+    A unit dead for good stays so under every action the monitor has (a lower LR does not switch
+    it on): the event names the cause and the cures."""
 
     kind = DEAD_UNITS
 
@@ -1561,13 +1569,8 @@ class DeadUnits(_Told):
         for key, value in stats.items():
             if not key.startswith(DEAD_UNITS_PREFIX) or not S.finite(value):
                 continue
-            if key in self.told:
-                if value < cfg.threshold / 2:
-                    self.told.discard(key)
+            if not self.reaches(key, value, cfg.threshold):
                 continue
-            if value < cfg.threshold:
-                continue
-            self.told.add(key)
             group = key[len(DEAD_UNITS_PREFIX) :]
             out.append(
                 Finding(

@@ -24,8 +24,8 @@ key                            meaning
 ``act_absmax/<module>``        max |activation| seen in the module (overflow watch)
 ``attn_logit_max/<module>``    max attention logit of an attention module (``/h<i>``: per head)
 ``attn_entropy/<module>``      mean softmax entropy (nats) of its attention rows, over heads
-``dead_units/<group>``         the largest share, over the group's layers, of units whose
-                               gradient row stayed exactly zero on the last samples
+``dead_units/<group>``         the largest share, over the group's layers, of units that died
+                               (gradient rows exactly zero on the last samples, not before)
 =============================  ==============================================================
 
 Sharded parameters (FSDP2 ``fully_shard``: DTensor parameters and gradients) are measured on each
@@ -63,8 +63,8 @@ UPDATE_RATIO = "update_ratio/{}"
 # update_stale/total: over all of them).
 UPDATE_STALE = "update_stale/{}"
 # Of a group's nn.Linear / nn.Conv layers: the largest share of a layer's units (output features,
-# output channels) whose gradient row was exactly zero on each of the last
-# ``stats.dead_units_samples`` sampled steps (``dead_rows``). Sampled steps only.
+# output channels) that died: gradient row exactly zero on each of the last
+# ``stats.dead_units_samples`` sampled steps, non-zero on one before (``DeadUnitCounter``).
 DEAD_UNITS = "dead_units/{}"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The user's LR of a group's update (the largest of its parameters' param groups, before the
@@ -295,7 +295,8 @@ class DeadUnitCounter:
     and trains as well as with an init that has few (a helper's sweep: 0.66-0.75 of a layer at
     batch 1-64 for units off from the start; units that died, 0.09-0.25).
 
-    Each unit's count of zero rows in a row lives on the device (4 bytes a unit). ``measure`` (before
+    Each unit's count of zero rows in a row and whether it was seen alive live on the device (5 bytes
+    a unit). ``measure`` (before
     the step's read) gives per group, per layer, the units whose count reaches ``samples`` with this
     sample, those already there, the units alive in it and the units: summed across ranks at the
     read (FSDP2: each rank counts its own rows; a DDP replica doubles every count alike), so the
@@ -309,7 +310,7 @@ class DeadUnitCounter:
         self.samples = samples
         self.streaks: dict[int, torch.Tensor] = {}
         self.alive: dict[int, torch.Tensor] = {}  # per unit: a non-zero gradient row seen on some sample
-        self._units: dict[int, torch.Tensor] = {}  # a layer's local units, as a tensor (built once)
+        self._units: dict[int, torch.Tensor] = {}  # a layer's local units, an int64 tensor (built once)
         self._pending: dict[str, list[tuple[int, torch.Tensor | None]]] = {}
 
     def measure(self, grads: Mapping[int, torch.Tensor]) -> dict[str, Vector]:
@@ -323,8 +324,9 @@ class DeadUnitCounter:
                 continue
             units = self._units.get(i)
             if units is None:
-                units = self._units[i] = torch.tensor(float(g.shape[0]), device=g.device)
+                units = self._units[i] = torch.tensor(g.shape[0], device=g.device)
             zero: torch.Tensor | None = None
+            slots = torch.zeros(4, dtype=torch.int64, device=g.device)  # FSDP2: none of the layer's rows here
             if g.shape[0]:
                 zero = zero_rows(g)
                 streak = self.streaks.get(i)
@@ -332,13 +334,11 @@ class DeadUnitCounter:
                     streak = self.streaks[i] = torch.zeros(g.shape[0], dtype=torch.int32, device=g.device)
                     self.alive[i] = torch.zeros(g.shape[0], dtype=torch.bool, device=g.device)
                 was = self.alive[i]  # (a unit dead on the last k samples was alive before them)
-                counts = [((streak >= k - 1) & zero & was).sum(), ((streak >= k) & was).sum(), (~zero).sum()]
-                slots = torch.stack(counts).float()
-            else:  # FSDP2: this rank holds none of the layer's rows; the same slots, empty
-                slots = torch.zeros(3, device=g.device)
+                reached, kept = ((streak >= k - 1) & zero & was).sum(), ((streak >= k) & was).sum()
+                slots = torch.stack([reached, kept, (~zero).sum(), units])
             self._pending.setdefault(group, []).append((i, zero))
-            parts.setdefault(group, []).append(torch.cat([slots, units.reshape(1)]))
-        return {DEAD_UNITS.format(group): Vector(torch.cat(p)) for group, p in parts.items()}
+            parts.setdefault(group, []).append(slots)
+        return {DEAD_UNITS.format(group): Vector(torch.cat(p).float()) for group, p in parts.items()}
 
     def resolve(self, values: dict[str, Any]) -> None:
         """After the read: each group's slots in ``values`` become its largest share, and each
@@ -631,16 +631,16 @@ class StatsConfig(Section):
     )
     dead_units_every: int = option(
         10,
-        "sample dead_units/<group> every N optimizer steps (0: never): one max-abs per gradient row of each "
-        "nn.Linear / nn.Conv layer (a read of their gradients)",
+        "sample dead_units/<group> every N optimizer steps (0: never): the largest and smallest element of "
+        "each gradient row of each nn.Linear / nn.Conv layer (a read of their gradients)",
         lo=0,
     )
     dead_units_samples: int = option(
         20,
         "a unit is dead when its gradient row was exactly zero on this many samples in a row (every "
         "dead_units_every steps): a healthy ReLU unit is off for a whole batch now and then, a dead one always. "
-        "Measured on healthy ReLU MLPs (docs/benchmarks.md): at batch 1 the largest share read 0.38-0.44 over 5 "
-        "samples, 0.09-0.22 over 20",
+        "Measured on healthy ReLU MLPs, counting units off from the start too (docs/benchmarks.md): at batch 1 "
+        "the largest share read 0.38-0.44 over 5 samples, 0.09-0.22 over 20",
         lo=1,
     )
     grad_ratio_every: int = option(

@@ -178,3 +178,23 @@ def test_zero_rows_of_bf16_and_complex_gradients():
     c = torch.zeros(2, 3, dtype=torch.complex64)
     c[1, 2] = 1j
     assert S.zero_rows(c).tolist() == [True, False]
+
+
+def test_convolutions_are_watched_transposed_ones_and_small_layers_not(tmp_path):
+    """A convolution's dim 0 is its output channels (watched); a transposed convolution's is its
+    input channels (not units: not watched); a head of 4 units is under MIN_UNITS."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.ConvTranspose2d(16, 8, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 4),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, optimizer, run_dir=str(tmp_path), sinks=[], config=quiet())
+    x = torch.randn(2, 3, 4, 4)
+    mon.combine(model(x).pow(2).mean()).backward()
+    optimizer.step()
+    assert {k for k in mon.stats if k.startswith("dead_units/")} == {"dead_units/0"}
+    mon.detach()
