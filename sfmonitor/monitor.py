@@ -1531,8 +1531,14 @@ class Monitor:
             findings += judged
             if prev_rec.update_landed:  # was the update the state comes from judged, and sound?
                 measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
+                # Judged against the run's own updates: in the update-ratio test's warm-up only its
+                # ceiling judges, and an update under it can still wreck the state (Adam's first
+                # step moves every weight by the LR): every batch's loss then jumps on it, and
+                # skipping them one by one (the bad-batch rule) would waste dozens of steps.
+                says = [getattr(d, "judged_on_history", lambda: None)() for d in self._detectors if d.after_update]
+                on_history = True in says and False not in says
                 # (a large update that did not raise the loss is told, and sound)
-                self._last_update_sound = measured and all(f.kind == LARGE_UPDATE for f in judged)
+                self._last_update_sound = measured and on_history and all(f.kind == LARGE_UPDATE for f in judged)
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
         if any(f.kind == LOSS_LEVEL_SHIFT and f.where == _TOTAL for f in findings):
             for d in self._detectors:  # the data changed: what was usual before no longer is

@@ -202,6 +202,41 @@ def test_loss_jumps_in_a_row_on_an_unchanged_sound_state_are_bad_batches(tmp_pat
     mon.detach()
 
 
+def test_a_blow_up_in_the_first_steps_is_not_taken_for_bad_batches(tmp_path):
+    # A first update too large for the weights (Adam at LR 0.8 on a regression started next to its
+    # answer: every weight moves by 0.8, 0.3x the weights' norm, under the ceiling) lands before
+    # the update-ratio test has any history to judge it by: nothing vouches for the state it made.
+    # Every batch's loss on it is ~1e4x the first: the state, not the batches. At most two
+    # skips, then back to the state before it (the snapshot of step 0) with a lower LR: never the
+    # 32 skips the bad-batch rule allows a state a measured, normal update made.
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(16, 1, generator=g)
+    model = nn.Linear(16, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(teacher.T + 0.01 * torch.randn(1, 16, generator=g))
+    opt = torch.optim.Adam(model.parameters(), lr=0.8)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg())
+    w0 = model.weight.detach().clone()
+    for k in range(12):
+        for group in opt.param_groups:
+            group["lr"] = 0.8 if k == 0 else 1e-3  # the user's schedule: a hot first step
+        x = torch.randn(32, 16, generator=g)
+        loss = mon.combine({"mse": (model(x) - x @ teacher).pow(2).mean()})
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if k == 0:  # an update under the ceiling (1): not judged by it
+            assert 0.1 < float((model.weight - w0).norm() / w0.norm()) < 1.0
+    acts = acted(mon)
+    assert acts[:2] == [(1, "loss_spike", ["skip_step"]), (2, "loss_spike", ["skip_step"])]
+    assert acts[2][0] == 3 and "rollback" in acts[2][2] and "lr_drop" in acts[2][2]
+    (ev,) = [e for e in mon.events if e.step == 3 and "rollback" in e.actions]
+    assert ev.data["action_results"]["rollback"]["restored_from"] == 0
+    assert not any("sound_state" in e.data for e in mon.events)
+    assert float((model.weight - teacher.T).norm()) < 0.5  # back next to the answer
+    mon.detach()
+
+
 def test_loss_imbalance_is_reweighted_through_combine_and_drifts_back(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.001)
