@@ -26,6 +26,9 @@ practitioner would apply). CPU, one thread, synthetic data from ``torch.Generato
   teacher under Adam, 400 steps of batch 64, its LR schedule starting hot (0.05 for 50 steps, then
   1e-3): most hidden units end below zero for every input and never come back. Fixed: 1e-3 from
   the first step.
+* ``fp16_unwatched_overflow``: a set classifier under fp16 autocast (GradScaler, Adam 3e-3, 300
+  steps of batch 32) whose parameter-free similarity module ``h @ h^T`` overflows fp16 from the
+  first step: every loss is NaN. Fixed: that module in fp32 (``precision_fallback``) from the start.
 
 Columns, per scenario over the seeds: the step at which each bare run shows the trouble (its first
 training loss that is non-finite or over 3x the running minimum, after step 10: a generic rule that
@@ -62,6 +65,7 @@ import torch
 from torch import nn
 
 import sfmonitor
+from sfmonitor.watch import precision_fallback
 
 
 @dataclass
@@ -79,6 +83,8 @@ class Spec:
     twin: bool = False  # fixed is the exact twin (the bad batch left out): compare bit for bit
     bad_step: int | None = None  # the batch index of the fault, where there is one
     held_out_loss: Callable[[nn.Module, Any], torch.Tensor] | None = None  # None: the MSE
+    amp: bool = False  # fp16 autocast with a GradScaler (every arm)
+    remedy: Callable[[nn.Module], Any] | None = None  # applied to the fixed arm's model once built
 
 
 def _gen(seed: int, salt: int) -> torch.Generator:
@@ -271,6 +277,61 @@ def dying_relu(seed: int, steps: int = 400, hot: int = 50) -> Spec:
     return Spec(build, lambda arm: data, _mse, mk(2048), lr_at=lr_at)
 
 
+class _Pairwise(nn.Module):
+    """Parameter-free pairwise similarities of a set's members, unscaled: h @ h^T."""
+
+    def forward(self, h):
+        return h @ h.transpose(-1, -2)
+
+
+class _SetPool(nn.Module):
+    """A set classifier: embed each member, pool them by their softmaxed similarities."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 64)
+        self.pairwise = _Pairwise()
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        a = torch.softmax(self.pairwise(h) / 8.0, -1)
+        return self.head((a @ h).mean(1))
+
+
+def fp16_unwatched_overflow(seed: int, steps: int = 300) -> Spec:
+    """A set classifier (8 members of 16 features at scale 48, 4 classes of a teacher) under fp16
+    autocast with a GradScaler, Adam 3e-3: its parameter-free similarity module (``h @ h^T``, no
+    pattern of the watch selects it) gives ~1e5, past fp16's 65504, from the first step; the
+    softmax of inf is NaN on every step. Fixed: that module run in fp32 from the start (what
+    ``precision_fallback`` does)."""
+    g = _gen(seed, 7)
+    w = torch.randn(16, 4, generator=g)
+
+    def mk(n):
+        x = torch.randn(n, 8, 16, generator=g) * 48
+        return x, (x.mean(1) @ w).argmax(-1)
+
+    data = [mk(32) for _ in range(steps)]
+
+    def build(arm):
+        m = _SetPool()
+        return m, torch.optim.Adam(m.parameters(), lr=3e-3)
+
+    def ce(m, b):
+        return nn.functional.cross_entropy(m(b[0]).float(), b[1])
+
+    return Spec(
+        build,
+        lambda arm: data,
+        ce,
+        mk(1024),
+        held_out_loss=ce,
+        amp=True,
+        remedy=lambda m: precision_fallback(m, "pairwise"),
+    )
+
+
 SCENARIOS: dict[str, Callable[..., Spec]] = {
     "adam_second_moment_lag": adam_second_moment_lag,
     "rnn_exploding_gradients": rnn_exploding_gradients,
@@ -278,6 +339,7 @@ SCENARIOS: dict[str, Callable[..., Spec]] = {
     "lr_jump_sgd": lr_jump_sgd,
     "deep_residual_no_warmup": deep_residual_no_warmup,
     "dying_relu": dying_relu,
+    "fp16_unwatched_overflow": fp16_unwatched_overflow,
 }
 ARMS = ("bare", "monitored", "fixed")
 
@@ -287,25 +349,33 @@ def run(spec: Spec, arm: str, seed: int) -> dict[str, Any]:
     held-out loss."""
     torch.manual_seed(seed)
     model, opt = spec.build(arm)
+    if arm == "fixed" and spec.remedy is not None:
+        spec.remedy(model)
     batches = spec.batches(arm)
     clip = spec.clip(arm)
+    scaler = torch.amp.GradScaler("cpu", enabled=spec.amp)
     losses: list[float] = []
     events: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="instabilities-") as run_dir:
         mon = None
         if arm == "monitored":
-            mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=[], config={"console": False})
+            mon = sfmonitor.attach(
+                model, opt, scaler=scaler if spec.amp else None, run_dir=run_dir, sinks=[], config={"console": False}
+            )
         try:
             for k, b in enumerate(mon.batches(batches) if mon else batches):
                 if spec.lr_at is not None:
                     for group in opt.param_groups:
                         group["lr"] = spec.lr_at(arm, k)
-                loss = spec.loss(model, b)
+                with torch.autocast("cpu", dtype=torch.float16, enabled=spec.amp):
+                    loss = spec.loss(model, b)
                 losses.append(float(loss.detach()))
-                (mon.combine(loss) if mon else loss).backward()
+                scaler.scale(mon.combine(loss) if mon else loss).backward()
                 if clip is not None:
+                    scaler.unscale_(opt)
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                opt.step()
+                scaler.step(opt)
+                scaler.update()
                 opt.zero_grad(set_to_none=True)
             if mon:
                 events = list(mon.events)

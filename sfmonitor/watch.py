@@ -50,7 +50,8 @@ each op to the innermost watched module running. On unsampled steps the hooks re
 no mode is pushed, so the cost is two Python calls per watched module call.
 
 ``precision_fallback(model, name)`` runs one module in fp32 from then on (autocast off inside it,
-floating inputs upcast, floating outputs cast back to the caller's autocast dtype), with public
+floating inputs upcast, floating outputs cast back to the caller's autocast dtype when that is
+bf16; under fp16 they stay fp32), with public
 forward hooks only -- no monkey-patching -- undone by ``handle.remove()``.
 
 Statistic keys (``pending()``):
@@ -116,6 +117,13 @@ ACT_ABSMAX_PREFIX = "act_absmax/"
 # An index, internal and per rank (stats.REDUCTIONS: LOCAL): never in monitor.stats.
 FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
 _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
+# A sampled step in which a watched module was fed an inf/NaN that no watched module made (a
+# module the patterns do not select made it: a parameter-free similarity or scaling module, a custom
+# activation) widens the watch: every module of the model is recorded on the next this many
+# sampled steps, so that the first one to make it is named and precision_fallback can act on it.
+# Then the extra hooks go. One process only: under torch.distributed every rank must read the same
+# statistic keys, and a rank that made the inf itself would not widen.
+WIDEN_STEPS = 2
 # Fully sampled training steps after which the watch says what it has not seen run (none of its
 # modules, or attention modules while others ran: inside compiled code). Two: one step may
 # legitimately skip a branch.
@@ -471,6 +479,9 @@ class ActivationWatch:
         self._sharded: set[str] = set()  # clippable modules with FSDP2 (DTensor) projections
         self._measured_dtype: torch.dtype = torch.float32  # of the logits _measure last read
         self._name_of: dict[nn.Module, str] = {}  # watched module -> its name (the hooks look it up)
+        self._wide: list[Any] = []  # the hooks of the widened watch (every module), while it lasts
+        self._wide_names: set[str] = set()  # the modules only the widened watch records
+        self._wide_left = 0  # sampled steps the widened watch still records
         self._blind = 0  # fully sampled training steps seen by check_sight
         self._seen: set[str] = set()  # modules recorded in those steps
         self.blind_warned = False
@@ -530,8 +541,38 @@ class ActivationWatch:
         self.reset(0)
         return self
 
+    def _widen(self) -> None:
+        """Record every module of the model (but the root) from the next step on, for
+        ``WIDEN_STEPS`` sampled steps: an inf/NaN reached a watched module from one it does not
+        watch."""
+        model = self._model
+        if model is None or self._wide:
+            return
+        for name, mod in model.named_modules():
+            if not name or mod in self._name_of:
+                continue
+            self._name_of[mod] = name
+            self._wide_names.add(name)
+            self._wide.append(mod.register_forward_pre_hook(self._pre_hook))
+            self._wide.append(mod.register_forward_hook(self._post_hook))
+        self._wide_left = WIDEN_STEPS
+        self._force = True
+
+    def _narrow(self) -> None:
+        """Back to the modules the config selects."""
+        for h in self._wide:
+            h.remove()
+        self._wide = []
+        self._name_of = {m: n for m, n in self._name_of.items() if n not in self._wide_names}
+        for name in self._wide_names:
+            self._trends.pop(ACT_ABSMAX_PREFIX + name, None)
+            self._streak.pop(name, None)
+            self._plan.pop(name, None)
+        self._wide_names, self._wide_left = set(), 0
+
     def detach(self) -> None:
         """Remove every hook and pop the inline mode if a forward was interrupted."""
+        self._narrow()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -882,6 +923,18 @@ class ActivationWatch:
             first_idx = next(
                 (i for i, n in enumerate(self._order) if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))), -1
             )
+        wide = bool(self._wide) and any(ACT_ABSMAX_PREFIX + n in stats for n in self._wide_names)
+        widened = set(self._wide_names) if wide else set()
+        if wide:  # a sampled step of the widened watch
+            self._wide_left -= 1
+            if 0 <= first_idx < len(self._order) or self._wide_left <= 0:
+                self._narrow()  # (the maker is named below, or was not found in time)
+            else:
+                self._force = True
+        elif not 0 <= first_idx < len(self._order) and world_size() == 1:
+            fed = [n for n in self._order if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))]
+            if fed:  # an inf/NaN reached a watched module, and none of them made it
+                self._widen()
         if 0 <= first_idx < len(self._order):
             name = self._order[first_idx]
             dtype = self._dtypes.get(name, torch.float32)
@@ -899,25 +952,38 @@ class ActivationWatch:
                 "steps_to_limit": 0.0,
                 "recommend": PRECISION_FALLBACK,
             }
+            found = ""
+            if name in widened:
+                data["found_by_widened_watch"] = True
+                found = (
+                    " -- a module the watch does not select, named by watching every module after an "
+                    "inf/NaN reached a watched one from outside"
+                )
             att = self._attention_data(name, stats)
             if att is not None:
                 data["attention"] = att
             # QK-Clip needs an exact, finite logit above tau and the module's projections; without
-            # them the overflow goes straight to the last resort of the default ladder.
+            # them the overflow goes straight to the last resort of the default ladder. An inf/NaN
+            # made in fp32 is no overflow that fp32 can cure (huge weights, a log of zero, an
+            # explicit inf): told, the first rung, never a precision fallback.
             clippable = (
                 att is not None and att["projection"] and any(finite(m) and m > att["tau"] for m in att["head_max"])
             )
+            reduced = dtype in (torch.float16, torch.bfloat16)
+            if not reduced:
+                data["recommend"] = None
             out.append(
                 Finding(
                     kind=ACTIVATION_OVERFLOW,
                     message=(
                         f"step {step}: module {name!r} is the first (in forward order) to produce "
-                        f"inf/NaN ({_dtype_name(dtype)}, limit {dtype_limit(dtype):g})"
+                        f"inf/NaN ({_dtype_name(dtype)}, limit {dtype_limit(dtype):g}){found}"
+                        + ("" if reduced or clippable else "; made in full precision: no precision fallback cures it")
                     ),
                     data=data,
                     where=name,
-                    urgent=True,
-                    occurrence=None if clippable else _last_rung(ACTIVATION_OVERFLOW),
+                    urgent=reduced or bool(clippable),
+                    occurrence=None if clippable else _last_rung(ACTIVATION_OVERFLOW) if reduced else 1,
                 )
             )
             seen.add(name)
@@ -1368,8 +1434,12 @@ def precision_fallback(model: nn.Module, module_name: str, *, cast_back: bool = 
     """Run ``model.<module_name>`` in fp32 from now on; ``handle.remove()`` undoes it.
 
     Inside the module autocast is disabled and floating inputs are upcast to fp32; floating outputs
-    are cast back to the autocast dtype the caller runs under (``cast_back``). Only for modules whose
-    parameters are fp32 (autocast mixed precision); a ``.half()`` module raises ValueError.
+    are cast back to the autocast dtype the caller runs under (``cast_back``) when that is bf16,
+    whose range is fp32's. Under fp16 they stay fp32: the module overflowed fp16's range, and its
+    outputs cast back would be inf again where they are what overflowed (a parameter-free
+    similarity module); the ops after it that autocast runs in fp16 (matmul, linear, conv) cast
+    their inputs themselves, as before. Only for modules whose parameters are fp32 (autocast mixed
+    precision); a ``.half()`` module raises ValueError.
     """
     try:
         module = model.get_submodule(module_name) if module_name else model
@@ -1409,7 +1479,7 @@ def precision_fallback(model: nn.Module, module_name: str, *, cast_back: bool = 
             return None
         ctx, caller = handle._contexts.pop()
         ctx.__exit__(None, None, None)
-        if cast_back and caller is not None and output is not None:
+        if cast_back and caller is not None and caller != torch.float16 and output is not None:
             return _map_floats(output, lambda t: t.to(caller) if t.dtype == torch.float32 else t)
         return None
 

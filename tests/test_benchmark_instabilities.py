@@ -89,3 +89,22 @@ def test_units_a_hot_lr_start_killed_are_told(ins):
     dead = [e for e in mon["events"] if e.kind == "dead_units"]
     assert [e.step for e in dead] == [200, 200] and all(e.actions == [] for e in dead), dead
     assert min(e.data["share"] for e in dead) > 0.6
+
+
+def test_an_fp16_overflow_in_a_parameter_free_module_falls_back_and_trains(ins):
+    """fp16_unwatched_overflow: the similarity module h @ h^T is selected by no watch pattern and
+    overflows fp16 from the first step. Bare, every loss is NaN and the GradScaler skips every
+    step; the monitor skips two steps, names the module from its widened watch, runs it in fp32 and
+    trains like the remedy (its outputs kept fp32: cast back to fp16 they were inf again, and the
+    remedy itself failed)."""
+    spec = ins.fp16_unwatched_overflow(0, steps=40)
+    bare, mon, fixed = (ins.run(spec, arm, 0) for arm in ("bare", "monitored", "fixed"))
+    assert not any(math.isfinite(v) for v in bare["losses"])
+    acted = [(e.step, e.kind, e.actions) for e in mon["events"] if e.actions]
+    assert acted == [
+        (0, "nonfinite_loss", ["skip_step"]),
+        (1, "nonfinite_loss", ["skip_step"]),
+        (1, "activation_overflow", ["precision_fallback"]),
+    ], acted
+    assert all(math.isfinite(v) for v in mon["losses"][2:]) and all(math.isfinite(v) for v in fixed["losses"])
+    assert mon["held_out"] < 0.5 * bare["held_out"] and mon["held_out"] < 1.5 * fixed["held_out"]

@@ -4,6 +4,8 @@ CPU autocast keeps softmax in fp16, so the unscaled q @ k^T written inline in ``
 truly overflows 65504 (the report's first trap). Sizes are tiny: fp16 on CPU is slow.
 """
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -238,7 +240,9 @@ def test_precision_fallback_gives_finite_outputs_and_remove_undoes_it():
             fused = model.fusion(model.enc(x * s))
             out = model(x * s)
         assert torch.isfinite(out), f"scale {s}"
-        assert fused.dtype == torch.float16  # cast back to the caller's autocast dtype
+        assert fused.dtype == torch.float32  # not cast back to fp16, whose range overflowed
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model.fusion(model.enc(x * s).bfloat16()).dtype == torch.bfloat16  # bf16: cast back
         stats = {k: float(v) for k, v in watch.pending().items()}
         assert watch._dtypes["fusion"] == torch.float32  # the logits now live in fp32
         assert not [f for f in watch.findings(step, stats) if f.data.get("nonfinite")]
@@ -394,3 +398,83 @@ def test_two_monitors_on_one_model_leave_no_mode_behind(tmp_path):
     for mon in mons:
         mon.detach()
     assert torch._C._len_torch_function_stack() == 0
+
+
+class _Gram(nn.Module):
+    """Parameter-free pairwise similarities: no pattern of the watch selects it."""
+
+    def forward(self, x):
+        return x @ x.transpose(-1, -2)
+
+
+class _GramNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 64)
+        self.gram = _Gram()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        s = self.gram(self.embed(x))  # overflows fp16 for large inputs: inf
+        return self.head(torch.softmax(s / 1000.0, -1).mean(1))  # finite again only in fp32
+
+
+def test_an_overflow_in_a_module_the_watch_does_not_select_is_found_and_falls_back(tmp_path):
+    # The inf is made by a parameter-free module between two watched Linears: the watched head is
+    # fed it and made nothing. The watch then records every module for the next sampled steps,
+    # names the one that made it, and precision_fallback runs it in fp32 -- its output staying
+    # fp32, which fp16 cannot hold -- after which the loss is finite. The extra hooks go again.
+    import sfmonitor
+
+    torch.manual_seed(0)
+    model = _GramNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config={"console": False})
+    assert "gram" not in mon._watch.module_names
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(6):
+        x = torch.randn(8, 8, 16, generator=g) * 50
+        y = torch.randint(0, 4, (8,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        losses.append(float(loss))
+        scaler.scale(mon.combine(loss)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    (found,) = [e for e in mon.events if e.kind == "activation_overflow"]
+    assert found.step == 1 and found.data["module"] == "gram" and found.data["found_by_widened_watch"]
+    assert found.actions == ["precision_fallback"] and found.data["dtype"] == "float16"
+    assert not math.isfinite(losses[0]) and not math.isfinite(losses[1])
+    assert all(math.isfinite(v) for v in losses[2:])  # gram runs in fp32 from step 2 on
+    assert not mon._watch._wide and "gram" not in mon._watch._name_of.values()  # narrowed again
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model.gram(model.embed(torch.randn(8, 8, 16, generator=g) * 50))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    mon.detach()
+    with torch.autocast("cpu", dtype=torch.float16):  # detach() removed the fallback
+        assert not torch.isfinite(model.gram(model.embed(torch.randn(8, 8, 16, generator=g) * 50))).all()
+
+
+def test_an_inf_made_in_fp32_is_told_and_never_falls_back(tmp_path):
+    # A watched fp32 Linear makes inf from finite inputs (weights near fp32's limit): running it in
+    # fp32 changes nothing, so the finding is told (the non-finite steps are the other findings'
+    # to answer), never answered with a precision fallback, however often it comes.
+    import sfmonitor
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1e38)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False, "watch": {"stride": 1}})
+    for _ in range(4):
+        mon.combine(model(torch.ones(2, 4)).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    made = [e for e in mon.events if e.kind == "activation_overflow"]
+    assert made and all(e.data["module"] == "0" and e.data["dtype"] == "float32" for e in made)
+    assert all(e.actions == [] and e.data["recommend"] is None for e in made)
+    assert "full precision" in made[0].message
+    mon.detach()
