@@ -1,6 +1,6 @@
 """Instabilities the monitor was not tuned on: bare, monitored and the standard remedy.
 
-Five small training instabilities from the literature and from everyday bugs, each run three ways
+Small training instabilities from the literature and from everyday bugs, each run three ways
 on the same seed and the same batches: ``bare`` (the trouble as it is), ``monitored`` (sfmonitor at
 its defaults, ``config={"console": False}``, the loop drawing its batches through
 ``monitor.batches()`` and its loss through ``monitor.combine()``) and ``fixed`` (the remedy a
