@@ -121,8 +121,8 @@ _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
 # module the patterns do not select made it: a parameter-free similarity or scaling module, a custom
 # activation) widens the watch: every module of the model is recorded on the next this many
 # sampled steps, so that the first one to make it is named and precision_fallback can act on it.
-# Then the extra hooks go. One process only: under torch.distributed every rank must read the same
-# statistic keys, and a rank that made the inf itself would not widen.
+# Then the extra hooks go. Under torch.distributed every rank widens alike: the decision is taken
+# on values every rank reads the same (the first maker's index over ranks, the largest maxima).
 WIDEN_STEPS = 2
 # Fully sampled training steps after which the watch says what it has not seen run (none of its
 # modules, or attention modules while others ran: inside compiled code). Two: one step may
@@ -915,14 +915,9 @@ class ActivationWatch:
         self._observe(step, stats)
         out: list[Finding] = []
         seen = set()
+        # Under torch.distributed the index is the first over ranks (stats.REDUCTIONS: FIRST) and
+        # the maxima the largest: every rank reads the same, and decides (and widens) alike.
         first_idx = int(stats.get(FIRST_NONFINITE_KEY, -1))
-        if not 0 <= first_idx < len(self._order) and world_size() > 1:
-            # Under torch.distributed the maxima are the max over ranks: another rank's overflow
-            # shows here as a non-finite maximum without a local index; name the first such module.
-            # (In one process no index means no watched module made it: it came with an input.)
-            first_idx = next(
-                (i for i, n in enumerate(self._order) if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))), -1
-            )
         wide = bool(self._wide) and any(ACT_ABSMAX_PREFIX + n in stats for n in self._wide_names)
         widened = set(self._wide_names) if wide else set()
         if wide:  # a sampled step of the widened watch
@@ -931,7 +926,7 @@ class ActivationWatch:
                 self._narrow()  # (the maker is named below, or was not found in time)
             else:
                 self._force = True
-        elif not 0 <= first_idx < len(self._order) and world_size() == 1:
+        elif not 0 <= first_idx < len(self._order):
             fed = [n for n in self._order if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))]
             if fed:  # an inf/NaN reached a watched module, and none of them made it
                 self._widen()

@@ -106,6 +106,56 @@ def test_one_rank_overflowing_makes_every_rank_rescue_alike(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
 
 
+def _unwatched_overflow_worker(rank, world, port, out_dir):
+    from test_watch import _GramNet
+
+    _join(rank, world, port)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(_GramNet())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    mon = sfmonitor.attach(
+        model, opt, scaler=scaler, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config={"console": False}
+    )
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(5):  # only rank 1's inputs are large: only its h @ h^T overflows fp16
+        x = torch.randn(8, 8, 16, generator=g) * (50.0 if rank == 1 else 1.0)
+        y = torch.randint(0, 4, (8,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        losses.append(float(loss))
+        scaler.scale(mon.combine(loss)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    torch.save(
+        {
+            "events": [(e.step, e.kind, e.actions, e.data.get("module")) for e in mon.events],
+            "params": [p.detach().clone() for p in model.parameters()],
+            "losses": losses,
+            "wide": bool(mon._watch._wide),
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+    mon.detach()
+    _leave()
+
+
+def test_an_overflow_no_watched_module_made_is_found_on_every_rank_alike(tmp_path):
+    # The parameter-free module that overflows is watched by no pattern; its inf reaches a watched
+    # Linear on rank 1 only. Both ranks widen the watch in the same step (they read the same
+    # reduced maxima and first index), name the module, and run it in fp32; the replicas stay equal.
+    mp.spawn(_unwatched_overflow_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["events"] == r1["events"]
+    fallback = [e for e in r0["events"] if "precision_fallback" in e[2]]
+    assert fallback == [(1, "activation_overflow", ["precision_fallback"], "gram")], r0["events"]
+    assert all(v == v and abs(v) != float("inf") for v in r1["losses"][2:])
+    assert not r0["wide"] and not r1["wide"]
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+
+
 def test_tell_ranks_names_where_a_nonfinite_value_started():
     from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM, Finding
     from sfmonitor.integrations.distributed import culprit_ranks, tell_ranks
