@@ -29,6 +29,9 @@ practitioner would apply). CPU, one thread, synthetic data from ``torch.Generato
 * ``fp16_unwatched_overflow``: a set classifier under fp16 autocast (GradScaler, Adam 3e-3, 300
   steps of batch 32) whose parameter-free similarity module ``h @ h^T`` overflows fp16 from the
   first step: every loss is NaN. Fixed: that module in fp32 (``precision_fallback``) from the start.
+* ``adam_eps_too_large``: a tanh MLP 32-128-128-1 regression under AdamW (LR 1e-3) with eps 1e-2,
+  400 steps of batch 64: eps, not the gradients, sizes most steps. Fixed: eps 1e-8. The monitor
+  only tells this one (``adam_eps``): it does not change an optimizer's hyperparameters.
 
 Columns, per scenario over the seeds: the step at which each bare run shows the trouble (its first
 training loss that is non-finite or over 3x the running minimum, after step 10: a generic rule that
@@ -277,6 +280,26 @@ def dying_relu(seed: int, steps: int = 400, hot: int = 50) -> Spec:
     return Spec(build, lambda arm: data, _mse, mk(2048), lr_at=lr_at)
 
 
+def adam_eps_too_large(seed: int, steps: int = 400) -> Spec:
+    """A tanh MLP 32-128-128-1 regressing a teacher under AdamW at LR 1e-3 with eps 1e-2, as set
+    for another gradient scale: the first layers' gradients (~1e-3) sit under eps, which then sizes
+    their steps (an SGD step at lr / eps). Fixed: eps 1e-8, the default."""
+    g = _gen(seed, 8)
+    w = torch.randn(32, 1, generator=g)
+
+    def mk(n):
+        x = torch.randn(n, 32, generator=g)
+        return x, torch.tanh(x @ w)
+
+    data = [mk(64) for _ in range(steps)]
+
+    def build(arm):
+        m = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-8 if arm == "fixed" else 1e-2)
+
+    return Spec(build, lambda arm: data, _mse, mk(2048))
+
+
 class _Pairwise(nn.Module):
     """Parameter-free pairwise similarities of a set's members, unscaled: h @ h^T."""
 
@@ -340,6 +363,7 @@ SCENARIOS: dict[str, Callable[..., Spec]] = {
     "deep_residual_no_warmup": deep_residual_no_warmup,
     "dying_relu": dying_relu,
     "fp16_unwatched_overflow": fp16_unwatched_overflow,
+    "adam_eps_too_large": adam_eps_too_large,
 }
 ARMS = ("bare", "monitored", "fixed")
 

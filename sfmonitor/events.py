@@ -38,6 +38,7 @@ BAD_BATCH = "bad_batch"
 VANISHING_GRADIENT = "vanishing_gradient"
 STALE_UPDATE = "stale_update"
 DEAD_UNITS = "dead_units"
+ADAM_EPS = "adam_eps"
 
 # Action names; each is registered (registry.ACTIONS) in actions.py with its function.
 SKIP_STEP = "skip_step"

@@ -532,6 +532,7 @@ class Monitor:
         self._outside: list[tuple[str, nn.Parameter]] = []
         self._params: list[nn.Parameter] = []  # the monitored parameters (_index_params)
         self._dead = S.DeadUnitCounter([], 1)  # dead_units/<group> (_index_params: its layers)
+        self._group_of_id: dict[int, str] = {}  # id(parameter) -> its group (adam_eps/<group>)
         self._lock: str | None = None
         self._router: SinkRouter | None = None
         self._hooks: list[Any] = []
@@ -690,6 +691,7 @@ class Monitor:
         self._dead = S.DeadUnitCounter(
             [(i, self._group_names[self._param_group[i]]) for i in units], self.config.stats.dead_units_samples
         )
+        self._group_of_id = {id(p): self._group_names[self._param_group[i]] for i, p in enumerate(self._params)}
         shapes = {g: [tuple(p.shape) for _, p in ps] for g, ps in self.groups.items()}
         for d in self._detectors:  # plain data: detectors never touch the model
             layout = getattr(d, "layout", None)
@@ -1506,6 +1508,7 @@ class Monitor:
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
         self._dead.resolve(values)  # dead_units/<group>: counts summed across ranks -> shares
+        S.shares(values, S.ADAM_EPS.format(""))  # adam_eps/<group>: [under eps, counted] -> share
         if last is not None:
             self._publish(last, {k[len("prev:") :]: values.pop(k) for k in prev})
         rec.internal = {k: values.pop(k) for k in list(values) if k in S.INTERNAL}
@@ -1863,6 +1866,9 @@ class Monitor:
         if every and rec.step % every == 0 and self._dead.layers:
             out.update(self._dead.measure({i: local(gr) for i, _ in self._dead.layers if (gr := grads[i]) is not None}))
         optimizer = self._live().optimizer
+        every = self.config.stats.adam_eps_every
+        if every and rec.step and rec.step % every == 0:  # (step 0: no second moment yet)
+            out.update(S.eps_dominated(optimizer, self._group_of_id, local))
         for i, pg in enumerate(optimizer.param_groups):
             lr = pg["lr"]
             if lr is not None:  # (None: the optimizer sizes its steps itself, Adafactor's relative step)

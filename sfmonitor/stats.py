@@ -66,6 +66,10 @@ UPDATE_STALE = "update_stale/{}"
 # output channels) that died: gradient row exactly zero on each of the last
 # ``stats.dead_units_samples`` sampled steps, non-zero on one before (``DeadUnitCounter``).
 DEAD_UNITS = "dead_units/{}"
+# Of a group's elements an Adam-family optimizer has a second moment for: the share whose
+# bias-corrected sqrt(v) is under the optimizer's eps, where eps, not the gradient's scale, sets
+# the step (``eps_dominated``).
+ADAM_EPS = "adam_eps/{}"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The user's LR of a group's update (the largest of its parameters' param groups, before the
 # monitor's LR drop): given to the after-update detectors with the step's values, not published
@@ -150,6 +154,7 @@ REDUCTIONS: dict[str, Reduce] = {
     GRAD_NORM.format(""): Reduce.NORM,
     PARAM_NORM.format(""): Reduce.NORM,
     DEAD_UNITS.format(""): Reduce.SUM,  # per layer: dead units, units (FSDP2: each rank's rows)
+    ADAM_EPS.format(""): Reduce.SUM,  # elements under eps, elements (FSDP2: each rank's shard)
 }
 
 
@@ -360,6 +365,51 @@ class DeadUnitCounter:
                     shares.append((kept if cut else reached) / units)
             values[key] = max(shares, default=0.0)
         self._pending = {}
+
+
+@torch.no_grad()
+def eps_dominated(
+    optimizer: torch.optim.Optimizer,
+    group_of: Mapping[int, str],
+    local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> dict[str, Vector]:
+    """``adam_eps/<group>`` before the read: per group, [elements whose bias-corrected second
+    moment is under eps squared, elements with a second moment], as a ``Vector`` (summed across
+    ranks; ``shares`` turns it into the share after the read). Adam's step is lr * m / (sqrt(v) +
+    eps): where sqrt(v) is under eps, eps sets it, and the update is an SGD step at lr / eps rather
+    than Adam's ~lr. Elements whose v is exactly zero (never a gradient) are not counted. Every
+    param group with ``eps`` and ``betas`` whose state holds ``exp_avg_sq`` (``max_exp_avg_sq`` with
+    amsgrad: the one the step divides by) counts: Adam, AdamW, NAdam, RAdam. ``group_of``: the
+    monitor's group of each parameter, by ``id``; ``local``: a state's part on this rank (FSDP2).
+    The step count stays a tensor (no host read)."""
+    counts: dict[str, list[torch.Tensor]] = {}
+    for pg in optimizer.param_groups:
+        eps, betas = pg.get("eps"), pg.get("betas")
+        if not isinstance(eps, (int, float)) or not isinstance(betas, (tuple, list)) or eps <= 0:
+            continue
+        for p in pg["params"]:
+            st = optimizer.state.get(p)
+            group = group_of.get(id(p))
+            if group is None or not st:
+                continue
+            v = st.get("max_exp_avg_sq", st.get("exp_avg_sq"))
+            if not isinstance(v, torch.Tensor) or v.is_sparse:
+                continue
+            v = local(v)
+            step = st.get("step", 1)
+            corr = 1 - float(betas[1]) ** (step.to(torch.float64) if isinstance(step, torch.Tensor) else float(step))
+            have = v > 0
+            under = have & (v < (eps * eps) * corr)
+            counts.setdefault(group, []).append(torch.stack([under.sum(), have.sum()]))
+    return {ADAM_EPS.format(g): Vector(torch.stack(ps).sum(0).float()) for g, ps in counts.items()}
+
+
+def shares(values: dict[str, Any], prefix: str) -> None:
+    """After the read: each ``[part, whole]`` value under ``prefix`` becomes part / whole (0 for an
+    empty whole)."""
+    for key, v in values.items():
+        if key.startswith(prefix) and isinstance(v, list) and len(v) == 2:
+            values[key] = v[0] / v[1] if v[1] > 0 else 0.0
 
 
 def _windows(t: torch.Tensor, fraction: float) -> tuple[torch.Tensor, int, int]:
@@ -633,6 +683,12 @@ class StatsConfig(Section):
         10,
         "sample dead_units/<group> every N optimizer steps (0: never): the largest and smallest element of "
         "each gradient row of each nn.Linear / nn.Conv layer (a read of their gradients)",
+        lo=0,
+    )
+    adam_eps_every: int = option(
+        50,
+        "sample adam_eps/<group> every N optimizer steps (0: never): the share of an Adam-family "
+        "optimizer's elements whose bias-corrected second moment is under eps (a read of its exp_avg_sq)",
         lo=0,
     )
     dead_units_samples: int = option(

@@ -836,3 +836,52 @@ def test_dead_units_under_fsdp2_are_the_unsharded_models_shares_on_every_rank(tm
     assert r0["seen"] == r1["seen"] == ref
     assert [s["dead_units/0"] for s in ref] == [0.0, 0.0, 0.0, 0.75, 0.75]
     assert r0["events"] == r1["events"] == ref_events == [(3, "dead_units", [], None)]
+
+
+# --------------------------------------------------------------------------------------------
+# Adam's eps
+# --------------------------------------------------------------------------------------------
+
+
+def _train_eps(model, mon, opt, batches):
+    seen = []
+    for x, y in batches:
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append({k: v for k, v in mon.stats.items() if k.startswith("adam_eps/")})
+    return seen
+
+
+_EPS_CFG = {"stats": {"adam_eps_every": 1}}
+
+
+def _eps_worker(rank, port, out):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=3e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet(**_EPS_CFG))
+    seen = _train_eps(model, mon, opt, [_half(b, rank) for b in _batches(4)])
+    mon.detach()
+    torch.save({"seen": seen}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_adam_eps_under_fsdp2_is_the_unsharded_models_share_on_every_rank(tmp_path):
+    """Each rank counts the elements of its own shard of the second moment; the counts are summed
+    at the read: both ranks read the unsharded model's shares, not their shard's."""
+    r0, r1 = _run(_eps_worker, tmp_path)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=3e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "ref"), sinks=[], config=_quiet(**_EPS_CFG))
+    ref = _train_eps(model, mon, opt, _batches(4))
+    mon.detach()
+    assert r0["seen"] == r1["seen"]
+    assert (
+        [sorted(s) for s in ref[1:]]
+        == [sorted(s) for s in r0["seen"][1:]]
+        == [["adam_eps/0", "adam_eps/2", "adam_eps/4"]] * 3
+    )
+    for got, want in zip(r0["seen"][1:], ref[1:]):
+        assert got == pytest.approx(want, abs=0.02)
+    assert 0.05 < max(ref[-1].values()) and min(ref[-1].values()) < 0.95  # shares, not all or nothing

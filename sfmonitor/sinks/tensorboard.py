@@ -53,6 +53,7 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("update ratio by group", ("update_ratio/",)),
     ("update share rounded away (bf16/fp16 weights)", ("update_stale/",)),
     ("dead units by group (largest share of a layer)", ("dead_units/",)),
+    ("Adam: share of weights whose sqrt(v) is under eps", ("adam_eps/",)),
     ("loss scale", ("amp/loss_scale",)),
     ("skipped steps (GradScaler)", ("amp/skipped_steps",)),
     ("learning rate", ("lr/",)),
