@@ -538,14 +538,6 @@ class Detector:
         ``loss_level_shift``): forget what was usual before it. Optional; the monitor calls it on
         the detectors that have it."""
 
-    def judged_on_history(self) -> bool | None:
-        """After-update detectors, after ``check`` judged an update: True when it judged every part
-        of that update against the run's own history of updates, False when it could not (its
-        warm-up: only an absolute limit judged), None when it has no say (the default). Optional;
-        the monitor takes an update for sound (the state it made healthy, so that a loss jump on
-        it is the batch's fault) only when a detector says True and none says False."""
-        return None
-
     def layout(self, groups: Mapping[str, list[tuple[int, ...]]]) -> None:
         """The model's groups in model order, each with its parameters' shapes (plain data): at
         attach, and again when the optimizer gains parameters. Optional; the monitor calls it on the
@@ -959,10 +951,6 @@ class UpdateRatioSpike(_Windowed):
         # sound: how much one batch's loss differs from the next one's in this run (the noise a
         # harm must rise above)
         self.loss_moves: collections.deque[float] = collections.deque(maxlen=self.config.window)
-        self.on_history = False  # whether the last check judged every ratio by the relative test
-
-    def judged_on_history(self) -> bool:
-        return self.on_history
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         out = self._check(step, stats)
@@ -978,7 +966,6 @@ class UpdateRatioSpike(_Windowed):
         loss = stats.get(LOSS_TOTAL)
         if loss is not None and S.finite(loss) and len(self.losses_seen) < 3:
             self.losses_seen.append(float(loss))
-        histories: list[bool] = []  # per ratio judged: whether the relative test had its history
         for key, value in stats.items():
             if not key.startswith(UPDATE_RATIO_PREFIX):
                 continue
@@ -1000,7 +987,6 @@ class UpdateRatioSpike(_Windowed):
             restart = per_lr and self._lr_back(key, lr)
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
-            histories.append(med is not None)
             rel_limit = max(cfg.factor * med * lr, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
@@ -1054,7 +1040,6 @@ class UpdateRatioSpike(_Windowed):
                 continue
             self.large_runs.pop(key, None)
             w.append(x)
-        self.on_history = bool(histories) and all(histories)
         return out
 
     def _lr_back(self, key: str, lr: float) -> bool:

@@ -547,7 +547,6 @@ class Monitor:
         self._last_update_sound = False
         self._state_from_normal_loss = False
         self._same_state_spikes = 0
-        self._last_update_on_history = False
         self._last_landed: int | None = None  # the step of the last update that landed (nonfinite_param names it)
         self._zero_runs: dict[str, int] = {}  # group -> steps in a row its gradients were exactly zero
         self._grad_reset = GradResetProbe()  # was zero_grad() called between the steps?
@@ -1537,11 +1536,6 @@ class Monitor:
                 measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
                 # (a large update that did not raise the loss is told, and sound)
                 self._last_update_sound = measured and all(f.kind == LARGE_UPDATE for f in judged)
-                # Judged against the run's own updates? In the update-ratio test's warm-up only its
-                # ceiling judges, and an update under it can still wreck the state (Adam's first
-                # step moves every weight by the LR): every batch's loss then jumps on it.
-                says = [getattr(d, "judged_on_history", lambda: None)() for d in self._detectors if d.after_update]
-                self._last_update_on_history = True in says and False not in says
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
         if any(f.kind == LOSS_LEVEL_SHIFT and f.where == _TOTAL for f in findings):
             for d in self._detectors:  # the data changed: what was usual before no longer is
@@ -1929,10 +1923,6 @@ class Monitor:
     # past this many, different batches all failing on it say the state is the trouble.
     SAME_STATE_SPIKES = 32
     SAME_STATE_NONFINITE = 8  # a non-finite loss on every batch sooner says the state makes it
-    # An update only the update-ratio ceiling judged (the relative test's warm-up) vouches less for
-    # its state: two bad batches on it, and the third says the state is the trouble (an MLP under
-    # Adam at LR 0.05 whose first update took the loss from 1.3 to 180 had 33 batches skipped).
-    SAME_STATE_UNJUDGED = 2
 
     def _bad_batches_on_a_sound_state(self, findings: list[Finding]) -> None:
         spikes = [f for f in findings if f.kind == LOSS_SPIKE]
@@ -1946,11 +1936,7 @@ class Monitor:
         if any(f.kind == NONFINITE_PARAM for f in findings):
             return  # the weights themselves are broken: not the batch
         cap = self.SAME_STATE_NONFINITE if nonfinite else self.SAME_STATE_SPIKES
-        if not self._last_update_on_history:
-            cap = min(cap, self.SAME_STATE_UNJUDGED)
         if self._same_state_spikes > cap:
-            for f in spikes + nonfinite:  # past the cap: the ladder's rung for that many in a row
-                f.occurrence = self._same_state_spikes
             return
         for f in spikes + nonfinite:
             f.occurrence = 1
