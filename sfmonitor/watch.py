@@ -88,17 +88,20 @@ from .integrations.distributed import world_size
 from .registry import register_kind
 from .schema import Section, option
 from .sharding import is_sharded
-from .stats import ACT_FIRST_NONFINITE, finite
+from .stats import ACT_FIRST_NONFINITE, LOSS_TOTAL, finite
 
 # A first warning (|x| >= half the dtype's max, or the limit a few steps away at the current growth
 # rate) is told; a second within 100 steps means the module keeps living near the limit: treat the
 # cause first -- QK-Clip brings an attention module's logits back to tau -- and if it comes a third
 # time (nothing to clip, or clipping did not hold) run the module in fp32, the last resort. A real
 # overflow, or a warning that persisted, is urgent: it goes straight to the first acting rung.
+# Warnings are counted per module (the finding's occurrence): a real overflow in one module that
+# took the kind to its last rung must not make a first warning on another one a precision fallback.
+WARN_WINDOW = 100
 register_kind(
     ACTIVATION_OVERFLOW,
     [(1, []), (2, [QK_CLIP]), (3, [PRECISION_FALLBACK])],
-    window=100,
+    window=WARN_WINDOW,
     doc="a watched module's activations near or past its dtype's limit",
 )
 
@@ -117,13 +120,18 @@ ACT_ABSMAX_PREFIX = "act_absmax/"
 # An index, internal and per rank (stats.REDUCTIONS: LOCAL): never in monitor.stats.
 FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
 _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
-# A sampled step in which a watched module was fed an inf/NaN that no watched module made (a
-# module the patterns do not select made it: a parameter-free similarity or scaling module, a custom
-# activation) widens the watch: every module of the model is recorded on the next this many
-# sampled steps, so that the first one to make it is named and precision_fallback can act on it.
-# Then the extra hooks go. Under torch.distributed every rank widens alike: the decision is taken
-# on values every rank reads the same (the first maker's index over ranks, the largest maxima).
-WIDEN_STEPS = 2
+# A sampled step whose loss is non-finite and in which a watched module was fed an inf/NaN that no
+# watched module made (a module the patterns do not select made it: a parameter-free similarity or
+# scaling module, a custom activation) widens the watch: every module of the model is recorded on
+# every step from the next on, until one makes an inf/NaN (it is named, and precision_fallback can
+# act on it), or a step with a non-finite loss passes and none did (it was made where no module
+# runs, or came with the inputs), or after this many steps (an overflow that comes with rare
+# batches). Then the extra hooks go, and after a search that found nothing the watch does not widen
+# again for WIDEN_COOLDOWN steps. Under torch.distributed every rank widens alike: the decision is
+# taken on values every rank reads the same (the first maker's index over ranks, the largest
+# maxima, the mean loss).
+WIDEN_STEPS = 20
+WIDEN_COOLDOWN = 100
 # Fully sampled training steps after which the watch says what it has not seen run (none of its
 # modules, or attention modules while others ran: inside compiled code). Two: one step may
 # legitimately skip a branch.
@@ -459,6 +467,7 @@ class ActivationWatch:
         self._due: set[str] | None = None  # modules recorded this step (None: all of them)
         self._trends: dict[str, _Trend] = {}  # stat key -> growth of that maximum
         self._streak: dict[str, int] = {}  # consecutive sampled steps over warn_fraction
+        self._warned: dict[str, list[int]] = {}  # module -> steps of its warnings in the last WARN_WINDOW
         self._dtypes: dict[str, torch.dtype] = {}  # dtype behind act_absmax/<m> of the last pending()
         self._attn_dtypes: dict[str, torch.dtype] = {}  # dtype of the logits behind attn_logit_max/<m>
         self._attn_heads: dict[str, int] = {}  # heads behind attn_logit_max/<m> of the last pending()
@@ -482,6 +491,7 @@ class ActivationWatch:
         self._wide: list[Any] = []  # the hooks of the widened watch (every module), while it lasts
         self._wide_names: set[str] = set()  # the modules only the widened watch records
         self._wide_left = 0  # sampled steps the widened watch still records
+        self._widen_from = 0  # the first step the watch may widen again (after a search found nothing)
         self._blind = 0  # fully sampled training steps seen by check_sight
         self._seen: set[str] = set()  # modules recorded in those steps
         self.blind_warned = False
@@ -542,9 +552,8 @@ class ActivationWatch:
         return self
 
     def _widen(self) -> None:
-        """Record every module of the model (but the root) from the next step on, for
-        ``WIDEN_STEPS`` sampled steps: an inf/NaN reached a watched module from one it does not
-        watch."""
+        """Record every module of the model (but the root) from the next step on (``WIDEN_STEPS``):
+        an inf/NaN reached a watched module from one it does not watch."""
         model = self._model
         if model is None or self._wide:
             return
@@ -712,7 +721,7 @@ class ActivationWatch:
             return None  # not pushed (unsampled step) or already cleaned up
         name = self._stack.pop()
         if output is not None:
-            self._record(name, output, args)
+            self._record(name, output, args, op=False)
         if not self._stack:
             self._exit_mode()
         return None
@@ -751,7 +760,11 @@ class ActivationWatch:
     def _wanted(self, name: str) -> bool:
         return self._due is None or name in self._due
 
-    def _record(self, name: str, output: Any, inputs: Any = ()) -> None:
+    def _record(self, name: str, output: Any, inputs: Any = (), op: bool = True) -> None:
+        """Record the largest |value| of ``output`` for ``name``, and whether it made an inf/NaN from
+        finite inputs: any inf/NaN for an op's result (a matmul, exp or softmax that overflowed);
+        for a module's output (``op`` False) a +inf or a NaN only -- a module that writes -inf
+        alone into its output (an additive mask, log of an exact zero) made no overflow."""
         if not self._wanted(name):
             return
         self._busy = True
@@ -765,10 +778,15 @@ class ActivationWatch:
                 fed = [t.detach().abs().amax() for t in _iter_tensors(inputs) if not isinstance(t, nn.Parameter)]
                 fed_bad = ~torch.isfinite(torch.stack(fed).float()).all() if fed else None
                 for t in _iter_tensors(output):
-                    m = t.detach().abs().amax().float()  # inf/NaN propagate through amax
+                    if op or not t.numel():
+                        m = t.detach().abs().amax().float()  # inf/NaN propagate through amax
+                        top = m
+                    else:
+                        low, high = torch.aminmax(t.detach())  # one pass; NaN propagates
+                        m, top = torch.maximum(low.abs(), high.abs()).float(), high.float()
                     prev = rec.absmax.get(t.dtype)
                     rec.absmax[t.dtype] = m if prev is None else torch.maximum(prev, m)
-                    made = torch.isfinite(m) if fed_bad is None else torch.isfinite(m) | fed_bad
+                    made = torch.isfinite(top) if fed_bad is None else torch.isfinite(top) | fed_bad
                     bad = torch.where(made, _NO_NONFINITE, self._seq)
                     rec.first_bad = bad if rec.first_bad is None else torch.minimum(rec.first_bad, bad)
                     self._seq += 1
@@ -920,13 +938,18 @@ class ActivationWatch:
         first_idx = int(stats.get(FIRST_NONFINITE_KEY, -1))
         wide = bool(self._wide) and any(ACT_ABSMAX_PREFIX + n in stats for n in self._wide_names)
         widened = set(self._wide_names) if wide else set()
-        if wide:  # a sampled step of the widened watch
+        loss = stats.get(LOSS_TOTAL)
+        broken = loss is None or not finite(float(loss))  # (no loss given: the watch alone judges)
+        if wide:  # a step of the widened watch
             self._wide_left -= 1
-            if 0 <= first_idx < len(self._order) or self._wide_left <= 0:
-                self._narrow()  # (the maker is named below, or was not found in time)
+            if 0 <= first_idx < len(self._order):
+                self._narrow()  # the maker is named below
+            elif broken or self._wide_left <= 0:
+                self._narrow()  # not found: made where no module runs, or with the inputs
+                self._widen_from = step + WIDEN_COOLDOWN
             else:
                 self._force = True
-        elif not 0 <= first_idx < len(self._order):
+        elif not 0 <= first_idx < len(self._order) and broken and step >= self._widen_from:
             fed = [n for n in self._order if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))]
             if fed:  # an inf/NaN reached a watched module, and none of them made it
                 self._widen()
@@ -1002,6 +1025,8 @@ class ActivationWatch:
                 continue
             streak = self._streak[name] = self._streak.get(name, 0) + 1
             recommend = streak >= cfg.persist
+            warned = [s for s in self._warned.get(name, []) if step - s <= WARN_WINDOW] + [step]
+            self._warned[name] = warned
             why = (
                 f"{value / limit:.0%} of the {_dtype_name(dtype)} limit {limit:g} (warn at {cfg.warn_fraction:g})"
                 if value >= cfg.warn_fraction * limit
@@ -1035,6 +1060,7 @@ class ActivationWatch:
                     data=data,
                     where=name,
                     urgent=recommend,
+                    occurrence=len(warned),
                 )
             )
         if self._attn_cfg.enabled:
@@ -1313,6 +1339,7 @@ class ActivationWatch:
         return {
             "step": self._step,
             "streak": dict(self._streak),
+            "warned": {m: list(v) for m, v in self._warned.items()},
             "plan": dict(self._plan),
             "trends": {k: [list(s) for s in t.samples] for k, t in self._trends.items()},
             "regime_until": self._regime_until,
@@ -1328,6 +1355,7 @@ class ActivationWatch:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._step = int(sd.get("step", 0))
         self._streak = {str(k): int(v) for k, v in dict(sd.get("streak", {})).items()}
+        self._warned = {str(k): [int(s) for s in v] for k, v in dict(sd.get("warned", {})).items()}
         self._plan = {str(m): int(at) for m, at in dict(sd.get("plan", {})).items()}
         self._trends = {
             str(k): _Trend([(int(s), float(v)) for s, v in samples])

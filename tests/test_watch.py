@@ -478,3 +478,129 @@ def test_an_inf_made_in_fp32_is_told_and_never_falls_back(tmp_path):
     assert all(e.actions == [] and e.data["recommend"] is None for e in made)
     assert "full precision" in made[0].message
     mon.detach()
+
+
+class _CausalMask(nn.Module):
+    """An additive causal mask in the autocast dtype: -inf above the diagonal, on purpose."""
+
+    def forward(self, t, ref):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else ref.dtype
+        return torch.triu(torch.full((t, t), float("-inf"), dtype=dtype), 1)
+
+
+class _MaskedAttention(nn.Module):
+    def __init__(self, d=32, own_mask=False):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mask = _CausalMask() if own_mask else None  # selected by the name pattern *attn*
+
+    def forward(self, x, mask=None):
+        q, k, v = self.qkv(x).split(x.shape[-1], -1)
+        mask = self.mask(x.shape[1], x) if mask is None else mask
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask
+        return self.proj(torch.softmax(s, -1) @ v), s  # the masked scores too (an aux loss, a probe)
+
+
+class _MaskedLM(nn.Module):
+    def __init__(self, own_mask):
+        super().__init__()
+        self.emb = nn.Embedding(16, 32)
+        self.causal = None if own_mask else _CausalMask()  # no pattern selects it
+        self.attn = _MaskedAttention(own_mask=own_mask)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        mask = self.causal(idx.shape[1], x) if self.causal is not None else None
+        return self.head(x + self.attn(x, mask)[0])
+
+
+@pytest.mark.parametrize("own_mask", [False, True])
+def test_a_mask_written_as_minus_inf_is_no_overflow_and_the_run_is_untouched(tmp_path, own_mask):
+    # A healthy fp16 model whose mask module writes -inf on purpose (the attention returns its
+    # masked scores, so a watched module holds the -inf): no module "made" an overflow, the loss is
+    # finite, nothing is widened or run in fp32, and the run is bit-identical to the bare one.
+    import sfmonitor
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = _MaskedLM(own_mask)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        mon = None
+        if monitored:
+            mon = sfmonitor.attach(
+                model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config={"console": False, "watch": {"stride": 1}}
+            )
+        g = torch.Generator().manual_seed(1)
+        for _ in range(12):
+            x = torch.randint(0, 16, (4, 9), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x[:, :-1]).float()
+            loss = nn.functional.cross_entropy(out.reshape(-1, 16), x[:, 1:].reshape(-1))
+            scaler.scale(mon.combine(loss) if mon else loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        events = [(e.step, e.kind, e.actions) for e in mon.events] if mon else []
+        wide = bool(mon._watch._wide) if mon else False
+        if mon:
+            mon.detach()
+        return model, events, wide
+
+    bare, _, _ = run(False)
+    model, events, wide = run(True)
+    assert not [e for e in events if e[2]] and not [e for e in events if e[1] == "activation_overflow"], events
+    assert not wide
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), bare.parameters()))
+
+
+def test_warnings_count_per_module():
+    # The ladder's occurrence of a warning is the module's own count in the last WARN_WINDOW steps:
+    # a first warning on one module is a first, whatever another module did just before (a real
+    # overflow there took the kind to its last rung: that must not run this one in fp32).
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[1].weight.copy_(10 * torch.eye(4))
+    watch = ActivationWatch(WatchConfig(stride=1, forecast=False)).attach(model)
+    got = []
+    for step, x in enumerate([5000.0, 5000.0, 40000.0]):  # [1] warns at 5000 (50000), [0] at 40000
+        watch.reset(step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.full((2, 4), x))
+        stats = {k: float(v) for k, v in watch.pending().items()}
+        got += [(step, f.where, f.occurrence, f.data["nonfinite"]) for f in watch.findings(step, stats)]
+    watch.detach()
+    assert got == [(0, "1", 1, False), (1, "1", 2, False), (2, "1", 3, True), (2, "0", 1, False)], got
+
+
+def test_an_overflow_that_comes_with_rare_batches_is_found_when_it_comes_again(tmp_path):
+    # The unselected module overflows on the batches of steps 0 and 6 only: the watch, widened at
+    # step 0, records every module on every step until the next overflow shows (finite steps in
+    # between do not end the search), names it then and runs it in fp32.
+    import sfmonitor
+
+    torch.manual_seed(0)
+    model = _GramNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config={"console": False})
+    g = torch.Generator().manual_seed(0)
+    for step in range(9):
+        x = torch.randn(8, 8, 16, generator=g) * (50 if step in (0, 6) else 1)
+        y = torch.randint(0, 4, (8,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(mon.combine(loss)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acted == [
+        (0, "nonfinite_loss", ["skip_step"]),
+        (6, "nonfinite_loss", ["skip_step"]),
+        (6, "activation_overflow", ["precision_fallback"]),
+    ], acted
+    assert not mon._watch._wide
+    mon.detach()
