@@ -1570,8 +1570,30 @@ class StaleUpdate(_Told):
         ]
 
 
+class _ToldShare(_Told):
+    """A told detector of one share per group, ``<prefix><group>``: a finding once the share
+    reaches ``config.threshold``, again only after it fell under half of it (``_Told.reaches``).
+    Subclasses give the prefix and the message."""
+
+    prefix = ""
+
+    def message(self, group: str, value: float) -> str:
+        raise NotImplementedError
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        out = []
+        for key, value in stats.items():
+            if not key.startswith(self.prefix) or not S.finite(value) or not self.reaches(key, value, cfg.threshold):
+                continue
+            group = key[len(self.prefix) :]
+            data = {"share": value, "threshold": cfg.threshold}
+            out.append(Finding(kind=self.kind, where=group, message=self.message(group, value), data=data))
+        return out
+
+
 @register_detector("dead_units", config=DeadUnitsConfig, kinds={DEAD_UNITS: [(1, [])]})
-class DeadUnits(_Told):
+class DeadUnits(_ToldShare):
     """``dead_units/<group>``: the largest share, over the group's nn.Linear / nn.Conv layers, of
     units that died: their gradient row was exactly zero on each of the last
     ``stats.dead_units_samples`` samples and non-zero on one before (``stats.DeadUnitCounter``).
@@ -1580,76 +1602,44 @@ class DeadUnits(_Told):
     it on): the event names the cause and the cures."""
 
     kind = DEAD_UNITS
+    prefix = DEAD_UNITS_PREFIX
 
     def __init__(self, config: DeadUnitsConfig | None = None):
         super().__init__(config or DeadUnitsConfig())
 
-    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
-        cfg = self.config
-        out = []
-        for key, value in stats.items():
-            if not key.startswith(DEAD_UNITS_PREFIX) or not S.finite(value):
-                continue
-            if not self.reaches(key, value, cfg.threshold):
-                continue
-            group = key[len(DEAD_UNITS_PREFIX) :]
-            out.append(
-                Finding(
-                    kind=self.kind,
-                    where=group,
-                    message=(
-                        f"{_fmt(100 * value)}% of the units of a layer in group {group} are dead: their gradients "
-                        "were exactly zero on every sample of the last ones (no input switches them on; "
-                        f"told from {_fmt(100 * cfg.threshold)}%). They no longer learn and the layer works with "
-                        "what is left. Causes: a too-high LR (early, without warm-up), a large negative bias. "
-                        "Cures: a lower LR or a warm-up, LeakyReLU/GELU, re-initialising the dead units"
-                    ),
-                    data={"share": value, "threshold": cfg.threshold},
-                )
-            )
-        return out
+    def message(self, group: str, value: float) -> str:
+        return (
+            f"{_fmt(100 * value)}% of the units of a layer in group {group} are dead: their gradients "
+            "were exactly zero on every sample of the last ones (no input switches them on; "
+            f"told from {_fmt(100 * self.config.threshold)}%). They no longer learn and the layer works with "
+            "what is left. Causes: a too-high LR (early, without warm-up), a large negative bias. "
+            "Cures: a lower LR or a warm-up, LeakyReLU/GELU, re-initialising the dead units"
+        )
 
 
 @register_detector("adam_eps", config=AdamEpsConfig, kinds={ADAM_EPS: [(1, [])]})
-class AdamEps(_Told):
+class AdamEps(_ToldShare):
     """``adam_eps/<group>``: the share of the group's elements whose bias-corrected second moment
     is under eps squared (``stats.eps_dominated``). Told once per group when it reaches
     ``threshold``, again only after it fell under half of it. The monitor does not change an
     optimizer's hyperparameters: the event names the cause and the cures."""
 
     kind = ADAM_EPS
+    prefix = ADAM_EPS_PREFIX
 
     def __init__(self, config: AdamEpsConfig | None = None):
         super().__init__(config or AdamEpsConfig())
 
-    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
-        cfg = self.config
-        out = []
-        for key, value in stats.items():
-            if (
-                not key.startswith(ADAM_EPS_PREFIX)
-                or not S.finite(value)
-                or not self.reaches(key, value, cfg.threshold)
-            ):
-                continue
-            group = key[len(ADAM_EPS_PREFIX) :]
-            out.append(
-                Finding(
-                    kind=self.kind,
-                    where=group,
-                    message=(
-                        f"in group {group}, {_fmt(100 * value)}% of the weights have a second moment under the "
-                        f"optimizer's eps (sqrt(v) < eps; told from {_fmt(100 * cfg.threshold)}%): eps, not the "
-                        "gradients, sizes their steps, lr * m / eps, so the optimizer moves them far less than "
-                        "Adam's ~lr and no longer adapts to each weight's scale (Adam becomes SGD at lr / eps). "
-                        "Causes: an eps set for another gradient scale (1e-3 to 1e-1), gradients scaled down (a "
-                        "loss multiplied by a small factor, fp16 gradients not unscaled). Cures: a smaller eps "
-                        "(1e-8 to 1e-6), gradients at their natural scale"
-                    ),
-                    data={"share": value, "threshold": cfg.threshold},
-                )
-            )
-        return out
+    def message(self, group: str, value: float) -> str:
+        return (
+            f"in group {group}, {_fmt(100 * value)}% of the weights have a second moment under the "
+            f"optimizer's eps (sqrt(v) < eps; told from {_fmt(100 * self.config.threshold)}%): eps, not the "
+            "gradients, sizes their steps, lr * m / eps, so the optimizer moves them far less than "
+            "Adam's ~lr and no longer adapts to each weight's scale (Adam becomes SGD at lr / eps). "
+            "Causes: an eps set for another gradient scale (1e-3 to 1e-1), gradients scaled down (a "
+            "loss multiplied by a small factor, fp16 gradients not unscaled). Cures: a smaller eps "
+            "(1e-8 to 1e-6), gradients at their natural scale"
+        )
 
 
 def build_detectors(config: DetectorsConfig | None = None) -> list[Detector]:

@@ -107,28 +107,16 @@ def test_one_rank_overflowing_makes_every_rank_rescue_alike(tmp_path):
 
 
 def _unwatched_overflow_worker(rank, world, port, out_dir):
-    from test_watch import _GramNet
+    from test_watch import gram_run
 
     _join(rank, world, port)
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(_GramNet())
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    mon = sfmonitor.attach(
-        model, opt, scaler=scaler, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config={"console": False}
+    # only rank 1's inputs are large: only its h @ h^T overflows fp16
+    model, mon, losses = gram_run(
+        os.path.join(out_dir, str(rank)),
+        [50.0 if rank == 1 else 1.0] * 5,
+        seed=rank,
+        wrap=nn.parallel.DistributedDataParallel,
     )
-    g = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(5):  # only rank 1's inputs are large: only its h @ h^T overflows fp16
-        x = torch.randn(8, 8, 16, generator=g) * (50.0 if rank == 1 else 1.0)
-        y = torch.randint(0, 4, (8,), generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        losses.append(float(loss))
-        scaler.scale(mon.combine(loss)).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
     torch.save(
         {
             "events": [(e.step, e.kind, e.actions, e.data.get("module")) for e in mon.events],

@@ -419,23 +419,20 @@ class _GramNet(nn.Module):
         return self.head(torch.softmax(s / 1000.0, -1).mean(1))  # finite again only in fp32
 
 
-def test_an_overflow_in_a_module_the_watch_does_not_select_is_found_and_falls_back(tmp_path):
-    # The inf is made by a parameter-free module between two watched Linears: the watched head is
-    # fed it and made nothing. The watch then records every module for the next sampled steps,
-    # names the one that made it, and precision_fallback runs it in fp32 -- its output staying
-    # fp32, which fp16 cannot hold -- after which the loss is finite. The extra hooks go again.
+def gram_run(run_dir, scales, seed=0, wrap=lambda m: m):
+    """Trains ``_GramNet`` (wrapped by ``wrap``: DDP) under fp16 autocast and a GradScaler, monitored,
+    one step per input scale (50: gram overflows). Returns (model, monitor, the losses)."""
     import sfmonitor
 
     torch.manual_seed(0)
-    model = _GramNet()
+    model = wrap(_GramNet())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config={"console": False})
-    assert "gram" not in mon._watch.module_names
-    g = torch.Generator().manual_seed(0)
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=run_dir, sinks=[], config={"console": False})
+    g = torch.Generator().manual_seed(seed)
     losses = []
-    for _ in range(6):
-        x = torch.randn(8, 8, 16, generator=g) * 50
+    for scale in scales:
+        x = torch.randn(8, 8, 16, generator=g) * scale
         y = torch.randint(0, 4, (8,), generator=g)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = nn.functional.cross_entropy(model(x), y)
@@ -444,6 +441,17 @@ def test_an_overflow_in_a_module_the_watch_does_not_select_is_found_and_falls_ba
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
+    return model, mon, losses
+
+
+def test_an_overflow_in_a_module_the_watch_does_not_select_is_found_and_falls_back(tmp_path):
+    # The inf is made by a parameter-free module between two watched Linears: the watched head is
+    # fed it and made nothing. The watch then records every module for the next sampled steps,
+    # names the one that made it, and precision_fallback runs it in fp32 -- its output staying
+    # fp32, which fp16 cannot hold -- after which the loss is finite. The extra hooks go again.
+    model, mon, losses = gram_run(tmp_path, [50] * 6)
+    assert "gram" not in mon._watch.module_names
+    g = torch.Generator().manual_seed(1)
     (found,) = [e for e in mon.events if e.kind == "activation_overflow"]
     assert found.step == 1 and found.data["module"] == "gram" and found.data["found_by_widened_watch"]
     assert found.actions == ["precision_fallback"] and found.data["dtype"] == "float16"
@@ -579,23 +587,7 @@ def test_an_overflow_that_comes_with_rare_batches_is_found_when_it_comes_again(t
     # The unselected module overflows on the batches of steps 0 and 6 only: the watch, widened at
     # step 0, records every module on every step until the next overflow shows (finite steps in
     # between do not end the search), names it then and runs it in fp32.
-    import sfmonitor
-
-    torch.manual_seed(0)
-    model = _GramNet()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=tmp_path, sinks=[], config={"console": False})
-    g = torch.Generator().manual_seed(0)
-    for step in range(9):
-        x = torch.randn(8, 8, 16, generator=g) * (50 if step in (0, 6) else 1)
-        y = torch.randint(0, 4, (8,), generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(mon.combine(loss)).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+    _, mon, _ = gram_run(tmp_path, [50 if step in (0, 6) else 1 for step in range(9)])
     acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
     assert acted == [
         (0, "nonfinite_loss", ["skip_step"]),
