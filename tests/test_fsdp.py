@@ -885,3 +885,39 @@ def test_adam_eps_under_fsdp2_is_the_unsharded_models_share_on_every_rank(tmp_pa
     for got, want in zip(r0["seen"][1:], ref[1:]):
         assert got == pytest.approx(want, abs=0.02)
     assert 0.05 < max(ref[-1].values()) and min(ref[-1].values()) < 0.95  # shares, not all or nothing
+
+
+# --------------------------------------------------------------------------------------------
+# an fp16 overflow in a module no pattern selects, sharded
+# --------------------------------------------------------------------------------------------
+
+
+def _gram_fsdp_worker(rank, port, out):
+    from test_watch import gram_run
+
+    def shard(model):
+        from torch.distributed.fsdp import fully_shard
+
+        for m in (model.embed, model.head):
+            fully_shard(m)
+        return fully_shard(model)
+
+    _join(rank, port)
+    # only rank 1's inputs overflow the parameter-free h @ h^T
+    model, mon, losses = gram_run(os.path.join(out, "run"), [50.0 if rank == 1 else 1.0] * 5, seed=rank, wrap=shard)
+    events = [(e.step, e.kind, e.actions, e.data.get("module")) for e in mon.events]
+    wide = bool(mon._watch._wide)
+    mon.detach()
+    torch.save({"events": events, "losses": losses, "wide": wide}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_an_unwatched_fp16_overflow_under_fsdp2_is_found_on_every_rank_alike(tmp_path):
+    """Both ranks widen the watch in the same step (no collective mismatch, no hang), name the
+    parameter-free module and run it in fp32; rank 1's losses are finite from then on."""
+    r0, r1 = _run(_gram_fsdp_worker, tmp_path)
+    assert r0["events"] == r1["events"]
+    fallback = [e for e in r0["events"] if "precision_fallback" in e[2]]
+    assert fallback == [(1, "activation_overflow", ["precision_fallback"], "gram")], r0["events"]
+    assert all(v == v and abs(v) != float("inf") for v in r1["losses"][2:])
+    assert not r0["wide"] and not r1["wide"]
