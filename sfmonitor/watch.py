@@ -492,6 +492,7 @@ class ActivationWatch:
         self._wide_names: set[str] = set()  # the modules only the widened watch records
         self._wide_left = 0  # sampled steps the widened watch still records
         self._widen_from = 0  # the first step the watch may widen again (after a search found nothing)
+        self._wide_since = 0  # the step whose findings widened it
         self._blind = 0  # fully sampled training steps seen by check_sight
         self._seen: set[str] = set()  # modules recorded in those steps
         self.blind_warned = False
@@ -936,7 +937,7 @@ class ActivationWatch:
         # Under torch.distributed the index is the first over ranks (stats.REDUCTIONS: FIRST) and
         # the maxima the largest: every rank reads the same, and decides (and widens) alike.
         first_idx = int(stats.get(FIRST_NONFINITE_KEY, -1))
-        wide = bool(self._wide) and any(ACT_ABSMAX_PREFIX + n in stats for n in self._wide_names)
+        wide = bool(self._wide) and step > self._wide_since  # (its hooks record from the next step)
         widened = set(self._wide_names) if wide else set()
         loss = stats.get(LOSS_TOTAL)
         broken = loss is None or not finite(float(loss))  # (no loss given: the watch alone judges)
@@ -953,6 +954,7 @@ class ActivationWatch:
             fed = [n for n in self._order if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))]
             if fed:  # an inf/NaN reached a watched module, and none of them made it
                 self._widen()
+                self._wide_since = step
         if 0 <= first_idx < len(self._order):
             name = self._order[first_idx]
             dtype = self._dtypes.get(name, torch.float32)

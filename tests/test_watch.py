@@ -596,3 +596,24 @@ def test_an_overflow_that_comes_with_rare_batches_is_found_when_it_comes_again(t
     ], acted
     assert not mon._watch._wide
     mon.detach()
+
+
+class _InlineGramNet(_GramNet):
+    """The same overflow, computed in the root's own forward: no module makes it."""
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(torch.softmax((h @ h.transpose(-1, -2)) / 1000.0, -1).mean(1))
+
+
+def test_a_search_that_finds_no_maker_ends_and_pauses(tmp_path):
+    # The inf comes from code outside every module: the widened watch records every module on the
+    # next step, sees the loss non-finite again with no maker, narrows, and does not widen again
+    # for WIDEN_COOLDOWN steps; no module is run in fp32 for it.
+    from sfmonitor.watch import WIDEN_COOLDOWN
+
+    _, mon, _ = gram_run(tmp_path, [50] * 6, wrap=lambda m: _InlineGramNet())
+    watch = mon._watch
+    assert not watch._wide and watch._widen_from == 1 + WIDEN_COOLDOWN
+    assert not [e for e in mon.events if "precision_fallback" in e.actions]
+    mon.detach()
