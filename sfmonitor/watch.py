@@ -88,7 +88,7 @@ from .integrations.distributed import world_size
 from .registry import register_kind
 from .schema import Section, option
 from .sharding import is_sharded
-from .stats import ACT_FIRST_NONFINITE, LOSS_TOTAL, finite
+from .stats import ACT_FIRST_NONFINITE, INPUT_NONFINITE, LOSS_TOTAL, finite
 
 # A first warning (|x| >= half the dtype's max, or the limit a few steps away at the current growth
 # rate) is told; a second within 100 steps means the module keeps living near the limit: treat the
@@ -125,9 +125,11 @@ _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
 # scaling module, a custom activation) widens the watch: every module of the model is recorded on
 # every step from the next on, until one makes an inf/NaN (it is named, and precision_fallback can
 # act on it), or a step with a non-finite loss passes and none did (it was made where no module
-# runs, or came with the inputs), or after this many steps (an overflow that comes with rare
-# batches). Then the extra hooks go, and after a search that found nothing the watch does not widen
-# again for WIDEN_COOLDOWN steps. Under torch.distributed every rank widens alike: the decision is
+# runs, or came with the inputs), or after this many steps. Then the extra hooks go, and after a
+# search that saw a non-finite loss and no maker the watch does not widen again for WIDEN_COOLDOWN
+# steps. A non-finite loss on a step the watch did not sample, with finite inputs, starts a search
+# too: an overflow that comes with rare batches is then found when it comes again. Under
+# torch.distributed every rank widens alike: the decision is
 # taken on values every rank reads the same (the first maker's index over ranks, the largest
 # maxima, the mean loss).
 WIDEN_STEPS = 20
@@ -940,19 +942,25 @@ class ActivationWatch:
         wide = bool(self._wide) and step > self._wide_since  # (its hooks record from the next step)
         widened = set(self._wide_names) if wide else set()
         loss = stats.get(LOSS_TOTAL)
-        broken = loss is None or not finite(float(loss))  # (no loss given: the watch alone judges)
+        fed = [n for n in self._order if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))]
+        # A non-finite step: its loss, or (no loss given to combine()) a watched module's maximum.
+        broken = not finite(float(loss)) if loss is not None else bool(fed)
         if wide:  # a step of the widened watch
             self._wide_left -= 1
             if 0 <= first_idx < len(self._order):
                 self._narrow()  # the maker is named below
-            elif broken or self._wide_left <= 0:
+            elif broken:
                 self._narrow()  # not found: made where no module runs, or with the inputs
                 self._widen_from = step + WIDEN_COOLDOWN
+            elif self._wide_left <= 0:
+                self._narrow()  # it did not come again: the next non-finite step searches anew
             else:
                 self._force = True
         elif not 0 <= first_idx < len(self._order) and broken and step >= self._widen_from:
-            fed = [n for n in self._order if not finite(float(stats.get(ACT_ABSMAX_PREFIX + n, 0.0)))]
-            if fed:  # an inf/NaN reached a watched module, and none of them made it
+            # An inf/NaN reached a watched module and none of them made it; or the step was not
+            # sampled (an overflow on rare batches is seen sooner) and its inputs were finite.
+            unseen = not self._order and stats.get(INPUT_NONFINITE, 0.0) == 0.0
+            if fed or unseen:
                 self._widen()
                 self._wide_since = step
         if 0 <= first_idx < len(self._order):
