@@ -442,10 +442,10 @@ class AdamEpsConfig(Section):
     enabled: bool = option(True, "watch adam_eps/<group>")
     threshold: float = option(
         0.5,
-        "tell when this share of a group's elements has sqrt(v) under eps; again only after it fell under half of "
-        "it. Measured (an MLP, a char-level transformer, a CNN under AdamW, 300 steps, docs/benchmarks.md): at "
-        "eps 1e-8 and 1e-6 at most 0.001; eps 1e-2 0.35-0.99 (losses 2-7x those at 1e-8); the char-level "
-        "transformer at eps 1e-3 0.52-0.77 (1.06x)",
+        "tell when this share of a group's momentum (elements weighed by |m|) has sqrt(v) under eps; again only "
+        "after it fell under half of it. Measured (an MLP, a char-level transformer, a CNN under AdamW, 300 steps, "
+        "docs/benchmarks.md): at eps 1e-8 and 1e-6 0; eps 1e-2 0.54-0.93 (0.15-0.71 for the CNN; losses 2-7x those "
+        "at 1e-8); the char-level transformer at eps 1e-3 0.08-0.52 (1.06x)",
         lo=0,
         hi=1,
         lo_open=True,
@@ -1619,8 +1619,8 @@ class DeadUnits(_ToldShare):
 
 @register_detector("adam_eps", config=AdamEpsConfig, kinds={ADAM_EPS: [(1, [])]})
 class AdamEps(_ToldShare):
-    """``adam_eps/<group>``: the share of the group's elements whose bias-corrected second moment
-    is under eps squared (``stats.eps_dominated``). Told once per group when it reaches
+    """``adam_eps/<group>``: the share of the group's momentum (its elements weighed by |m|) whose
+    bias-corrected second moment is under eps squared (``stats.eps_dominated``). Told once per group when it reaches
     ``threshold``, again only after it fell under half of it. The monitor does not change an
     optimizer's hyperparameters: the event names the cause and the cures."""
 

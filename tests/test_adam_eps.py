@@ -40,7 +40,7 @@ def _run(tmp_path, eps, steps=60, optimizer=torch.optim.AdamW, monitored=True, c
     return model, events, seen
 
 
-def test_counts_under_eps_with_the_bias_correction_and_skip_zero_moments():
+def test_shares_under_eps_with_the_bias_correction_weighed_by_the_first_moment():
     p, q = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2))
     opt = torch.optim.Adam([p, q], lr=1e-3, eps=1e-2, betas=(0.9, 0.99))
     # step 1: bias correction 1 - 0.99 = 0.01, so v < eps^2 * 0.01 = 1e-6 is under eps
@@ -51,7 +51,7 @@ def test_counts_under_eps_with_the_bias_correction_and_skip_zero_moments():
         "max_exp_avg_sq": torch.ones(2),
     }
     out = S.eps_dominated(opt, {id(p): "a", id(q): "b"})
-    assert out["adam_eps/a"].values.tolist() == [1.0, 3.0]  # the zero is not counted
+    assert out["adam_eps/a"].values.tolist() == [1.0, 3.0]  # the zero is not counted (no exp_avg: counts)
     assert out["adam_eps/b"].values.tolist() == [0.0, 2.0]  # amsgrad: the max the step divides by
     values = {k: v.values.tolist() for k, v in out.items()}
     S.shares(values, "adam_eps/")
@@ -59,6 +59,11 @@ def test_counts_under_eps_with_the_bias_correction_and_skip_zero_moments():
     # a later step: the correction is ~1, the same v is no longer under eps
     opt.state[p]["step"] = torch.tensor(1000.0)
     assert S.eps_dominated(opt, {id(p): "a"})["adam_eps/a"].values.tolist() == [2.0, 3.0]
+    # With a first moment, each element weighs |m|, its step's numerator: a weight the optimizer
+    # barely moves (a rarely seen embedding row, its m decayed) counts little.
+    opt.state[p]["step"] = torch.tensor(1.0)
+    opt.state[p]["exp_avg"] = torch.tensor([5.0, 1e-6, 3.0, 1.0])
+    assert S.eps_dominated(opt, {id(p): "a"})["adam_eps/a"].values.tolist() == pytest.approx([1e-6, 4.0 + 1e-6])
     # SGD has no eps and no second moment: nothing
     assert S.eps_dominated(torch.optim.SGD([p], lr=0.1), {id(p): "a"}) == {}
 
