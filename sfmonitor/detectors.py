@@ -1632,8 +1632,8 @@ class AdamEps(_ToldShare):
 
     def message(self, group: str, value: float) -> str:
         return (
-            f"in group {group}, {_fmt(100 * value)}% of the weights have a second moment under the "
-            f"optimizer's eps (sqrt(v) < eps; told from {_fmt(100 * self.config.threshold)}%): eps, not the "
+            f"in group {group}, {_fmt(100 * value)}% of the momentum is on weights whose second moment is under "
+            f"the optimizer's eps (sqrt(v) < eps; told from {_fmt(100 * self.config.threshold)}%): eps, not the "
             "gradients, sizes their steps, lr * m / eps, so the optimizer moves them far less than "
             "Adam's ~lr and no longer adapts to each weight's scale (Adam becomes SGD at lr / eps). "
             "Causes: an eps set for another gradient scale (1e-3 to 1e-1), gradients scaled down (a "
