@@ -117,7 +117,7 @@ __all__ = [
 ]
 
 ACT_ABSMAX_PREFIX = "act_absmax/"
-# An index, internal and per rank (stats.REDUCTIONS: LOCAL): never in monitor.stats.
+# An index, internal (never in monitor.stats); across ranks the smallest (stats.REDUCTIONS: FIRST).
 FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
 _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
 # A sampled step whose loss is non-finite and in which a watched module was fed an inf/NaN that no
