@@ -61,8 +61,8 @@ Statistic keys (``pending()``):
                                 in its narrowest floating dtype (inf/NaN when non-finite)
 ``attn_logit_max/<module>``     signed max attention logit (QK^T * scale, masked entries
                                 excluded) of an attention module; ``.../h<i>`` per head
-``internal/act_first_nonfinite`` index into ``ActivationWatch.module_names`` of the first module
-                                (in forward order) that produced inf/NaN this step; -1: none
+``internal/act_first_nonfinite`` index, in this step's recording order, of the first module
+                                (in forward order) that made an inf/NaN this step; -1: none
 =============================  =========================================================
 """
 
