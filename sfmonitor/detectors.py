@@ -60,6 +60,8 @@ from .schema import Section, SectionTable, option
 __all__ = [
     "AccuracyCollapse",
     "AccuracyCollapseConfig",
+    "AdamEps",
+    "AdamEpsConfig",
     "DeadUnits",
     "DeadUnitsConfig",
     "Detector",
@@ -1573,9 +1575,13 @@ class StaleUpdate(_Told):
 class _ToldShare(_Told):
     """A told detector of one share per group, ``<prefix><group>``: a finding once the share
     reaches ``config.threshold``, again only after it fell under half of it (``_Told.reaches``).
-    Subclasses give the prefix and the message."""
+    Subclasses give the prefix, their config section and the message."""
 
     prefix = ""
+    config_class: type[Section] = Section
+
+    def __init__(self, config: Any = None):
+        super().__init__(config or self.config_class())
 
     def message(self, group: str, value: float) -> str:
         raise NotImplementedError
@@ -1597,15 +1603,12 @@ class DeadUnits(_ToldShare):
     """``dead_units/<group>``: the largest share, over the group's nn.Linear / nn.Conv layers, of
     units that died: their gradient row was exactly zero on each of the last
     ``stats.dead_units_samples`` samples and non-zero on one before (``stats.DeadUnitCounter``).
-    Told once per group when it reaches ``threshold``, again only after it fell under half of it.
     A unit dead for good stays so under every action the monitor has (a lower LR does not switch
     it on): the event names the cause and the cures."""
 
     kind = DEAD_UNITS
     prefix = DEAD_UNITS_PREFIX
-
-    def __init__(self, config: DeadUnitsConfig | None = None):
-        super().__init__(config or DeadUnitsConfig())
+    config_class = DeadUnitsConfig
 
     def message(self, group: str, value: float) -> str:
         return (
@@ -1620,15 +1623,12 @@ class DeadUnits(_ToldShare):
 @register_detector("adam_eps", config=AdamEpsConfig, kinds={ADAM_EPS: [(1, [])]})
 class AdamEps(_ToldShare):
     """``adam_eps/<group>``: the share of the group's momentum (its elements weighed by |m|) whose
-    bias-corrected second moment is under eps squared (``stats.eps_dominated``). Told once per group when it reaches
-    ``threshold``, again only after it fell under half of it. The monitor does not change an
-    optimizer's hyperparameters: the event names the cause and the cures."""
+    bias-corrected second moment is under eps squared (``stats.eps_dominated``). The monitor does
+    not change an optimizer's hyperparameters: the event names the cause and the cures."""
 
     kind = ADAM_EPS
     prefix = ADAM_EPS_PREFIX
-
-    def __init__(self, config: AdamEpsConfig | None = None):
-        super().__init__(config or AdamEpsConfig())
+    config_class = AdamEpsConfig
 
     def message(self, group: str, value: float) -> str:
         return (

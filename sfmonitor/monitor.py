@@ -1507,7 +1507,7 @@ class Monitor:
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
         self._dead.resolve(values)  # dead_units/<group>: counts summed across ranks -> shares
-        S.shares(values, S.ADAM_EPS.format(""))  # adam_eps/<group>: [under eps, counted] -> share
+        S.shares(values, S.ADAM_EPS.format(""))  # adam_eps/<group>: [|m| under eps, all |m|] -> share
         if last is not None:
             self._publish(last, {k[len("prev:") :]: values.pop(k) for k in prev})
         rec.internal = {k: values.pop(k) for k in list(values) if k in S.INTERNAL}

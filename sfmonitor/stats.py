@@ -379,11 +379,11 @@ def eps_dominated(
     ``shares`` turns it into the share after the read). Adam's step is lr * m / (sqrt(v) + eps):
     where sqrt(v) is under eps, eps sets it, and the update is an SGD step at lr / eps rather than
     Adam's ~lr. Weighed by |m|, a weight the optimizer barely moves counts little (a rarely seen
-    embedding row, whose v and m both decayed: counted, a bag-of-words model's embedding read 0.64-0.70
-    at eps 1e-5 with no harm, 0.14-0.23 weighed). Elements whose v is exactly zero (never a
-    gradient) are not counted. Every
-    param group with ``eps`` and ``betas`` whose state holds ``exp_avg_sq`` (``max_exp_avg_sq`` with
-    amsgrad: the one the step divides by) counts: Adam, AdamW, NAdam, RAdam. ``group_of``: the
+    embedding row, whose v and m both decayed: counted, a bag-of-words model's embedding read
+    0.64-0.70 at eps 1e-5 with no harm, 0.14-0.23 weighed). Elements whose v is exactly zero (never
+    a gradient) are not counted. Every param group with ``eps`` and ``betas`` whose state holds
+    ``exp_avg_sq`` (``max_exp_avg_sq`` with amsgrad: the one the step divides by) counts: Adam,
+    AdamW, NAdam, RAdam. ``group_of``: the
     monitor's group of each parameter, by ``id``; ``local``: a state's part on this rank (FSDP2).
     The step count stays a tensor (no host read)."""
     counts: dict[str, list[torch.Tensor]] = {}
@@ -694,12 +694,6 @@ class StatsConfig(Section):
         "each gradient row of each nn.Linear / nn.Conv layer (a read of their gradients)",
         lo=0,
     )
-    adam_eps_every: int = option(
-        50,
-        "sample adam_eps/<group> every N optimizer steps (0: never): the share of an Adam-family "
-        "optimizer's elements whose bias-corrected second moment is under eps (a read of its exp_avg_sq)",
-        lo=0,
-    )
     dead_units_samples: int = option(
         20,
         "a unit is dead when its gradient row was exactly zero on this many samples in a row (every "
@@ -707,6 +701,13 @@ class StatsConfig(Section):
         "Measured on healthy ReLU MLPs, counting units off from the start too (docs/benchmarks.md): at batch 1 "
         "the largest share read 0.38-0.44 over 5 samples, 0.09-0.22 over 20",
         lo=1,
+    )
+    adam_eps_every: int = option(
+        50,
+        "sample adam_eps/<group> every N optimizer steps (0: never): the share of an Adam-family "
+        "optimizer's momentum (|m|) on elements whose bias-corrected second moment is under eps (a read of "
+        "its exp_avg and exp_avg_sq)",
+        lo=0,
     )
     grad_ratio_every: int = option(
         100,

@@ -620,3 +620,25 @@ def test_a_search_that_finds_no_maker_ends_and_pauses(tmp_path):
     assert not watch._wide and watch._widen_from == 1 + WIDEN_COOLDOWN
     assert not [e for e in mon.events if "precision_fallback" in e.actions]
     mon.detach()
+
+
+def test_a_search_that_timed_out_imposes_no_pause(tmp_path):
+    # Overflows at steps 0, 33 and 35: the search begun at step 0 ends at step 20 without having
+    # seen a non-finite step (no evidence that nothing makes it), so the non-finite step 33 starts
+    # a new one, which names the module at step 35.
+    from sfmonitor.watch import WIDEN_STEPS
+
+    assert WIDEN_STEPS < 33
+    _, mon, _ = gram_run(tmp_path, [50 if step in (0, 33, 35) else 1 for step in range(37)])
+    acted = [(e.step, e.actions) for e in mon.events if e.kind == "activation_overflow" and e.actions]
+    assert acted == [(35, ["precision_fallback"])], acted
+    mon.detach()
+
+
+@pytest.mark.parametrize("scale, searched", [(float("nan"), False), (50.0, True)])
+def test_an_unsampled_non_finite_step_searches_only_when_its_inputs_were_finite(tmp_path, scale, searched):
+    # Step 3 is not sampled (stride 10). A NaN that came with the inputs is a bad batch, no module's
+    # doing: no search. An inf made inside the model: the search starts.
+    _, mon, _ = gram_run(tmp_path, [1, 1, 1, scale])
+    assert bool(mon._watch._wide) is searched
+    mon.detach()
