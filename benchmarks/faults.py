@@ -125,6 +125,7 @@ class Options:
     monitor_config: dict[str, Any] = field(default_factory=dict)
     isolate: bool = True  # one forked process per run (per-run peak RSS)
     root: str = ""  # run folders go here
+    device: str = "cpu"  # the loop and reference runs' device (Lightning and HF stay on the CPU)
 
     def fault_step(self, steps: int) -> int:
         return max(1, int(0.4 * steps))
@@ -158,11 +159,22 @@ def all_finite(model: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in model.state_dict().values() if v.is_floating_point())
 
 
+def to_device(batch: dict, device: str) -> dict:
+    """The batch's tensors on ``device`` (batches are made, and spoiled, on the CPU)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work, so a step's time is its whole time."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
-def eval_loss(task: Task, model: torch.nn.Module) -> float:
+def eval_loss(task: Task, model: torch.nn.Module, device: str = "cpu") -> float:
     was = model.training
     model.eval()
-    value = statistics.fmean(float(task.loss(model, b)) for b in task.eval_batches())
+    value = statistics.fmean(float(task.loss(model, to_device(b, device))) for b in task.eval_batches())
     model.train(was)
     return value
 
@@ -194,6 +206,7 @@ def run_loop(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> di
     monitor.combine(), clipping (if the task clips) before optimizer.step()."""
     torch.manual_seed(seed)
     model, opt = task.build()
+    model.to(opts.device)  # the parameters stay the objects the optimizer holds
     data = task.train_batches(arm.steps, seed)
     faults = faults_at(arm)
     mon = None
@@ -215,6 +228,8 @@ def run_loop(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> di
             kinds = faults.get(i, set())
             torch.manual_seed(step_seed(seed, i))
             batch = spoil(task, data[i], kinds, torch.Generator().manual_seed(step_seed(seed, i)))
+            batch = to_device(batch, opts.device)
+            sync(opts.device)
             t0 = time.perf_counter()
             for pg in opt.param_groups:  # nanoGPT sets the LR itself every iteration
                 pg["lr"] = lr * (LR_FAULT if "lr" in kinds else 1.0)
@@ -229,12 +244,13 @@ def run_loop(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> di
                 torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            sync(opts.device)
             times.append(time.perf_counter() - t0)
             if arm.eval_every and (i + 1) % arm.eval_every == 0:
                 model.eval()
                 with torch.no_grad():  # a validation pass, as users write it
                     for b in task.eval_batches()[:2]:
-                        value = task.loss(model, b)
+                        value = task.loss(model, to_device(b, opts.device))
                         if mon is not None:
                             mon.combine(value)
                 model.train()
@@ -249,7 +265,7 @@ def run_loop(task: Task, arm: Arm, seed: int, run_dir: str, opts: Options) -> di
     last = max(drawn) if drawn else -1
     return {
         "losses": losses,
-        "eval_loss": eval_loss(task, model),
+        "eval_loss": eval_loss(task, model, opts.device),
         "digest": weights_digest(model),
         "finite": all_finite(model),
         "step_ms": 1e3 * statistics.median(times) if times else None,
@@ -441,11 +457,12 @@ def run_reference(arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str,
             return None
         g = torch.Generator().manual_seed(step_seed(seed, state["fwd"]))
         kw = dict(kwargs)
+        dev = kw["images"].device  # drawn on the CPU (the same draws on every device), then moved
         if "garbage" in kinds:
-            kw["images"] = 3.0 * torch.randn(kw["images"].shape, generator=g)
+            kw["images"] = (3.0 * torch.randn(kw["images"].shape, generator=g)).to(dev)
         if kinds & {"garbage", "labels"}:
-            kw["target"] = torch.randint(0, kw["captions"].shape[1], kw["target"].shape, generator=g)
-            kw["category"] = torch.randint(0, cfg.model.num_classes, kw["category"].shape, generator=g)
+            kw["target"] = torch.randint(0, kw["captions"].shape[1], kw["target"].shape, generator=g).to(dev)
+            kw["category"] = torch.randint(0, cfg.model.num_classes, kw["category"].shape, generator=g).to(dev)
         if "nan" in kinds and state["fwd"] % accum == 0:
             kw["images"] = kw["images"].clone()
             kw["images"][0, 0, 0, 0] = float("nan")
@@ -463,6 +480,7 @@ def run_reference(arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str,
 
     def opt_pre(optimizer, a, kw):
         s = state["fwd"] // accum - 1  # the step whose micro-batches just ran
+        sync(opts.device)
         now = time.perf_counter()
         if state["last"] is not None:
             times.append(now - state["last"])
@@ -507,6 +525,7 @@ def run_reference(arm: Arm, seed: int, run_dir: str, opts: Options) -> dict[str,
                 run_dir=run_dir,
                 monitor_config=monitor_config(opts) if arm.monitored else None,
                 overrides={"train.epochs": epochs},
+                device=opts.device,
             )
     finally:
         rt.build_model, rt.make_optimizer = build_model, make_optimizer
@@ -639,6 +658,7 @@ def step_time_probe(model_name: str, steps: int, opts: Options) -> dict[str, Any
         for monitored in (False, True):
             torch.manual_seed(opts.seed)
             model, opt = task.build()
+            model.to(opts.device)
             mon = None
             if monitored:
                 import sfmonitor
@@ -646,8 +666,10 @@ def step_time_probe(model_name: str, steps: int, opts: Options) -> dict[str, Any
                 mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=["jsonl"], config=monitor_config(opts))
             runs.append((model, opt, mon, []))
         for i, batch in enumerate(task.train_batches(steps + 5, opts.seed)):
+            batch = to_device(batch, opts.device)
             for model, opt, mon, times in runs if i % 2 else runs[::-1]:
                 torch.manual_seed(step_seed(opts.seed, i))
+                sync(opts.device)
                 t0 = time.perf_counter()
                 loss = task.loss(model, batch)
                 float(loss.detach())
@@ -658,6 +680,7 @@ def step_time_probe(model_name: str, steps: int, opts: Options) -> dict[str, Any
                     torch.nn.utils.clip_grad_norm_(model.parameters(), task.clip)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                sync(opts.device)
                 if i >= 5:
                     times.append(time.perf_counter() - t0)
         runs[1][2].detach()
@@ -1011,6 +1034,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-probe", action="store_true", help="skip the interleaved step-time probe")
     p.add_argument("--no-isolate", action="store_true", help="run in this process (peak RSS is then cumulative)")
     p.add_argument("--show", default=None, help="print the tables of a JSON file written by --json, run nothing")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the loop and reference runs train (cpu, cuda, cuda:1, ...); on a GPU with "
+        "deterministic algorithms, so that twins can be bit-identical",
+    )
     args = p.parse_args(argv)
     if args.show:
         with open(args.show, encoding="utf-8") as fh:
@@ -1029,6 +1058,24 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in models if m not in MODELS] + [s for s in scenarios if s not in SCENARIOS]
     if bad:
         p.error(f"unknown model or scenario: {', '.join(bad)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device!r}: {e}")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: only cpu and cuda are supported")
+    if device.type == "cuda":
+        cpu_only = sorted({"lightning", "hf_trainer"} & set(scenarios))
+        if cpu_only:
+            p.error(f"--device {args.device}: {', '.join(cpu_only)} train on the CPU only; leave them out")
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device here")
+        # Before CUDA starts: cuBLAS needs this workspace to be deterministic. Bare and monitored
+        # twins can then end bit-identical, as on the CPU.
+        # warn_only: an op with no deterministic kernel warns (and its row may differ) instead of
+        # ending the run.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     mcfg: dict[str, Any] = {}
     if args.monitor_config:
         text = args.monitor_config
@@ -1069,6 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
             monitor_config=mcfg,
             isolate=not args.no_isolate,
             root=root,
+            device=str(device),
         )
         cache: dict = {}
         for model_name in models:
@@ -1094,6 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# faults benchmark: sfmonitor at {_states(state_at_start, _checkout.describe())}, "
         f"torch {torch.__version__}, {platform.machine()}, "
         f"{os.cpu_count()} CPU(s), 1 thread per run, seeds {args.seeds}; {seconds:.0f} s"
+        + (f"; device {torch.cuda.get_device_name(device)}, deterministic algorithms" if device.type == "cuda" else "")
     )
     shown = aggregate(rows) if len(seeds) > 1 else rows
     print(header)

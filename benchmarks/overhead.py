@@ -8,6 +8,15 @@ step takes ~50-150 ms on a 2-core CPU.
 
     python benchmarks/overhead.py [--steps 80] [--threads 1] [--batch 8 --seq 64 --d 256 --layers 3]
     python benchmarks/overhead.py --variants defaults,undo-off,lean --steps 200   # fewer, longer
+    python benchmarks/overhead.py --device cuda [--amp bf16] [--d 1024 --layers 12 --batch 32 --seq 256]
+
+On a GPU (``--device cuda``) each step ends with ``torch.cuda.synchronize()`` before its time is
+taken, and the table adds, per variant: the host synchronizations a step makes (counted with
+``torch.cuda.set_sync_debug_mode``: the monitor's promise is one read a step), and the device
+memory it holds beyond the bare run, in MiB and in multiples of the parameters' bytes (each variant
+built alone, after the timed steps: its memory after 3 steps, and its peak). The monitor's own
+time is left out there: its single read waits for the GPU's queued work, so it would time the
+backward pass too.
 
 Not a test: it prints a table. Latest results: docs/benchmarks.md.
 """
@@ -15,10 +24,13 @@ Not a test: it prints a table. Latest results: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import platform
 import statistics
 import tempfile
 import time
+import warnings
 
 import _checkout  # before sfmonitor: this checkout's code, not an editable install's
 import torch
@@ -59,7 +71,7 @@ SHORT = dict(zip(["bare", "defaults", "watch-off", "watch-every-step", "ratio-ev
 
 def make(seed, config, run_dir, args):
     torch.manual_seed(seed)
-    model = Model(d=args.d, layers=args.layers)
+    model = Model(d=args.d, layers=args.layers).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     mon = None
     if config is not None:
@@ -85,16 +97,63 @@ def clock(mon) -> None:
         setattr(mon, name, timed)
 
 
-def step(model, opt, mon, batch):
-    """(the step's time, the monitor's own time in it), in seconds."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step(model, opt, mon, batch, amp=None):
+    """(the step's time, the monitor's own time in it), in seconds. On a GPU the step's time runs
+    until its device work is done."""
+    device = batch[0].device
+    sync(device)
     own0 = mon.own_s if mon else 0.0
     t0 = time.perf_counter()
-    losses = model(*batch)
+    with torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext():
+        losses = model(*batch)
     loss = mon.combine(losses) if mon else sum(losses.values())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    sync(device)
     return time.perf_counter() - t0, (mon.own_s - own0 if mon else 0.0)
+
+
+def host_syncs(model, opt, mon, batches, amp, steps=3) -> float:
+    """Synchronizing CUDA calls per step (``torch.cuda.set_sync_debug_mode("warn")`` warns once for
+    each), over ``steps`` steps."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for i in range(steps):
+                with torch.autocast("cuda", dtype=amp) if amp is not None else contextlib.nullcontext():
+                    losses = model(*batches[i % len(batches)])
+                loss = mon.combine(losses) if mon else sum(losses.values())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in seen) / steps
+
+
+def device_memory(config, run_dir, args, batches, amp) -> tuple[float, float]:
+    """(bytes held after 3 steps, peak bytes during them), beyond what was allocated before the
+    model was built: one variant alone on the GPU."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model, opt, mon = make(0, config, run_dir, args)
+    for i in range(3):
+        step(model, opt, mon, batches[i % len(batches)], amp)
+    held = torch.cuda.memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    if mon is not None:
+        mon.detach()
+    del model, opt, mon
+    return held, peak
 
 
 def main(argv=None) -> int:
@@ -106,7 +165,20 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=256, help="model width")
     ap.add_argument("--layers", type=int, default=3, help="transformer layers")
     ap.add_argument("--variants", default=",".join(SHORT), help=f"comma list of {', '.join(SHORT)} (bare always runs)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"), help="autocast the forward in this dtype")
     args = ap.parse_args(argv)
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r}: {e}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA device here")
+    if args.device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {args.device}: only cpu and cuda are supported")
+    amp = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    if amp is torch.float16:
+        ap.error("--amp fp16 needs a GradScaler, which this benchmark does not drive; use bf16")
     unknown = set(args.variants.split(",")) - set(SHORT)
     if unknown:
         ap.error(f"--variants: unknown {sorted(unknown)}; expected some of {', '.join(SHORT)}")
@@ -114,9 +186,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     batches = [
-        (torch.randint(0, 1000, (args.batch, args.seq), generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+        (
+            torch.randint(0, 1000, (args.batch, args.seq), generator=g).to(args.device),
+            torch.randint(0, 10, (args.batch,), generator=g).to(args.device),
+        )
         for _ in range(8)
     ]
+    cuda = args.device.type == "cuda"
     with tempfile.TemporaryDirectory() as run_dir:
         runs = {name: make(0, cfg, f"{run_dir}/{i}", args) for i, (name, cfg) in enumerate(chosen.items())}
         times: dict[str, list[float]] = {name: [] for name in chosen}
@@ -126,21 +202,48 @@ def main(argv=None) -> int:
             b = batches[i % len(batches)]
             for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order
                 m, o, mo = runs[name]
-                t, t_own = step(m, o, mo, b)
+                t, t_own = step(m, o, mo, b, amp)
                 if i >= 5:
                     times[name].append(t)
                     own[name].append(t_own)
         n_params = sum(p.numel() for p in runs["bare"][0].parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in runs["bare"][0].parameters())
+        syncs = {name: host_syncs(*runs[name], batches, amp) for name in names} if cuda else {}
         for _m, _o, mo in runs.values():
             if mo is not None:
                 mo.detach()
+        del runs
+        memory = {}
+        for i, (name, cfg) in enumerate(chosen.items() if cuda else ()):
+            memory[name] = device_memory(cfg, f"{run_dir}/mem{i}", args, batches, amp)
     med = {k: statistics.median(v) for k, v in times.items()}
     mean = {k: statistics.fmean(v) for k, v in times.items()}
-    print(
-        f"# monitor overhead ({platform.machine()}, {torch.get_num_threads()} thread(s), "
-        f"torch {torch.__version__}, d={args.d} x {args.layers} layers, {n_params / 1e6:.2f}M params, "
-        f"batch {args.batch}x{args.seq}, {args.steps} interleaved steps each; sfmonitor at {_checkout.describe()})"
+    where = (
+        f"{torch.cuda.get_device_name(args.device)}, {platform.machine()} host"
+        if cuda
+        else f"{platform.machine()}, {torch.get_num_threads()} thread(s)"
     )
+    print(
+        f"# monitor overhead ({where}, torch {torch.__version__}, d={args.d} x {args.layers} layers, "
+        f"{n_params / 1e6:.2f}M params, batch {args.batch}x{args.seq}, amp {args.amp}, {args.steps} interleaved "
+        f"steps each; sfmonitor at {_checkout.describe()})"
+    )
+    if cuda:
+        mib = 2**20
+        print(
+            "| variant | median step (ms) | median ratio | mean step (ms) | mean ratio | host syncs a step "
+            "| device memory held beyond bare: MiB (x param bytes) | peak beyond bare: MiB (x param bytes) |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        held0, peak0 = memory["bare"]
+        for name in names:
+            held, peak = memory[name][0] - held0, memory[name][1] - peak0
+            print(
+                f"| {name} | {med[name] * 1e3:.2f} | {med[name] / med['bare']:.3f} | {mean[name] * 1e3:.2f} "
+                f"| {mean[name] / mean['bare']:.3f} | {syncs[name]:.1f} | {held / mib:.1f} ({held / param_bytes:.2f}) "
+                f"| {peak / mib:.1f} ({peak / param_bytes:.2f}) |"
+            )
+        return 0
     print("| variant | median step (ms) | median ratio | mean step (ms) | mean ratio | monitor's own ms (median) |")
     print("|---|---|---|---|---|---|")
     for name in names:

@@ -293,6 +293,23 @@ class _PlainProgress:
 # --------------------------------------------------------------------------------------------
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device a run trains on; a clear ConfigError for one that cannot be used here."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r} is not a torch device: {e}") from None
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: torch {torch.__version__} sees no CUDA device here")
+    if out.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r}: the trainer runs on cpu or cuda")
+    return out
+
+
 def train(
     cfg: RunConfig | dict | str,
     seed: int = 0,
@@ -306,18 +323,20 @@ def train(
     overrides: dict[str, Any] | None = None,
     verbose: bool = False,
     fsdp: bool = False,
+    device: str | torch.device | None = None,
 ) -> dict[str, Any]:
-    """Train one run and return its result dict (the JSON line main() prints)."""
+    """Train one run and return its result dict (the JSON line main() prints). ``device``: where
+    to train ("cpu", "cuda", ...); None: this rank's GPU (``LOCAL_RANK``) when CUDA is available,
+    else the CPU."""
     t0 = time.perf_counter()
+    run_device = resolve_device(device)
     cfg = load_config(cfg, overrides)
     tc = cfg.train
     if tc.threads:
         torch.set_num_threads(tc.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    )
+    device = run_device
     if (world > 1 or fsdp) and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
@@ -556,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         help="no progress bar (it is off anyway when stderr is not a terminal)",
     )
     p.add_argument("--verbose", action="store_true", help="print one JSON line per epoch to stderr")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: this rank's GPU if any, else cpu)")
     p.add_argument(
         "--fsdp",
         action="store_true",
@@ -587,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
             verbose=args.verbose,
             fsdp=args.fsdp,
             sinks=args.sinks,
+            device=args.device,
         )
     except config_errors as e:
         print(f"sfmonitor train: {e}", file=sys.stderr)
