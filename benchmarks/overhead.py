@@ -119,9 +119,9 @@ def step(model, opt, mon, batch, amp=None):
     return time.perf_counter() - t0, (mon.own_s - own0 if mon else 0.0)
 
 
-def host_syncs(model, opt, mon, batches, amp, steps=3) -> float:
+def host_syncs(model, opt, mon, batches, amp, steps=10) -> float:
     """Synchronizing CUDA calls per step (``torch.cuda.set_sync_debug_mode("warn")`` warns once for
-    each), over ``steps`` steps."""
+    each), over ``steps`` steps (10: one of them a step the activation watch samples)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")

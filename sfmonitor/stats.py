@@ -222,7 +222,8 @@ class TensorIndex:
         """The parameter index of ``first`` (a 0-d index into these tensors, -1: none), no sync."""
         if not self.position.numel():
             return first
-        at = self.position[first.clamp(0, self.position.numel() - 1)]
+        # gather, not position[first]: indexing with a 0-d tensor reads it on the host (a sync)
+        at = self.position.gather(0, first.clamp(0, self.position.numel() - 1).reshape(1)).reshape(())
         return torch.where(first >= 0, at, torch.full_like(at, -1))
 
 
@@ -245,9 +246,9 @@ def group_norms(per_tensor: torch.Tensor, index: TensorIndex | torch.Tensor, n_g
 def first_true(mask: torch.Tensor) -> torch.Tensor:
     """Index of the first True in a 1-d bool mask, or -1 when none, as a 0-d tensor (no sync)."""
     if mask.numel() == 0:
-        return torch.tensor(-1)
+        return torch.full((), -1, dtype=torch.long, device=mask.device)
     first = mask.to(torch.uint8).argmax()  # the first maximum: the first True (0 when there is none)
-    return torch.where(mask[first], first, -1)
+    return torch.where(mask.any(), first, -1)  # not mask[first]: that reads `first` on the host
 
 
 def update_norms_(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> torch.Tensor:

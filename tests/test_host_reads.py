@@ -200,3 +200,37 @@ def test_the_spy_sees_every_form_of_read(monkeypatch):
     ns["touch"](torch.tensor(1.5), torch.tensor(2))
     reads.on = False
     assert sorted({site[2] for site in reads.sites}) == sorted(CONVERSIONS), reads.sites
+
+
+def test_the_step_statistics_read_nothing_inside_torch_ops():
+    """A host read inside a torch op is invisible to the spies above: indexing with a 0-d tensor
+    reads the index on the host (on a GPU, a device sync a step: three were found there, in the
+    first non-finite gradient and parameter indices). On the meta device every such read raises
+    ("item() cannot be called on meta tensors"), so the per-step helpers must run there, and their
+    results stay on the device they measured."""
+    from sfmonitor import stats as S
+    from sfmonitor.undo import update_norms
+
+    meta = torch.device("meta")
+    for mask in (torch.zeros(6, dtype=torch.bool, device=meta), torch.zeros(0, dtype=torch.bool, device=meta)):
+        assert S.first_true(mask).device == meta
+    index = S.TensorIndex(
+        group=torch.zeros(3, dtype=torch.long, device=meta),
+        share=torch.ones(3, dtype=torch.float64, device=meta),
+        position=torch.arange(3, device=meta),
+    )
+    assert index.param_of(S.first_true(torch.zeros(3, dtype=torch.bool, device=meta))).device == meta
+    tensors = [torch.ones(4, device=meta), torch.ones(2, 3, dtype=torch.float16, device=meta)]
+    per_tensor = S.norms(tensors)
+    assert per_tensor.device == meta and S.group_norms(per_tensor[:2], index.group[:2], 1).device == meta
+    assert update_norms(tensors, [t + 1 for t in tensors]).device == meta
+
+
+def test_first_true_and_param_of_give_the_first_offender():
+    from sfmonitor import stats as S
+
+    assert int(S.first_true(torch.tensor([False, False, True, True]))) == 2
+    assert int(S.first_true(torch.tensor([False, False]))) == -1
+    assert int(S.first_true(torch.zeros(0, dtype=torch.bool))) == -1
+    index = S.TensorIndex(group=torch.zeros(3, dtype=torch.long), share=None, position=torch.tensor([4, 7, 9]))
+    assert [int(index.param_of(torch.tensor(i))) for i in (0, 2, -1)] == [4, 9, -1]
