@@ -110,7 +110,7 @@ from .summary import (
     run_summary,
     write_json,
 )
-from .undo import UndoState, local, update_norms
+from .undo import Arena, UndoState, local, update_norms
 from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
 
@@ -552,7 +552,7 @@ class Monitor:
         self._grad_reset = GradResetProbe()  # was zero_grad() called between the steps?
         self._told_not_reset = False  # zero_grad_missing told, and no reset seen since
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
-        self._update_buf: list[torch.Tensor] | None = None  # reused copy of the parameters
+        self._update_buf: Arena | None = None  # reused copy of the parameters (no undo copy)
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
         self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
         self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
@@ -1900,9 +1900,9 @@ class Monitor:
             fraction = self.config.stats.update_ratio_fraction
             if fraction >= 1.0:
                 if self._update_buf is None:
-                    self._update_buf = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
-                torch._foreach_copy_(self._update_buf, params)
-                rec.before_params = self._update_buf
+                    self._update_buf = Arena()  # one flat buffer per dtype, one fused copy
+                rec.before_params = self._update_buf.fit(params)
+                self._update_buf.copy_(params)
                 return out, key
             if self._slices is None or self._slices.fraction != fraction:
                 self._slices = S.RotatingSlices(fraction)  # flat buffers as large as a window

@@ -170,7 +170,10 @@ def _lean_worker(rank, port, out, fraction):
         mon.combine(nn.functional.mse_loss(model(x), y)).backward()
         opt.step()
         opt.zero_grad()
-    held = sum(t.numel() for t in (mon._update_buf or []) + (mon._slices.buffers if mon._slices else []))
+    held = sum(
+        t.numel()
+        for t in (mon._update_buf.views if mon._update_buf else []) + (mon._slices.buffers if mon._slices else [])
+    )
     local = sum(p.to_local().numel() for p in model.parameters())
     stats = mon.stats
     mon.detach()

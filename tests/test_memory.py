@@ -145,7 +145,8 @@ def test_the_lean_profile_holds_five_percent_and_still_sees_an_lr_spike_in_its_s
         opt.zero_grad()
         ratios.append(mon.stats.get("update_ratio/0"))
     held = sum(
-        t.numel() * t.element_size() for t in (mon._update_buf or []) + (mon._slices.buffers if mon._slices else [])
+        t.numel() * t.element_size()
+        for t in (mon._update_buf.views if mon._update_buf else []) + (mon._slices.buffers if mon._slices else [])
     )
     mon.detach()
     p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -56,14 +56,15 @@ def test_restore_is_bit_exact_and_removes_state_a_first_step_created(opt_name):
     assert undo.label == 2 and undo.nbytes > 0
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu-scratch", "gpu-foreach"])
 @pytest.mark.parametrize("limit", [1 << 22, 10, 3])
-def test_update_norms_in_bounded_chunks_match_the_direct_ones_and_keep_before(limit):
+def test_update_norms_in_bounded_chunks_match_the_direct_ones_and_keep_before(limit, fused):
     torch.manual_seed(0)
     before = [torch.randn(4, 3), torch.randn(7), torch.randn(2, 2, 2).half(), torch.randn(1)]
     after = [b + torch.randn_like(b) for b in before]
     kept = [b.clone() for b in before]
     scratch: dict = {}
-    got = update_norms(before, after, scratch, limit=limit)
+    got = update_norms(before, after, scratch, limit=limit, fused=fused)
     want = torch.stack([torch.linalg.vector_norm((a - b).float()) for a, b in zip(after, before)])
     assert torch.allclose(got, want, rtol=1e-3)
     assert all(torch.equal(b, k) for b, k in zip(before, kept)), "the undo copy stays intact"
@@ -142,3 +143,47 @@ def test_a_snapshot_holds_a_wrapper_optimizers_inner_state(tmp_path):
         assert opt.param_groups[0]["lr"] == lr / 2
         train()  # the restored momentum belongs to the live parameters: training goes on
         assert opt.base_optimizer.state[next(model.parameters())]["momentum_buffer"] is not None
+
+
+def test_the_copy_is_one_buffer_per_dtype_with_the_live_strides_and_restores_bit_exact():
+    """The parameters' copies (and the optimizer state's) are views of one flat buffer per dtype
+    and device, filled by one fused copy each: on a GPU a copy per tensor was a kernel launch each,
+    ~580 a step for AdamW on a 150M-parameter transformer. A channels_last weight and a transposed
+    one keep their strides in the copy; a parameter whose elements do not fill one block of its
+    storage (a strided slice) is copied in its logical order. Restores stay bit-exact."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    sliced = nn.Parameter(torch.randn(4, 6)[:, ::2])  # not dense: a gap after each element
+    transposed = nn.Parameter(torch.randn(3, 5).t())
+    half = nn.Parameter(torch.randn(5).half())
+    params = [conv.weight, conv.bias, sliced, transposed, half]
+    assert not sliced.is_contiguous() and not transposed.is_contiguous()
+    opt = torch.optim.AdamW(params, lr=0.1)
+
+    def train():
+        x = torch.randn(2, 3, 5, 5).to(memory_format=torch.channels_last)
+        loss = conv(x).mean() + sliced.sum() + (transposed @ torch.randn(3)).sum() + half.float().square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    undo = UndoState()
+    train()
+    weights = [p.detach().clone() for p in params]
+    state = copy.deepcopy(opt.state_dict())
+    undo.capture(1, params, opt)
+    train()
+    undo.restore(params, opt)
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    for pid, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(opt.state_dict()["state"][pid][k], v), (pid, k)
+    assert undo.params[0].stride() == conv.weight.stride() and undo.params[3].stride() == transposed.stride()
+    assert undo.params[2].is_contiguous()
+    storages = {(p.dtype, p.untyped_storage().data_ptr()) for p in undo.params}
+    assert len(storages) == 2, "one buffer for the float32 parameters, one for the float16 one"
+    moments = [v for owner in undo._state for st in owner if st for v in st.values() if v.dim() > 0]
+    assert len({v.untyped_storage().data_ptr() for v in moments if v.dtype == torch.float32}) == 1
+    held = undo.params
+    undo.capture(2, params, opt)
+    assert undo.params is held, "the same layout reuses the same copy (no allocation a step)"
