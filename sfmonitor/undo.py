@@ -56,12 +56,16 @@ class Arena:
 
     ``fit(live)`` returns the copies (views of the buffers, in the order and with the shapes and
     strides of ``live``), the same list while ``live`` keeps its layout, new buffers when it does
-    not; ``copy_(live)`` fills them."""
+    not; ``copy_(live)`` fills them. The flat views of the live tensors that ``torch.cat`` reads
+    are built once and kept while the tensors' storages stay where they were (building one per
+    tensor every step costs more CPU time than the launches it saves)."""
 
     def __init__(self) -> None:
         self.layout: tuple[Any, ...] | None = None
         self.views: list[torch.Tensor] = []
         self._flat: list[tuple[torch.Tensor, list[int]]] = []  # (buffer, indices of the tensors in it)
+        self._ptrs: list[int] = []  # where the live tensors' elements were when _sources was built
+        self._sources: list[list[torch.Tensor]] = []  # per buffer, the flat views it copies
 
     def fit(self, live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         layout = tuple((t.dtype, t.device, t.shape, t.stride() if _dense(t) else None) for t in live)
@@ -83,12 +87,17 @@ class Arena:
                 views[i] = flat.as_strided(t.shape, stride, flat.storage_offset() + offset)
                 offset += t.numel()
             self._flat.append((flat, idx))
-        self.layout, self.views = layout, views
+        self.layout, self.views, self._ptrs = layout, views, []
         return views
 
     def copy_(self, live: Sequence[torch.Tensor]) -> None:
-        for flat, idx in self._flat:
-            torch.cat([_flatten(live[i]) for i in idx], out=flat)
+        ptrs = [t.data_ptr() for t in live]
+        if ptrs != self._ptrs:
+            # a cached view keeps its storage alive, so a new storage never reuses its address
+            self._sources = [[_flatten(live[i]) for i in idx] for _, idx in self._flat]
+            self._ptrs = ptrs if all(_dense(t) for t in live) else []  # a copy is no view: never kept
+        for (flat, _), sources in zip(self._flat, self._sources):
+            torch.cat(sources, out=flat)
 
 
 def _dense(t: torch.Tensor) -> bool:

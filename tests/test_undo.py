@@ -187,3 +187,24 @@ def test_the_copy_is_one_buffer_per_dtype_with_the_live_strides_and_restores_bit
     held = undo.params
     undo.capture(2, params, opt)
     assert undo.params is held, "the same layout reuses the same copy (no allocation a step)"
+
+
+def test_a_parameter_given_new_storage_is_copied_from_its_new_storage():
+    """The copy's flat views of the live tensors are kept between steps; a ``p.data = ...`` (a
+    resize, a load that replaces the storage) must not leave them reading the old storage."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = list(model.parameters())
+    train = _trainer(model, opt, 4)
+    undo = UndoState()
+    train()
+    undo.capture(1, params, opt)
+    train()
+    model.weight.data = torch.randn(3, 4)  # new storage, same layout
+    opt.state[model.weight]["momentum_buffer"] = torch.randn(3, 4)  # so is the optimizer's
+    weight, momentum = model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"].clone()
+    undo.capture(2, params, opt)
+    train()
+    undo.restore(params, opt)
+    assert torch.equal(model.weight, weight) and torch.equal(opt.state[model.weight]["momentum_buffer"], momentum)
