@@ -68,7 +68,7 @@ class Arena:
         self._sources: list[list[torch.Tensor]] = []  # per buffer, the flat views it copies
 
     def fit(self, live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        layout = tuple((t.dtype, t.device, t.shape, t.stride() if _dense(t) else None) for t in live)
+        layout = tuple((t.dtype, t.device, t.shape, t.stride()) for t in live)  # (dense follows from these)
         if layout == self.layout:
             return self.views
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
