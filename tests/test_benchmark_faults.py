@@ -79,3 +79,24 @@ def test_a_skipped_nan_batch_ends_bit_identical_to_the_twin_without_it(rows):
     assert row["identical"] == 1.0, "skipping the NaN batch must equal never having seen it"
     assert math.isnan(row["bare_eval_ratio"])  # the bare run with the NaN batch ends with NaN weights
     assert row["thrown_away"]["skipped"] == 1 and row["lost"] == 1
+
+
+def test_a_device_the_runs_cannot_use_is_refused_by_name(faults, capsys):
+    """--device cuda runs the loop and reference runs on a GPU (benchmarks/cuda_suite.sh); the
+    Lightning and HF scenarios train on the CPU only, and a machine without CUDA says so."""
+    with pytest.raises(SystemExit):
+        faults.main(["--device", "cuda", "--models", "gpt", "--scenarios", "fault_free,lightning"])
+    assert "lightning train on the CPU only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        faults.main(["--device", "nowhere"])
+    assert "--device 'nowhere'" in capsys.readouterr().err
+    if not faults.torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            faults.main(["--device", "cuda", "--models", "gpt", "--scenarios", "fault_free"])
+        assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_runs_move_their_batches_to_the_device(faults):
+    batch = {"x": faults.torch.ones(2), "weight": faults.torch.tensor(1.0), "name": "kept"}
+    moved = faults.to_device(batch, "meta")
+    assert moved["x"].device.type == "meta" and moved["weight"].device.type == "meta" and moved["name"] == "kept"

@@ -1,6 +1,7 @@
 """The reference trainer: learning, the result line, determinism, resume, config errors, DDP."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -214,3 +215,21 @@ def test_the_progress_bar_falls_back_to_plain_lines_without_tqdm(monkeypatch, ca
     bar.update(1)  # the last one always prints
     bar.close()
     assert "epoch 1/1 2/2 loss=1.0" in capsys.readouterr().err
+
+
+def test_the_device_is_chosen_or_refused_with_a_clear_error(capsys):
+    from reference_model.train import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="'nowhere' is not a torch device"):
+        resolve_device("nowhere")
+    with pytest.raises(ConfigError, match="cpu or cuda"):
+        resolve_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="sees no CUDA device"):
+            resolve_device("cuda")
+        assert main(["--config", "tiny", "--device", "cuda", "--no-progress"]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
+    out = train("tiny", seed=0, overrides={"train.epochs": 1}, device="cpu")
+    assert out["optimizer_steps"] == 4 and math.isfinite(out["val_loss"])
