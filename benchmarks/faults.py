@@ -4,6 +4,7 @@
     python benchmarks/faults.py                              # every model x scenario, ~5 min a seed
     python benchmarks/faults.py --models gpt,cnn --scenarios nan_batch,lr_spike --steps 80 --json out.json
     python benchmarks/faults.py --show out.json              # the tables again, from the JSON
+    python benchmarks/faults.py --device cuda --scenarios fault_free,nan_batch,lr_spike --no-isolate
 
 Models (benchmarks/fault_models.py): a nanoGPT-style char-level GPT (``gpt``), a transformers
 ``BertForMaskedLM`` from a tiny ``BertConfig`` (``bert``), a small CNN with BatchNorm on synthetic
