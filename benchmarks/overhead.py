@@ -9,6 +9,7 @@ step takes ~50-150 ms on a 2-core CPU.
     python benchmarks/overhead.py [--steps 80] [--threads 1] [--batch 8 --seq 64 --d 256 --layers 3]
     python benchmarks/overhead.py --variants defaults,undo-off,lean --steps 200   # fewer, longer
     python benchmarks/overhead.py --device cuda [--amp bf16] [--d 1024 --layers 12 --batch 32 --seq 256]
+    python benchmarks/overhead.py --variants defaults --profile 5     # + where the monitor's time goes
 
 On a GPU (``--device cuda``) each step ends with ``torch.cuda.synchronize()`` before its time is
 taken, and the table adds, per variant: the host synchronizations a step makes (counted with
@@ -142,6 +143,38 @@ def host_syncs(model, opt, mon, batches, amp, steps=10) -> tuple[float, int]:
     return statistics.median(counts), max(counts)
 
 
+def profile(model, opt, mon, batches, amp, steps: int) -> str:
+    """``steps`` steps under torch.profiler (with the GPU's kernels on a GPU) and cProfile: the ops
+    by self time, then the monitor's functions by cumulative time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    device = batches[0][0].device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    calls = cProfile.Profile()
+    with torch_profile(activities=activities) as prof:
+        calls.enable()
+        for i in range(steps):
+            step(model, opt, mon, batches[i % len(batches)], amp)
+        calls.disable()
+    averages = prof.key_averages()
+    out = [f"{steps} steps; times are totals over them"]
+    out.append(averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
+    if device.type == "cuda":
+        try:
+            out.append(averages.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=50))
+        except (KeyError, AttributeError, ValueError):  # torch < 2.4 names it after CUDA
+            out.append(averages.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=50))
+    text = io.StringIO()
+    pstats.Stats(calls, stream=text).sort_stats("cumulative").print_stats("sfmonitor", 20)
+    out.append(text.getvalue().strip())
+    return "\n".join(out)
+
+
 def device_memory(config, run_dir, args, batches, amp) -> tuple[float, float]:
     """(bytes held after 3 steps, peak bytes during them), beyond what was allocated before the
     model was built: one variant alone on the GPU."""
@@ -171,6 +204,14 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(SHORT), help=f"comma list of {', '.join(SHORT)} (bare always runs)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"), help="autocast the forward in this dtype")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the table, N more steps of each monitored variant under torch.profiler and cProfile: "
+        "the ops by time (CPU, and the GPU's) and the monitor's functions by cumulative time",
+    )
     args = ap.parse_args(argv)
     try:
         args.device = torch.device(args.device)
@@ -213,6 +254,7 @@ def main(argv=None) -> int:
         n_params = sum(p.numel() for p in runs["bare"][0].parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in runs["bare"][0].parameters())
         syncs = {name: host_syncs(*runs[name], batches, amp) for name in names} if cuda else {}
+        profiles = {name: profile(*runs[name], batches, amp, args.profile) for name in names[1:] if args.profile}
         for _m, _o, mo in runs.values():
             if mo is not None:
                 mo.detach()
@@ -248,6 +290,7 @@ def main(argv=None) -> int:
                 f"| {mean[name] / mean['bare']:.3f} | {syncs[name][0]:g}; {syncs[name][1]} "
                 f"| {held / mib:.1f} ({held / param_bytes:.2f}) | {peak / mib:.1f} ({peak / param_bytes:.2f}) |"
             )
+        print_profiles(profiles)
         return 0
     print("| variant | median step (ms) | median ratio | mean step (ms) | mean ratio | monitor's own ms (median) |")
     print("|---|---|---|---|---|---|")
@@ -256,7 +299,13 @@ def main(argv=None) -> int:
             f"| {name} | {med[name] * 1e3:.1f} | {med[name] / med['bare']:.3f} "
             f"| {mean[name] * 1e3:.1f} | {mean[name] / mean['bare']:.3f} | {statistics.median(own[name]) * 1e3:.2f} |"
         )
+    print_profiles(profiles)
     return 0
+
+
+def print_profiles(profiles: dict[str, str]) -> None:
+    for name, text in profiles.items():
+        print(f"\n## profile: {name}\n```\n{text}\n```")
 
 
 if __name__ == "__main__":

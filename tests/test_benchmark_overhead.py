@@ -24,9 +24,11 @@ def overhead():
 
 def test_a_tiny_run_prints_the_table(overhead, capsys):
     argv = ["--steps", "2", "--d", "16", "--layers", "1", "--batch", "2", "--seq", "4", "--variants", "defaults"]
-    assert overhead.main([*argv, "--amp", "bf16"]) == 0
+    assert overhead.main([*argv, "--amp", "bf16", "--profile", "1"]) == 0
     out = capsys.readouterr().out
     assert "amp bf16" in out and "| bare |" in out and "| monitor (defaults) |" in out
+    # the profile: the ops by time, then the monitor's own functions
+    assert "## profile: monitor (defaults)" in out and "Self CPU" in out and "before_update" in out
 
 
 def test_gpu_options_refuse_what_they_cannot_do(overhead, capsys):
