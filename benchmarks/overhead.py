@@ -103,6 +103,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def train_step(model, opt, mon, batch, amp=None) -> None:
+    """One training step, with no synchronization of its own."""
+    with torch.autocast(batch[0].device.type, dtype=amp) if amp is not None else contextlib.nullcontext():
+        losses = model(*batch)
+    loss = mon.combine(losses) if mon else sum(losses.values())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def step(model, opt, mon, batch, amp=None):
     """(the step's time, the monitor's own time in it), in seconds. On a GPU the step's time runs
     until its device work is done."""
@@ -110,12 +120,7 @@ def step(model, opt, mon, batch, amp=None):
     sync(device)
     own0 = mon.own_s if mon else 0.0
     t0 = time.perf_counter()
-    with torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext():
-        losses = model(*batch)
-    loss = mon.combine(losses) if mon else sum(losses.values())
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    train_step(model, opt, mon, batch, amp)
     sync(device)
     return time.perf_counter() - t0, (mon.own_s - own0 if mon else 0.0)
 
@@ -131,12 +136,7 @@ def host_syncs(model, opt, mon, batches, amp, steps=10) -> tuple[float, int]:
         for i in range(steps):
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                with torch.autocast("cuda", dtype=amp) if amp is not None else contextlib.nullcontext():
-                    losses = model(*batches[i % len(batches)])
-                loss = mon.combine(losses) if mon else sum(losses.values())
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                train_step(model, opt, mon, batches[i % len(batches)], amp)  # (step() would add two syncs)
             counts.append(sum("synchroniz" in str(w.message) for w in seen))
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -1901,8 +1901,7 @@ class Monitor:
             if fraction >= 1.0:
                 if self._update_buf is None:
                     self._update_buf = Arena()  # one flat buffer per dtype, one fused copy
-                rec.before_params = self._update_buf.fit(params)
-                self._update_buf.copy_(params)
+                rec.before_params = self._update_buf.copy_from(params)
                 return out, key
             if self._slices is None or self._slices.fraction != fraction:
                 self._slices = S.RotatingSlices(fraction)  # flat buffers as large as a window

@@ -54,23 +54,35 @@ class Arena:
     kernel launch each (AdamW on a 150M-parameter transformer: ~580 a step), made while the GPU
     waits for the step's decision; the CPU does the same memory traffic either way.
 
-    ``fit(live)`` returns the copies (views of the buffers, in the order and with the shapes and
-    strides of ``live``), the same list while ``live`` keeps its layout, new buffers when it does
-    not; ``copy_(live)`` fills them. The flat views of the live tensors that ``torch.cat`` reads
-    are built once and kept while the tensors' storages stay where they were (building one per
-    tensor every step costs more CPU time than the launches it saves)."""
+    ``copy_from(live)`` copies ``live`` in and returns the copies: views of the buffers, in the
+    order and with the shapes and strides of ``live``; the same buffers and the same list while
+    ``live`` keeps its layout, new ones when it does not. The flat views of the live tensors that
+    ``torch.cat`` reads are built once and kept while the tensors' storages stay where they were
+    (building one per tensor every step costs more CPU time than the launches it saves)."""
 
     def __init__(self) -> None:
         self.layout: tuple[Any, ...] | None = None
         self.views: list[torch.Tensor] = []
         self._flat: list[tuple[torch.Tensor, list[int]]] = []  # (buffer, indices of the tensors in it)
-        self._ptrs: list[int] = []  # where the live tensors' elements were when _sources was built
+        self._key: tuple[Any, ...] | None = None  # layout and addresses when _sources was built
         self._sources: list[list[torch.Tensor]] = []  # per buffer, the flat views it copies
 
-    def fit(self, live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        layout = tuple((t.dtype, t.device, t.shape, t.stride()) for t in live)  # (dense follows from these)
-        if layout == self.layout:
-            return self.views
+    def copy_from(self, live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        key = tuple((t.data_ptr(), t.dtype, t.device, t.shape, t.stride()) for t in live)
+        if key != self._key:
+            layout = tuple(k[1:] for k in key)
+            if layout != self.layout:
+                self._allocate(live)
+                self.layout = layout
+            self._sources = [[_flatten(live[i]) for i in idx] for _, idx in self._flat]
+            # a kept view keeps its storage alive, so a new storage never reuses its address; a
+            # tensor that is not dense is read through a copy, which must be made every time
+            self._key = key if all(_dense(t) for t in live) else None
+        for (flat, _), sources in zip(self._flat, self._sources):
+            torch.cat(sources, out=flat)
+        return self.views
+
+    def _allocate(self, live: Sequence[torch.Tensor]) -> None:
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, t in enumerate(live):
             groups.setdefault((t.dtype, t.device), []).append(i)
@@ -80,24 +92,17 @@ class Arena:
             flat = torch.empty(sum(live[i].numel() for i in idx), dtype=dtype, device=device)
             offset = 0
             for i in idx:
-                t = live[i]
-                # the live tensor's own strides (channels_last stays channels_last): an undo's copy
-                # back and the update ratio's subtraction read both alike
-                stride = t.stride() if _dense(t) else torch.empty(t.shape, device="meta").stride()
-                views[i] = flat.as_strided(t.shape, stride, flat.storage_offset() + offset)
-                offset += t.numel()
+                t, n = live[i], live[i].numel()
+                # a dense tensor's copy has its strides (channels_last stays channels_last): an
+                # undo's copy back and the update ratio's subtraction read both alike
+                views[i] = (
+                    flat.as_strided(t.shape, t.stride(), flat.storage_offset() + offset)
+                    if _dense(t)
+                    else flat[offset : offset + n].view(t.shape)
+                )
+                offset += n
             self._flat.append((flat, idx))
-        self.layout, self.views, self._ptrs = layout, views, []
-        return views
-
-    def copy_(self, live: Sequence[torch.Tensor]) -> None:
-        ptrs = [t.data_ptr() for t in live]
-        if ptrs != self._ptrs:
-            # a cached view keeps its storage alive, so a new storage never reuses its address
-            self._sources = [[_flatten(live[i]) for i in idx] for _, idx in self._flat]
-            self._ptrs = ptrs if all(_dense(t) for t in live) else []  # a copy is no view: never kept
-        for (flat, _), sources in zip(self._flat, self._sources):
-            torch.cat(sources, out=flat)
+        self.views = views
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -194,9 +199,10 @@ class UndoState:
             self.prev_label = None
         live = [local(p.detach()) for p in params]
         owners = state_owners(optimizer)
-        if len(self.params) != len(live) or any(a.shape != b.shape for a, b in zip(self.params, live)):
+        held = self._param_arena.copy_from(live)
+        if held is not self.params:  # new copies: the parameters' layout changed
             self._state = []
-        self.params = self._param_arena.fit(live)
+        self.params = held
         if len(self._state) != len(owners):
             self._state = [[None] * len(live) for _ in owners]
         live_state: list[torch.Tensor] = []
@@ -215,8 +221,8 @@ class UndoState:
                     else:
                         saved[key] = copy.deepcopy(value)
                 kept[i] = saved
-        for (saved, key), held in zip(slots, self._state_arena.fit(live_state)):
-            saved[key] = held
+        for (saved, key), copied in zip(slots, self._state_arena.copy_from(live_state)):
+            saved[key] = copied
         dst, src = list(self.buffers), list(live_buffers)
         live_scaler = (
             []
@@ -233,8 +239,6 @@ class UndoState:
         self.tracked = _fitted(self.tracked, live_tracked)
         dst += self.tracked
         src += live_tracked
-        self._param_arena.copy_(live)
-        self._state_arena.copy_(live_state)
         if dst:
             torch._foreach_copy_(dst, src)
         self.label = label
@@ -346,73 +350,49 @@ def update_norms(
     for i, t in enumerate(before):
         by_kind.setdefault((t.dtype, t.device), []).append(i)
     for kind, idx in by_kind.items():
-        if fused if fused is not None else kind[1].type != "cpu":
-            _fused_update_norms(before, after, idx, limit, out)
-            continue
-        total = sum(before[i].numel() for i in idx)
-        size = max(1, min(limit, total))
-        buf = scratch.get(kind)
-        if buf is None or buf.numel() < size:
-            buf = scratch[kind] = torch.empty(size, dtype=kind[0], device=kind[1])
-        chunk: list[int] = []
-        used = 0
-        for i in idx + [-1]:  # -1: flush the last chunk
-            n = before[i].numel() if i >= 0 else 0
-            if chunk and (i < 0 or used + n > buf.numel()):
-                views, offset = [], 0
-                for j in chunk:
-                    views.append(buf[offset : offset + before[j].numel()].view(before[j].shape))
-                    offset += before[j].numel()
-                for j, view in zip(chunk, views):  # one pass: read both, write the difference
-                    torch.sub(after[j], before[j], out=view)
-                for j, norm in zip(chunk, norms(views)):  # float32, float64 for float64 (complex too)
-                    out[j] = norm
-                chunk, used = [], 0
-            if i < 0:
-                break
-            if n > buf.numel():  # larger than the scratch: piece by piece
+        buf: torch.Tensor | None = None  # the scratch (CPU); None: fused, from the allocator (GPU)
+        if not (fused if fused is not None else kind[1].type != "cpu"):
+            size = max(1, min(limit, sum(before[i].numel() for i in idx)))
+            buf = scratch.get(kind)
+            if buf is None or buf.numel() < size:
+                buf = scratch[kind] = torch.empty(size, dtype=kind[0], device=kind[1])
+        room = buf.numel() if buf is not None else limit
+        for chunk in _chunks([before[i].numel() for i in idx], room):
+            if len(chunk) == 1 and before[idx[chunk[0]]].numel() > room:  # larger than a chunk: piece by piece
+                i = idx[chunk[0]]
                 a, b, sq = after[i].reshape(-1), before[i].reshape(-1), None
-                for k in range(0, n, buf.numel()):
-                    piece = buf[: min(buf.numel(), n - k)]
-                    torch.sub(a[k : k + piece.numel()], b[k : k + piece.numel()], out=piece)
+                for k in range(0, a.numel(), room):
+                    end = min(a.numel(), k + room)
+                    piece = torch.sub(a[k:end], b[k:end], out=buf[: end - k] if buf is not None else None)
                     part = norms([piece])[0].square()
                     sq = part if sq is None else sq + part
                 out[i] = sq.sqrt() if sq is not None else None
                 continue
-            chunk.append(i)
-            used += n
+            js = [idx[c] for c in chunk]
+            diffs: list[torch.Tensor] = []
+            if buf is None:
+                diffs = list(torch._foreach_sub([after[j] for j in js], [before[j] for j in js]))
+            else:
+                offset = 0
+                for j in js:  # one pass: read both, write the difference
+                    n = before[j].numel()
+                    diffs.append(torch.sub(after[j], before[j], out=buf[offset : offset + n].view(before[j].shape)))
+                    offset += n
+            for j, norm in zip(js, norms(diffs)):  # float32, float64 for float64 (complex too)
+                out[j] = norm
     done = [o for o in out if o is not None]
     return torch.stack(done) if done else torch.zeros(0)  # float64 when any chunk is (stack promotes)
 
 
-def _fused_update_norms(
-    before: Sequence[torch.Tensor],
-    after: Sequence[torch.Tensor],
-    idx: list[int],
-    limit: int,
-    out: list[torch.Tensor | None],
-) -> None:
-    """``update_norms`` on a GPU, for the tensors ``idx`` (one dtype and device): a fused
-    subtraction and a fused norm per chunk of at most ``limit`` elements; a tensor larger than
-    that piece by piece."""
-    chunk: list[int] = []
-    used = 0
-    for i in idx + [-1]:  # -1: flush the last chunk
-        n = before[i].numel() if i >= 0 else 0
-        if chunk and (i < 0 or used + n > limit):
-            diffs = torch._foreach_sub([after[j] for j in chunk], [before[j] for j in chunk])
-            for j, norm in zip(chunk, norms(diffs)):
-                out[j] = norm
-            del diffs
-            chunk, used = [], 0
-        if i < 0:
-            break
-        if n > limit:
-            a, b, sq = after[i].reshape(-1), before[i].reshape(-1), None
-            for k in range(0, n, limit):
-                part = norms([a[k : k + limit] - b[k : k + limit]])[0].square()
-                sq = part if sq is None else sq + part
-            out[i] = sq.sqrt() if sq is not None else None
-            continue
-        chunk.append(i)
+def _chunks(sizes: Sequence[int], room: int) -> list[list[int]]:
+    """Consecutive runs of positions whose sizes add up to at most ``room``; a size larger than
+    ``room`` is a run of its own."""
+    runs: list[list[int]] = []
+    used = room + 1  # start a new run at the first position
+    for k, n in enumerate(sizes):
+        if used + n > room or n > room:
+            runs.append([])
+            used = 0
+        runs[-1].append(k)
         used += n
+    return runs
