@@ -208,3 +208,31 @@ def test_a_parameter_given_new_storage_is_copied_from_its_new_storage():
     train()
     undo.restore(params, opt)
     assert torch.equal(model.weight, weight) and torch.equal(opt.state[model.weight]["momentum_buffer"], momentum)
+
+
+def test_a_capture_after_the_parameters_changed_holds_the_new_set():
+    """A parameter added between captures (a frozen part unfrozen into the optimizer): the copy is
+    made anew, and the optimizer state kept per parameter position is made anew with it, so the
+    restore puts every parameter and its state back, none taken for another's."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 2)
+    opt = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+
+    def train():
+        b(a(torch.randn(4, 3))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    undo = UndoState()
+    train()
+    undo.capture(1, list(a.parameters()), opt)
+    opt.add_param_group({"params": list(b.parameters())})
+    train()
+    params = list(b.parameters()) + list(a.parameters())  # a new order and a longer list
+    weights = [p.detach().clone() for p in params]
+    state = {id(p): opt.state[p]["momentum_buffer"].clone() for p in params}
+    undo.capture(2, params, opt)
+    train()
+    undo.restore(params, opt)
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], state[id(p)]) for p in params)
