@@ -42,3 +42,27 @@ def test_gpu_options_refuse_what_they_cannot_do(overhead, capsys):
         with pytest.raises(SystemExit):
             overhead.main(["--device", "cuda"])
         assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_the_gpu_columns_count_syncs_per_step_and_memory_beyond_the_start(overhead, monkeypatch):
+    """The CUDA-only measurements, with torch.cuda's calls stubbed: syncs are counted per step (the
+    median, and the largest: a snapshot step's copies show apart), memory from before the model."""
+    import warnings
+
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats", "set_sync_debug_mode"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    per_step = iter([1, 1, 44, 1, 2])
+
+    def fake_step(*args, **kwargs):
+        for _ in range(next(per_step)):
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+
+    monkeypatch.setattr(overhead, "train_step", fake_step)
+    assert overhead.host_syncs(None, None, None, [None], None, steps=5) == (1, 44)
+
+    allocated = iter([100, 400])  # before the model, after 3 steps
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: next(allocated))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 700)
+    monkeypatch.setattr(overhead, "step", lambda *a, **k: (0.0, 0.0))
+    monkeypatch.setattr(overhead, "make", lambda *a: (None, None, None))
+    assert overhead.device_memory(None, "", None, [None], None) == (300, 600)
