@@ -277,8 +277,26 @@ class UpdateRatioSpikeConfig(Section):
         lo=0,
     )
 
+    lr_excursion: float = option(
+        2.0,
+        "an update made at an LR at least this many times both the highest LR of the group's last "
+        "`warmup` updates and the user's LR of the step after it (a one-step excursion: an LR set by hand "
+        "for one step, a scheduler bug) is judged against the update the schedule's LR (the higher of "
+        "those two) would have made, and a spike it made is answered by its undo alone, never counting "
+        "towards an LR drop: its cause, that one step's LR, is gone with the step, and a drop lowers the "
+        "schedule, which was not the trouble (two excursions 15 steps apart cut an SGD MLP's LR to 0.2x "
+        "for 300 steps: held-out loss 2.0-2.2x its twin's; undone alone, 1.01x). Its LR is no level of "
+        "the schedule (no warm restart is judged against it). 0: off",
+        lo=0,
+    )
+
     def validate(self) -> None:
         _at_most(self, "warmup", "window")
+        if 0 < self.lr_excursion <= 1:
+            raise ConfigError(
+                f"{self._prefix}lr_excursion: {self.lr_excursion:g} must be above 1 (an LR above the "
+                "schedule's), or 0 to judge every update at its own LR"
+            )
 
 
 @dataclass
@@ -986,47 +1004,65 @@ class UpdateRatioSpike(_Windowed):
             per_lr = given is not None and S.finite(given) and given > 0
             lr = float(given) if per_lr and given is not None else 1.0
             x = value / lr
-            restart = per_lr and self._lr_back(key, lr)
+            # An update made at a one-step excursion of the LR is judged against what the
+            # schedule's LR would have moved (an update normal per unit of a 100x LR is 100x too
+            # large), and its LR is not recorded as one the schedule reached.
+            level = self._excursion(key, lr, stats.get(S.NEXT_LR.format(group))) if per_lr else None
+            restart = per_lr and level is None and self._lr_back(key, lr)
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
-            rel_limit = max(cfg.factor * med * lr, cfg.min_ratio) if med is not None else math.inf
+            judged_lr = lr if level is None else level
+            rel_limit = max(cfg.factor * med * judged_lr, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             if value > limit:
                 kind, harm = self.kind, self._harm(stats, value <= cfg.ceiling or key in self.zero_init or restart)
                 if harm is not None and not harm["harm"]:
                     kind = LARGE_UPDATE
                 why = (
-                    f"{cfg.factor:g} x its rolling median {_fmt((med or 0.0) * lr)}"
-                    + (f" at its LR {_fmt(lr)}" if per_lr else "")
+                    f"{cfg.factor:g} x its rolling median {_fmt((med or 0.0) * judged_lr)}"
+                    + (f" at its LR {_fmt(lr)}" if per_lr and level is None else "")
+                    + (f" at the schedule's LR {_fmt(level)}" if level is not None else "")
                     if rel_limit <= cfg.ceiling
                     else f"the ceiling {cfg.ceiling:g}"
                     + (" (the schedule took the LR back up: judged by the loss)" if restart else "")
                 )
                 told = ""
+                if level is not None:
+                    told = (
+                        f"; made at LR {_fmt(lr)}, {lr / level:.3g}x the schedule's {_fmt(level)} before and "
+                        "after it: an excursion of that one step" + ("" if kind == LARGE_UPDATE else " (no LR drop)")
+                    )
                 if harm is not None:
-                    told = f"; the loss went from {_fmt(harm['loss_before'])} to {_fmt(harm['loss_after'])} " + (
+                    told += f"; the loss went from {_fmt(harm['loss_before'])} to {_fmt(harm['loss_after'])} " + (
                         "after it" if harm["harm"] else "after it: no harm to undo"
                     )
-                out.append(
-                    Finding(
-                        kind=kind,
-                        where=group,
-                        before_update=False,
-                        step=step,
-                        message=f"{key} = {_fmt(value)} at step {step} is above {why} (limit {_fmt(limit)}){told}",
-                        data={
-                            **(harm or {}),
-                            "key": key,
-                            "value": value,
-                            "median": med * lr if med is not None else None,
-                            "lr": lr if per_lr else None,
-                            "factor": cfg.factor,
-                            "ceiling": cfg.ceiling,
-                            "threshold_value": limit,
-                            "step": step,
-                        },
-                    )
+                finding = Finding(
+                    kind=kind,
+                    where=group,
+                    before_update=False,
+                    step=step,
+                    message=f"{key} = {_fmt(value)} at step {step} is above {why} (limit {_fmt(limit)}){told}",
+                    data={
+                        **(harm or {}),
+                        "key": key,
+                        "value": value,
+                        "median": med * judged_lr if med is not None else None,
+                        "lr": lr if per_lr else None,
+                        "factor": cfg.factor,
+                        "ceiling": cfg.ceiling,
+                        "threshold_value": limit,
+                        "step": step,
+                    },
                 )
+                if level is not None:
+                    finding.data["lr_excursion"] = {
+                        "lr": lr,
+                        "schedule_lr": level,
+                        "next_lr": float(stats[S.NEXT_LR.format(group)]),
+                        "times": lr / level,
+                    }
+                    finding.occurrence = 1  # its undo alone: the ladder's streak starts afresh
+                out.append(finding)
                 if kind == LARGE_UPDATE:
                     run = self.large_runs.setdefault(key, [])
                     run.append(x)
@@ -1043,6 +1079,17 @@ class UpdateRatioSpike(_Windowed):
             self.large_runs.pop(key, None)
             w.append(x)
         return out
+
+    def _excursion(self, key: str, lr: float, next_lr: float | None) -> float | None:
+        """The schedule's LR when ``lr`` (this update's) is a one-step excursion above it: at least
+        ``lr_excursion`` x both the highest LR of the group's last ``warmup`` updates and the user's
+        LR of the step after it (``next_lr``); else None. A first update, or one without the next
+        LR, is none."""
+        factor, recent = self.config.lr_excursion, self.lrs.get(key)
+        if not factor or not recent or next_lr is None or not S.finite(next_lr) or next_lr <= 0:
+            return None
+        level = max(max(recent), float(next_lr))
+        return level if lr >= factor * level else None
 
     def _lr_back(self, key: str, lr: float) -> bool:
         """Records the LR of this update of ``key``; True when the user's schedule has just taken it

@@ -1528,6 +1528,7 @@ class Monitor:
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
             seen = {**prev_rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in prev_rec.group_lr.items()}}
+            seen.update({S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(optimizer).items()})  # (the user's)
             if prev_rec.update_landed and S.LOSS_TOTAL in rec.stats:  # what that update did to the loss
                 seen[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
             judged = [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, seen)]

@@ -75,6 +75,11 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 # monitor's LR drop): given to the after-update detectors with the step's values, not published
 # (lr/<i> is: the LR used, per param group).
 UPDATE_LR = "update_lr/{}"
+# The user's LR of the group's next update (the step that judges it: set by the loop or its
+# scheduler before that step's optimizer.step()): given to the after-update detectors beside
+# UPDATE_LR, not published. An update made at an LR far above both the LRs before it and this one
+# was made at an excursion of the LR, not at the schedule's level.
+NEXT_LR = "next_lr/{}"
 # The loss measured after that update (the next step's loss/total, on the updated weights): given
 # to the after-update detectors with the update's step when the update landed, not published (it
 # is that step's loss).

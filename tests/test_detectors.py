@@ -556,6 +556,39 @@ def test_update_ratio_spike_is_undone_only_when_the_loss_after_it_rose():
     assert [f.kind for f in out] == [UPDATE_RATIO_SPIKE]
 
 
+def test_an_update_at_a_one_step_lr_excursion_is_judged_at_the_schedules_lr():
+    """An update made at an LR far above both the LRs before it and the next step's is judged
+    against what the schedule's LR would have moved: per unit of its own LR a 100x-LR update is
+    ordinary, under the ceiling, and was let through (its harm then read as bad batches). A spike
+    so made is undone alone (occurrence 1: no LR drop), told with the LRs; its LR is not recorded
+    as one the schedule reached. An LR that stays up is judged at its own LR, as before."""
+
+    def warmed(**cfg):
+        det = D.UpdateRatioSpike(D.UpdateRatioSpikeConfig(**cfg))
+        for s in range(30):
+            ratio = 1e-3 * (1 + 0.1 * (s % 3))
+            assert (
+                det.check(s, {"update_ratio/a": ratio, "update_lr/a": 1e-3, "next_lr/a": 1e-3, "loss/total": 1.0}) == []
+            )
+        return det
+
+    bad = {"update_ratio/a": 0.1, "update_lr/a": 0.1, "next_lr/a": 1e-3, "loss/total": 1.0}
+    (f,) = warmed().check(30, {**bad, "loss_after_update": 3.0})
+    assert f.kind == UPDATE_RATIO_SPIKE and f.occurrence == 1
+    assert f.data["lr_excursion"] == {"lr": 0.1, "schedule_lr": 1e-3, "next_lr": 1e-3, "times": pytest.approx(100)}
+    assert "excursion" in f.message and "no LR drop" in f.message
+    (told,) = warmed().check(30, {**bad, "loss_after_update": 0.9})  # it did no harm: told
+    assert told.kind == "large_update" and "excursion" in told.message
+    # the LR stays up (the next step's is as high): judged at its own LR, as before
+    assert warmed().check(30, {**bad, "next_lr/a": 0.1, "loss_after_update": 3.0}) == []
+    assert warmed(lr_excursion=0).check(30, {**bad, "loss_after_update": 3.0}) == []  # off
+    det = warmed()
+    det.check(30, {**bad, "loss_after_update": 3.0})
+    assert max(det.lrs["update_ratio/a"]) == 1e-3  # not remembered as a level of the schedule
+    with pytest.raises(ConfigError, match="lr_excursion"):
+        D.UpdateRatioSpikeConfig.from_dict({"lr_excursion": 1.0})
+
+
 def test_update_ratio_ceiling_asks_the_loss_only_where_the_schedule_took_the_lr_back_up():
     """Past the ceiling the update is undone at once, except where the user's schedule has just
     taken the LR back up to a level it had left (a warm restart): there it is judged by the loss as

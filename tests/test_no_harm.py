@@ -321,7 +321,9 @@ def test_an_undo_under_a_gradscaler_puts_the_scaler_back_too(tmp_path):
 
 def test_a_second_landed_spike_lowers_the_lr_which_then_climbs_back(tmp_path):
     cfg = {"actions": {"lr_drop": {"recover_after": 10, "recover_steps": 5}}}
-    model, mon, _ = spiky_run(tmp_path, lr_at={30, 40}, config=cfg, steps=80)
+    # The LR is still up at the step after the second bad update (step 41, the one that judges it,
+    # which the undo skips): no one-step excursion, which an undo alone would answer
+    model, mon, _ = spiky_run(tmp_path, lr_at={30, 40, 41}, config=cfg, steps=80)
     acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
     assert acted[:2] == [(30, "update_ratio_spike", ["undo"]), (40, "update_ratio_spike", ["undo", "lr_drop"])]
     recovery = [e for e in mon.events if e.actions == ["lr_drop"]]

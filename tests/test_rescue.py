@@ -104,6 +104,70 @@ def test_a_landed_update_spike_is_undone_exactly(tmp_path):
     mon.detach()
 
 
+def _excursion_run(tmp_path, bad, *, drop=(), monitored=True, steps=70, lr=0.01):
+    """Net under SGD with momentum, batches through ``monitor.batches()``; the batches in ``bad``
+    are trained at 1e4x the LR for their step only (the LR set back after it, as a loop whose
+    LR is set by hand or a scheduler bug); those in ``drop`` are never trained on."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    xs = data(steps)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg()) if monitored else None
+    for i in mon.batches(range(steps)) if mon else range(steps):
+        if i in drop:
+            continue
+        losses = model(xs[i])
+        loss = mon.combine(losses) if mon else sum(losses.values())
+        loss.backward()
+        opt.param_groups[0]["lr"] = lr * (1e4 if i in bad else 1.0)
+        opt.step()
+        opt.param_groups[0]["lr"] = lr
+        opt.zero_grad()
+    return model, opt, mon
+
+
+def test_one_step_lr_excursions_are_undone_and_never_cut_the_lr(tmp_path):
+    """Two steps at 1e4x the LR, 15 apart: each is undone exactly, and the schedule's LR is never
+    cut. The cause (the LR of that one step) is gone once the step is; an LR drop lowers the
+    schedule, which was never the trouble (a helper's probe: an SGD MLP whose second excursion
+    also cut the LR to 0.2x for 300 steps ended 2.0-2.2x the held-out loss of its twin)."""
+    model, opt, mon = _excursion_run(tmp_path / "mon", bad={30, 45})
+    acting = [e for e in mon.events if e.actions]
+    # (batch 45 is step 46: the batch of step 31, which undid step 30, was yielded again)
+    assert [(e.step, e.kind, e.actions) for e in acting] == [
+        (30, "update_ratio_spike", ["undo"]),
+        (46, "update_ratio_spike", ["undo"]),
+    ]
+    for e in acting:
+        assert e.data["lr_excursion"]["lr"] == pytest.approx(100.0)
+        assert e.data["lr_excursion"]["schedule_lr"] == pytest.approx(0.01)
+        assert "excursion" in e.message and "back up" not in e.message  # no level the schedule returned to
+    mon.detach()
+    # bit-identical to the run that never trained on the two bad batches (each detecting step's
+    # batch is yielded again by monitor.batches())
+    twin_model, twin_opt, _ = _excursion_run(tmp_path / "twin", bad=set(), drop={30, 45}, monitored=False)
+    same_state(state(twin_model, twin_opt), state(model, opt))
+
+
+def test_an_lr_that_stays_high_is_still_cut(tmp_path):
+    """The same excursion, but the LR stays up after it (the schedule itself is too high): the
+    second spike within the ladder's window lowers the LR as before."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    xs = data(60)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg())
+    for i in mon.batches(range(60)):
+        loss = mon.combine(model(xs[i]))
+        loss.backward()
+        opt.param_groups[0]["lr"] = 100.0 if i >= 30 else 0.01
+        opt.step()
+        opt.zero_grad()
+    assert any("lr_drop" in e.actions for e in mon.events if e.kind == "update_ratio_spike")
+    assert not any("lr_excursion" in e.data for e in mon.events)
+    mon.detach()
+
+
 def test_grad_spike_is_clipped_before_it_lands(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
