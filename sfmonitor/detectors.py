@@ -32,6 +32,8 @@ from .events import (
     ACCURACY_COLLAPSE,
     ACCURACY_DROP,
     ADAM_EPS,
+    BN_VAR_SHIFT,
+    BN_VAR_SPIKE,
     CLIP,
     DEAD_UNITS,
     GRAD_RATIO_IMBALANCE,
@@ -93,6 +95,7 @@ UPDATE_RATIO_PREFIX = S.UPDATE_RATIO.format("")
 UPDATE_STALE_PREFIX = S.UPDATE_STALE.format("")
 DEAD_UNITS_PREFIX = S.DEAD_UNITS.format("")
 ADAM_EPS_PREFIX = S.ADAM_EPS.format("")
+BN_VAR_RATIO_PREFIX = S.BN_VAR_RATIO.format("")
 LOSS_RATIO_PREFIX = S.LOSS_RATIO.format("", "")[:-1]
 GRAD_RATIO_PREFIX = S.GRAD_RATIO.format("", "")[:-1]
 LOSS_TOTAL, GRAD_NORM_TOTAL, LOSS_SCALE, RATIO_EPS = S.LOSS_TOTAL, S.GRAD_NORM_TOTAL, S.AMP_LOSS_SCALE, S.RATIO_EPS
@@ -469,6 +472,36 @@ class AdamEpsConfig(Section):
         lo=0,
         hi=1,
         lo_open=True,
+    )
+
+
+@dataclass
+class BnVarSpikeConfig(Section):
+    """A batch far off the data's scale at a BatchNorm layer (``bn_var_ratio/<group>``): its loss
+    and gradients look ordinary (BatchNorm normalises by the batch's own statistics in training),
+    but the variance it writes into ``running_var`` is what evaluation normalises by."""
+
+    enabled: bool = option(True, "watch bn_var_ratio/<group> (BatchNorm layers whose running statistics are on)")
+    ratio: float = option(
+        100.0,
+        "skip the step when a batch's variance at a BatchNorm layer is this many times the running variance "
+        "it is averaged into (inputs 10x their scale: 100x; 1e3x: 1e6x, a BatchNorm ResNet's held-out loss "
+        "1.5-3.9x its twin's in a helper's probe); the skip puts the running statistics back",
+        lo=1,
+        lo_open=True,
+    )
+    warmup: int = option(
+        25,
+        "steps with the ratio measured before it is judged: running variances start at 1, and the first "
+        "batches move them by orders of magnitude (unnormalised pixels: 1e4)",
+        lo=0,
+    )
+    accept_after: int = option(
+        8,
+        "this many spikes in a row (each skipped, the statistics put back) and the data's scale changed for "
+        "good: the next is told (bn_var_shift, no action) and trained on, and the warm-up starts again (as "
+        "loss_spike.shift_after)",
+        lo=1,
     )
 
 
@@ -1687,6 +1720,68 @@ class AdamEps(_ToldShare):
             "loss multiplied by a small factor, fp16 gradients not unscaled). Cures: a smaller eps "
             "(1e-8 to 1e-6), gradients at their natural scale"
         )
+
+
+@register_detector(
+    "bn_var_spike", config=BnVarSpikeConfig, kinds={BN_VAR_SPIKE: [(1, [SKIP_STEP])], BN_VAR_SHIFT: [(1, [])]}
+)
+class BnVarSpike(Detector):
+    """``bn_var_ratio/<group>`` at or over ``ratio`` after the warm-up: the step's batch showed a
+    BatchNorm layer a variance that many times what it has averaged (``stats.BatchVarRatio``). The
+    batch, not the model: skipped, however often (no escalation), which puts the running statistics
+    back (with the undo copy: ``actions.undo``). More than ``accept_after`` in a row are the data's
+    new scale: told as ``bn_var_shift`` and trained on."""
+
+    kind = BN_VAR_SPIKE
+
+    def __init__(self, config: BnVarSpikeConfig | None = None):
+        self.config = config or BnVarSpikeConfig()
+        self.seen = 0  # steps measured since the start (or the last shift)
+        self.in_a_row = 0  # spikes in a row
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.seen, self.in_a_row = int(state.get("seen", 0)), int(state.get("in_a_row", 0))
+
+    def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
+        cfg = self.config
+        values = {k[len(BN_VAR_RATIO_PREFIX) :]: v for k, v in stats.items() if k.startswith(BN_VAR_RATIO_PREFIX)}
+        if not values:
+            return []
+        self.seen += 1
+        # (a non-finite ratio: non-finite inputs, which the core reports as a bad batch)
+        over = {g: v for g, v in values.items() if S.finite(v) and v >= cfg.ratio}
+        if self.seen <= cfg.warmup or not over:
+            self.in_a_row = 0
+            return []
+        self.in_a_row += 1
+        if self.in_a_row > cfg.accept_after:
+            self.seen = self.in_a_row = 0
+            group, value = max(over.items(), key=lambda kv: kv[1])
+            return [
+                Finding(
+                    BN_VAR_SHIFT,
+                    f"bn_var_ratio/{group} = {_fmt(value)}: the batches' variance at a BatchNorm layer has been "
+                    f"over {_fmt(cfg.ratio)}x its running variance for {cfg.accept_after + 1} steps in a row: the "
+                    "data's scale changed, taken as the new one (told, trained on)",
+                    {"ratio": value, "threshold": cfg.ratio, "steps": cfg.accept_after + 1},
+                    where=group,
+                )
+            ]
+        return [
+            Finding(
+                self.kind,
+                f"bn_var_ratio/{g} = {_fmt(v)}: this batch's variance at a BatchNorm layer is {_fmt(v)}x the running "
+                f"variance it is averaged into (threshold {_fmt(cfg.ratio)}x): a batch far off the data's scale "
+                "(inputs not normalised, another source's data), whose loss BatchNorm hides in training while it "
+                "writes its variance into the statistics evaluation uses; skipped, the statistics put back",
+                {"ratio": v, "threshold": cfg.ratio, "in_a_row": self.in_a_row},
+                where=g,
+            )
+            for g, v in over.items()
+        ]
 
 
 def build_detectors(config: DetectorsConfig | None = None) -> list[Detector]:

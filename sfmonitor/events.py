@@ -39,6 +39,8 @@ VANISHING_GRADIENT = "vanishing_gradient"
 STALE_UPDATE = "stale_update"
 DEAD_UNITS = "dead_units"
 ADAM_EPS = "adam_eps"
+BN_VAR_SPIKE = "bn_var_spike"
+BN_VAR_SHIFT = "bn_var_shift"
 
 # Action names; each is registered (registry.ACTIONS) in actions.py with its function.
 SKIP_STEP = "skip_step"

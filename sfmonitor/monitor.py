@@ -57,6 +57,7 @@ from .detectors import Detector, build_detectors
 from .events import (
     ACTIVATION_OVERFLOW,
     BAD_BATCH,
+    BN_VAR_SPIKE,
     CLIP,
     GRAD_NOISE,
     LARGE_UPDATE,
@@ -532,6 +533,7 @@ class Monitor:
         self._outside: list[tuple[str, nn.Parameter]] = []
         self._params: list[nn.Parameter] = []  # the monitored parameters (_index_params)
         self._dead = S.DeadUnitCounter([], 1)  # dead_units/<group> (_index_params: its layers)
+        self._bn = S.BatchVarRatio([], [])  # bn_var_ratio/<group> (_index_params: its layers)
         self._group_of_id: dict[int, str] = {}  # id(parameter) -> its group (adam_eps/<group>)
         self._lock: str | None = None
         self._router: SinkRouter | None = None
@@ -691,6 +693,7 @@ class Monitor:
             [(i, self._group_names[self._param_group[i]]) for i in units], self.config.stats.dead_units_samples
         )
         self._group_of_id = {id(p): self._group_names[self._param_group[i]] for i, p in enumerate(self._params)}
+        self._bn = S.BatchVarRatio(self._batchnorm_layers(model), self._group_names)
         shapes = {g: [tuple(p.shape) for _, p in ps] for g, ps in self.groups.items()}
         for d in self._detectors:  # plain data: detectors never touch the model
             layout = getattr(d, "layout", None)
@@ -704,6 +707,26 @@ class Monitor:
         self._index_cache: dict[tuple[int, ...], tuple[S.TensorIndex, frozenset[int]]] = {}
         self._update_buf, self._slices = None, None
         self._n_opt_params = sum(len(pg["params"]) for pg in optimizer.param_groups)
+
+    def _batchnorm_layers(self, model: nn.Module) -> list[tuple[str, Any, int]]:
+        """(name, module, group index) of the BatchNorm layers whose running statistics are on
+        (bn_var_ratio/<group>): the group of the layer's weight, else of the nearest enclosing
+        module's parameters, else the first group."""
+        index = {n: self._param_group[i] for i, n in enumerate(self._param_names)}
+        found: list[tuple[str, Any, int]] = []
+        for name, m in model.named_modules():
+            var = getattr(m, "running_var", None)
+            if not isinstance(m, nn.modules.batchnorm._NormBase) or not isinstance(var, torch.Tensor):
+                continue
+            if var.is_meta or not var.is_floating_point() or m.momentum == 0:  # (a lazy module not yet run;
+                continue  # statistics that never move)
+            group = index.get(f"{name}.weight" if name else "weight")
+            prefix = name
+            while group is None and prefix:
+                prefix = prefix.rpartition(".")[0]
+                group = next((g for n, g in index.items() if n.startswith(f"{prefix}.") or not prefix), None)
+            found.append((name, m, group if group is not None else 0))
+        return found if self._group_names else []
 
     @property
     def attached(self) -> bool:
@@ -1524,6 +1547,7 @@ class Monitor:
         # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
         #    judge the update the previous step landed); the activation watch.
         findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec)
+        state_blamed = False  # the update that made this state was judged harmful (it is undone)
         findings += self._zero_grad_missing_findings(rec)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
@@ -1533,11 +1557,20 @@ class Monitor:
                 seen[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
             judged = [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, seen)]
             findings += judged
+            state_blamed = any(f.kind != LARGE_UPDATE for f in judged)
             if prev_rec.update_landed:  # was the update the state comes from judged, and sound?
                 measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
                 # (a large update that did not raise the loss is told, and sound)
                 self._last_update_sound = measured and all(f.kind == LARGE_UPDATE for f in judged)
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
+        if state_blamed:  # BatchNorm statistics a harmful update blew up: the state's doing, not the batch's
+            findings = [f for f in findings if f.kind != BN_VAR_SPIKE]
+        worst = int(rec.internal.get(S.BN_VAR_WORST, -1))
+        if 0 <= worst < len(self._bn.layers):  # name the BatchNorm layer (the group's finding that holds it)
+            name, _, gi = self._bn.layers[worst]
+            for f in findings:
+                if f.kind == BN_VAR_SPIKE and f.where == self._group_names[gi]:
+                    f.data["module"] = name
         if any(f.kind == LOSS_LEVEL_SHIFT and f.where == _TOTAL for f in findings):
             for d in self._detectors:  # the data changed: what was usual before no longer is
                 new_regime = getattr(d, "new_regime", None)
@@ -1588,6 +1621,7 @@ class Monitor:
         # as in flight from here: whatever ends it (hook, scaler, integration, exception) closes it.
         rec.phase = Phase.DECIDED
         self._decide_and_act(step, findings, rec)
+        self._bn.rebase()  # the running statistics the next forward starts from (a skip put them back)
 
     def _decide_and_act(self, step: int, findings: list[Finding], rec: StepRecord | None) -> list[Event]:
         """Stages 3-5 for a list of findings: policy -> actions -> one event per finding.
@@ -1857,6 +1891,8 @@ class Monitor:
         per_group_p = S.group_norms(param_norms, self._param_group_t, len(self._group_names))
         for gi, g in enumerate(self._group_names):
             out[S.PARAM_NORM.format(g)] = per_group_p[gi]
+        if self._bn.layers:  # what the step's batch did to BatchNorm's running variances
+            out.update(self._bn.measure())
         every = self.config.stats.dead_units_every
         if every and rec.step % every == 0 and self._dead.layers:
             out.update(self._dead.measure({i: local(gr) for i, _ in self._dead.layers if (gr := grads[i]) is not None}))

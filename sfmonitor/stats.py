@@ -26,6 +26,8 @@ key                            meaning
 ``attn_entropy/<module>``      mean softmax entropy (nats) of its attention rows, over heads
 ``dead_units/<group>``         the largest share, over the group's layers, of units that died
                                (gradient rows exactly zero on the last samples, not before)
+``bn_var_ratio/<group>``       the largest, over the group's BatchNorm layers, of the step's batch
+                               variance over the running variance it was averaged into
 =============================  ==============================================================
 
 Sharded parameters (FSDP2 ``fully_shard``: DTensor parameters and gradients) are measured on each
@@ -70,6 +72,11 @@ DEAD_UNITS = "dead_units/{}"
 # whose bias-corrected sqrt(v) is under the optimizer's eps, where eps, not the gradient's scale,
 # sets the step (``eps_dominated``).
 ADAM_EPS = "adam_eps/{}"
+# Of a group's BatchNorm layers (running statistics on): the largest ratio of the variance the
+# step's batch showed a layer to the running variance it was averaged into, inferred from the
+# running variance before and after the step's forward and the layer's momentum
+# (``BatchVarRatio``): ~1 for an ordinary batch, 1e6 for inputs 1e3x their scale.
+BN_VAR_RATIO = "bn_var_ratio/{}"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The user's LR of a group's update (the largest of its parameters' param groups, before the
 # monitor's LR drop): given to the after-update detectors with the step's values, not published
@@ -106,6 +113,8 @@ INPUT_NONFINITE = (
 )
 # Whether this step's gradients were accumulated onto the last step's (1), reset (0), not seen (-1)
 GRADS_NOT_RESET = "internal/grads_not_reset"
+# The BatchNorm layer (index in BatchVarRatio's list) with the largest bn_var_ratio this step
+BN_VAR_WORST = "internal/bn_var_worst"
 # Under torch.distributed only: a vector of 3 x world slots, one-hot per rank (rank r fills slot r
 # of each third): [its loss is non-finite, its local non-finite gradient count, its local
 # non-finite parameter count]. Summed across ranks, it says where a non-finite value started.
@@ -121,6 +130,7 @@ INTERNAL = frozenset(
         NONFINITE_BY_RANK,
         INPUT_NONFINITE,
         GRADS_NOT_RESET,
+        BN_VAR_WORST,
     }
 )
 
@@ -155,6 +165,8 @@ REDUCTIONS: dict[str, Reduce] = {
     NONFINITE_BY_RANK: Reduce.SUM,
     INPUT_NONFINITE: Reduce.SUM,  # a bad batch on one rank is a bad step for all
     GRADS_NOT_RESET: Reduce.MAX,  # one rank's loop forgot: told on every rank
+    BN_VAR_RATIO.format(""): Reduce.MAX,  # one rank's bad batch
+    BN_VAR_WORST: Reduce.FIRST,
     ACT_ABSMAX.format(""): Reduce.MAX,
     GRAD_NORM.format(""): Reduce.NORM,
     PARAM_NORM.format(""): Reduce.NORM,
@@ -433,6 +445,77 @@ def _windows(t: torch.Tensor, fraction: float) -> tuple[torch.Tensor, int, int]:
     n = flat.shape[0]
     k = max(1, math.ceil(fraction * n))
     return flat, k, max(1, math.ceil(n / k))
+
+
+class BatchVarRatio:
+    """``bn_var_ratio/<group>``: per BatchNorm layer whose running statistics are on, the variance
+    the step's batch showed it over the running variance it was averaged into, inferred from the
+    running variance before the step's forward (``rebase``, after the last step's actions: a skip
+    put back what its batch wrote) and after it (``measure``, before the step's read): a forward
+    in training mode sets ``running_var = (1 - m) * running_var + m * batch_var``, so the batch's
+    ratio is ``(after / before - (1 - m)) / m`` (m: the layer's momentum; a cumulative average,
+    momentum None: 1 / the batches it has counted). Each variance is its layer's L2 norm over
+    channels. Per group, its layers' largest; ``BN_VAR_WORST``, the layer with the largest of all.
+
+    In training mode BatchNorm normalises by the batch's own statistics, so a batch far off the
+    data's scale (inputs 1e3x: a pipeline that skipped its normalisation once) trains with an
+    ordinary loss and gradients, while the variance it writes into ``running_var`` (1e6x) is what
+    evaluation normalises by. Several forwards in a step (accumulation) compound into one ratio.
+    Costs one fused norm over the layers' running variances twice a step, no host read."""
+
+    def __init__(self, layers: Sequence[tuple[str, Any, int]], groups: Sequence[str]):
+        self.layers = list(layers)  # (module name, BatchNorm module, group index)
+        self.groups = list(groups)
+        self._before: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None
+        self._momenta: tuple[float | None, ...] = ()
+        self._fixed = torch.zeros(0)
+        self._cumulative: torch.Tensor | None = None
+
+    def _vars(self) -> list[torch.Tensor]:
+        return [_local_tensor(m.running_var) for _, m, _ in self.layers]
+
+    @torch.no_grad()
+    def rebase(self) -> None:
+        """The running variances as the next forward finds them."""
+        self._before = norms(self._vars()) if self.layers else None
+
+    @torch.no_grad()
+    def measure(self) -> dict[str, Any]:
+        """This step's ratios per group (and the worst layer's index), as tensors; {} before the
+        first ``rebase`` or when a layer's running variance changed shape (a new one: rebased)."""
+        before = self._before
+        if before is None:
+            return {}
+        after = norms(self._vars())
+        if after.shape != before.shape:
+            return {}
+        momenta = tuple(m.momentum for _, m, _ in self.layers)
+        if self._index is None or self._index.device != after.device or momenta != self._momenta:
+            # built once (again if a momentum is changed): no host-to-device copy a step
+            self._index = torch.tensor([g for _, _, g in self.layers], device=after.device)
+            self._fixed = torch.tensor([1.0 if x is None else float(x) for x in momenta], device=after.device)
+            cumulative = [i for i, x in enumerate(momenta) if x is None]
+            self._cumulative = torch.tensor(cumulative, device=after.device) if cumulative else None
+            self._momenta = momenta
+        m = self._fixed
+        if self._cumulative is not None:  # a cumulative average: 1 / the batches counted, on the device
+            counts = [_local_tensor(mod.num_batches_tracked) for _, mod, _ in self.layers if mod.momentum is None]
+            m = m.index_put((self._cumulative,), 1.0 / torch.stack(counts).clamp_min(1).to(m))
+        ratio = ((after / before.clamp_min(torch.finfo(torch.float32).tiny) - (1 - m)) / m).clamp_min(0)
+        per_group = torch.zeros(len(self.groups), device=after.device).scatter_reduce(
+            0, self._index, ratio, "amax", include_self=False
+        )
+        out: dict[str, Any] = {BN_VAR_WORST: ratio.argmax()}
+        for gi in sorted({g for _, _, g in self.layers}):
+            out[BN_VAR_RATIO.format(self.groups[gi])] = per_group[gi]
+        return out
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part, or the tensor itself (sharding.local, without importing it here)."""
+    part = getattr(t, "_local_tensor", None)
+    return part if isinstance(part, torch.Tensor) else t
 
 
 class RotatingSlices:

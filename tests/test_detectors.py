@@ -374,6 +374,7 @@ def test_build_detectors_respects_enabled_and_all_state_is_plain():
         "stale_update",
         "dead_units",
         "adam_eps",
+        "bn_var_spike",
     ]
     assert [d.after_update for d in dets].count(True) == 3
     cfg = D.DetectorsConfig.from_dict({"grad_spike": {"enabled": False}, "plateau": {"enabled": False}})

@@ -54,6 +54,7 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("update share rounded away (bf16/fp16 weights)", ("update_stale/",)),
     ("dead units by group (largest share of a layer)", ("dead_units/",)),
     ("Adam: share of weights whose sqrt(v) is under eps", ("adam_eps/",)),
+    ("BatchNorm: batch variance over running variance (largest layer)", ("bn_var_ratio/",)),
     ("loss scale", ("amp/loss_scale",)),
     ("skipped steps (GradScaler)", ("amp/skipped_steps",)),
     ("learning rate", ("lr/",)),

@@ -1,0 +1,127 @@
+"""A batch that wrecks BatchNorm's running statistics while its loss looks normal: in training
+mode BatchNorm normalises by the batch's own statistics, so a batch of inputs 1e3x their scale
+(an image pipeline that skipped its normalisation once) gives an ordinary loss, gradients and
+update, and writes a variance 1e6x the usual into ``running_var``, which evaluation then uses (a
+helper's probe: a BatchNorm ResNet's held-out loss 1.5-3.9x its twin's, no event)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import sfmonitor
+
+
+def make(momentum=0.1):
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8, momentum=momentum),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8, momentum=momentum),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+
+def batches(n, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(scale * torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
+
+
+def train(data, *, monitored, tmp_path=None, scaled=(), drop=(), momentum=0.1, config=None):
+    net, opt = make(momentum)
+    mon = None
+    if monitored:
+        mon = sfmonitor.attach(net, opt, run_dir=tmp_path, sinks=[], config={"console": False, **(config or {})})
+    for i in mon.batches(range(len(data))) if mon else range(len(data)):
+        if i in drop:
+            continue
+        x, y = data[i]
+        if i in scaled:
+            x = x * 1e3
+        loss = nn.functional.cross_entropy(net(x), y)
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    if mon is not None:
+        mon.detach()
+    return net, mon
+
+
+def same(a, b):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    return True
+
+
+def test_a_batch_that_blows_up_batchnorm_statistics_is_skipped_and_leaves_no_trace(tmp_path):
+    data = batches(40)
+    net, mon = train(data, monitored=True, tmp_path=tmp_path, scaled={30})
+    acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acted == [(30, "bn_var_spike", ["skip_step"])]
+    (ev,) = [e for e in mon.events if e.kind == "bn_var_spike"]
+    assert ev.data["module"] == "1" and ev.data["ratio"] > 1e5  # the first BatchNorm: its input was scaled
+    # bit-identical (parameters and running statistics) to the run that never saw that batch
+    twin, _ = train(data, monitored=False, drop={30})
+    assert same(net, twin)
+    bare, _ = train(data, monitored=False, scaled={30})
+    assert bare[1].running_var.mean() > 1e4 * net[1].running_var.mean()  # what it saved
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_healthy_batchnorm_runs_are_untouched(tmp_path, momentum):
+    """Unnormalised inputs (pixel values, variance ~1e4): the running variance climbs from 1 by
+    orders of magnitude in the first steps, a healthy start; and a cumulative average (momentum
+    None). No event, bit-identical to bare."""
+    data = batches(60, scale=100.0)
+    net, mon = train(data, monitored=True, tmp_path=tmp_path, momentum=momentum)
+    assert [e for e in mon.events if e.kind == "bn_var_spike"] == []
+    assert not [e for e in mon.events if e.actions]
+    assert same(net, train(data, monitored=False, momentum=momentum)[0])
+    assert "bn_var_ratio/0" not in mon.stats  # the group is the model's top level: named by it
+    assert any(k.startswith("bn_var_ratio/") for k in mon.stats)
+
+
+def test_data_whose_scale_changed_for_good_is_accepted_after_a_few_batches(tmp_path):
+    """Every batch from step 30 on is 1e3x: no bad batch, the data changed. Skipped
+    ``accept_after`` times, then taken as the new scale (told, no action) and trained on."""
+    data = batches(60)
+    net, mon = train(data, monitored=True, tmp_path=tmp_path, scaled=set(range(30, 60)))
+    skips = [e.step for e in mon.events if e.kind == "bn_var_spike" and e.actions]
+    assert len(skips) == 8
+    told = [e for e in mon.events if e.kind == "bn_var_shift"]
+    assert len(told) == 1 and not told[0].actions
+    assert net[1].running_var.mean() > 1e4  # the new scale landed in the statistics
+
+
+def test_the_check_can_be_switched_off(tmp_path):
+    data = batches(40)
+    net, mon = train(
+        data, monitored=True, tmp_path=tmp_path, scaled={30}, config={"detectors": {"bn_var_spike": {"enabled": False}}}
+    )
+    assert not [e for e in mon.events if e.kind == "bn_var_spike"]
+    assert same(net, train(data, monitored=False, scaled={30})[0])
+
+
+def test_statistics_a_harmful_update_blew_up_are_the_states_doing_not_the_batchs(tmp_path):
+    """An update at 1e4x the LR wrecks the weights; the next forward's BatchNorm variance is huge.
+    That is the update's doing: undone (update_ratio_spike), and no bad batch is reported."""
+    data = batches(40)
+    net, opt = make()
+    mon = sfmonitor.attach(net, opt, run_dir=tmp_path, sinks=[], config={"console": False})
+    for i in mon.batches(range(len(data))):
+        x, y = data[i]
+        mon.combine(nn.functional.cross_entropy(net(x), y)).backward()
+        opt.param_groups[0]["lr"] = 0.05 * (1e4 if i == 30 else 1.0)
+        opt.step()
+        opt.param_groups[0]["lr"] = 0.05
+        opt.zero_grad()
+    mon.detach()
+    assert [(e.kind, e.actions) for e in mon.events if e.actions] == [("update_ratio_spike", ["undo"])]
+    assert not [e for e in mon.events if e.kind == "bn_var_spike"]
