@@ -1065,7 +1065,9 @@ class UpdateRatioSpike(_Windowed):
                         f"; made at LR {_fmt(lr)}, {lr / level:.3g}x the schedule's {_fmt(level)} before and "
                         "after it: an excursion of that one step" + ("" if kind == LARGE_UPDATE else " (no LR drop)")
                     )
-                if harm is not None:
+                if harm is not None and harm.get("last_update"):
+                    told += "; the run's last update: no loss was measured after it, no harm shown to undo"
+                elif harm is not None:
                     told += f"; the loss went from {_fmt(harm['loss_before'])} to {_fmt(harm['loss_after'])} " + (
                         "after it" if harm["harm"] else "after it: no harm to undo"
                     )
@@ -1146,6 +1148,9 @@ class UpdateRatioSpike(_Windowed):
         the ratio alone)."""
         cfg = self.config
         before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)
+        if relative and cfg.harm_rise and before is not None and S.finite(before) and stats.get(S.LAST_UPDATE):
+            # the run's last update: no loss was measured after it, so no harm is shown (told)
+            return {"loss_before": before, "loss_after": None, "harm": False, "last_update": True}
         if not relative or not cfg.harm_rise or before is None or after is None or not S.finite(before):
             return None
         start = max(self.losses_seen, default=before)

@@ -1022,6 +1022,7 @@ class Monitor:
             if self._record.phase is Phase.DECIDED:  # a step was interrupted: put everything back
                 self._close(aborted=True)
             self._finish_pending(final=True)
+            self._judge_last_update()
             if self._writer:
                 summary = self.summary()
                 self._write_json(SUMMARY_FILE, summary)
@@ -2205,6 +2206,23 @@ class Monitor:
             # Local: one rank may read monitor.stats alone (e.g. to log on rank 0), so no
             # collective here; the update ratios are the same on every rank anyway.
             self._publish(last, S.read_all(last.after, agree=False))
+
+    def _judge_last_update(self) -> None:
+        """detach(): no step came after the last update to judge it. Its update ratios were just
+        read (``_finish_pending``): the after-update detectors judge it now, without a loss after
+        it (``S.LAST_UPDATE``: what needs that evidence is told), and what they find is acted on as
+        in any step, so an update larger than the weights at the last step is undone (one step
+        lost). Not under FSDP2 (each rank holds a part of the ratios: no agreed read here)."""
+        last = self._last
+        if last is None or last.phase is Phase.ABORTED or not last.update_landed or self._sharded:
+            return
+        if self._ctx is None or not any(k.startswith(S.UPDATE_RATIO.format("")) for k in last.stats):
+            return
+        seen = {**last.stats, **{S.UPDATE_LR.format(g): lr for g, lr in last.group_lr.items()}, S.LAST_UPDATE: 1.0}
+        judged = [f for d in self._detectors if d.after_update for f in d.check(last.step, seen)]
+        self._last = None
+        if judged:
+            self._decide_and_act(self.step, judged, None)
 
     def _publish(self, rec: StepRecord, after: dict[str, float]) -> None:
         """The record's statistics are complete (its update ratios added): send them to the sinks."""

@@ -87,6 +87,9 @@ UPDATE_LR = "update_lr/{}"
 # UPDATE_LR, not published. An update made at an LR far above both the LRs before it and this one
 # was made at an excursion of the LR, not at the schedule's level.
 NEXT_LR = "next_lr/{}"
+# Given (1.0) with the run's last update when detach() judges it: no step came after it, so no loss
+# was measured on the updated weights; a test that asks the loss for evidence of harm tells instead.
+LAST_UPDATE = "last_update"
 # The loss measured after that update (the next step's loss/total, on the updated weights): given
 # to the after-update detectors with the update's step when the update landed, not published (it
 # is that step's loss).

@@ -149,6 +149,24 @@ def test_one_step_lr_excursions_are_undone_and_never_cut_the_lr(tmp_path):
     same_state(state(twin_model, twin_opt), state(model, opt))
 
 
+def test_a_bad_update_at_the_last_step_is_judged_when_the_monitor_detaches(tmp_path):
+    """No step after it reads the last update: detach() reads its update ratios and judges it, so
+    an update larger than the weights at the last step is undone as at any other (a helper's
+    probe: a ViT whose last step ran at 1e4x the LR ended 757x its twin's held-out loss)."""
+    model, opt, mon = _excursion_run(tmp_path / "mon", bad={69})
+    mon.detach()
+    acting = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acting == [(69, "update_ratio_spike", ["undo"])]
+    twin_model, twin_opt, _ = _excursion_run(tmp_path / "twin", bad=set(), drop={69}, monitored=False)
+    same_state(state(twin_model, twin_opt), state(model, opt))
+    # a healthy last update is left alone, with no event
+    model, opt, mon = _excursion_run(tmp_path / "healthy", bad=set())
+    mon.detach()
+    assert not mon.events
+    twin_model, twin_opt, _ = _excursion_run(tmp_path / "bare", bad=set(), monitored=False)
+    same_state(state(twin_model, twin_opt), state(model, opt))
+
+
 def test_an_lr_that_stays_high_is_still_cut(tmp_path):
     """The same excursion, but the LR stays up after it (the schedule itself is too high): the
     second spike within the ladder's window lowers the LR as before."""
