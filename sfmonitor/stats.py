@@ -458,7 +458,8 @@ class BatchVarRatio:
     in training mode sets ``running_var = (1 - m) * running_var + m * batch_var``, so the batch's
     ratio is ``(after / before - (1 - m)) / m`` (m: the layer's momentum; a cumulative average,
     momentum None: 1 / the batches it has counted). Each variance is its layer's L2 norm over
-    channels. Per group, its layers' largest; ``BN_VAR_WORST``, the layer with the largest of all.
+    channels. A layer whose batch count went down was reset by the loop (``reset_running_stats()``):
+    its ratio is 1. Per group, its layers' largest; ``BN_VAR_WORST``, the layer with the largest of all.
 
     In training mode BatchNorm normalises by the batch's own statistics, so a batch far off the
     data's scale (inputs 1e3x: a pipeline that skipped its normalisation once) trains with an
@@ -470,6 +471,7 @@ class BatchVarRatio:
         self.layers = list(layers)  # (module name, BatchNorm module, group index)
         self.groups = list(groups)
         self._before: torch.Tensor | None = None
+        self._counts_before: torch.Tensor | None = None
         self._index: torch.Tensor | None = None
         self._momenta: tuple[float | None, ...] = ()
         self._fixed = torch.zeros(0)
@@ -478,10 +480,14 @@ class BatchVarRatio:
     def _vars(self) -> list[torch.Tensor]:
         return [_local_tensor(m.running_var) for _, m, _ in self.layers]
 
+    def _counts(self) -> torch.Tensor:
+        return torch.stack([_local_tensor(m.num_batches_tracked) for _, m, _ in self.layers])
+
     @torch.no_grad()
     def rebase(self) -> None:
-        """The running variances as the next forward finds them."""
+        """The running variances (and batch counts) as the next forward finds them."""
         self._before = norms(self._vars()) if self.layers else None
+        self._counts_before = self._counts() if self.layers else None
 
     @torch.no_grad()
     def measure(self) -> dict[str, Any]:
@@ -506,7 +512,10 @@ class BatchVarRatio:
             counts = [_local_tensor(mod.num_batches_tracked) for _, mod, _ in self.layers if mod.momentum is None]
             m = m.index_put((self._cumulative,), 1.0 / torch.stack(counts).clamp_min(1).to(m))
         ratio = ((after / before.clamp_min(torch.finfo(torch.float32).tiny) - (1 - m)) / m).clamp_min(0)
-        per_group = torch.zeros(len(self.groups), device=after.device).scatter_reduce(
+        if self._counts_before is not None:
+            # a count that went down: the loop reset the statistics (reset_running_stats()), no batch
+            ratio = torch.where(self._counts().to(ratio.device) < self._counts_before, 1.0, ratio)
+        per_group = torch.zeros(len(self.groups), dtype=ratio.dtype, device=after.device).scatter_reduce(
             0, self._index, ratio, "amax", include_self=False
         )
         out: dict[str, Any] = {BN_VAR_WORST: ratio.argmax()}

@@ -125,3 +125,38 @@ def test_statistics_a_harmful_update_blew_up_are_the_states_doing_not_the_batchs
     mon.detach()
     assert [(e.kind, e.actions) for e in mon.events if e.actions] == [("update_ratio_spike", ["undo"])]
     assert not [e for e in mon.events if e.kind == "bn_var_spike"]
+
+
+def test_a_float64_model_and_a_reset_of_the_running_statistics(tmp_path):
+    """A float64 BatchNorm model is measured like any other (the first version crashed at its
+    second step: a float64 ratio into a float32 buffer). The user's reset_running_stats() mid-run
+    is no batch: the variance it leaves (1) is not judged against the one before (here 3e5x; a
+    helper's probe: a reset read as a large batch was skipped, and the skip put the old
+    statistics back, undoing the reset)."""
+
+    def run(monitored, sub):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)).double()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        mon = (
+            sfmonitor.attach(net, opt, run_dir=tmp_path / sub, sinks=[], config={"console": False})
+            if monitored
+            else None
+        )
+        g = torch.Generator().manual_seed(1)
+        for i in range(160):
+            if i == 150:
+                net[1].reset_running_stats()
+            x = 0.01 * torch.randn(32, 6, generator=g, dtype=torch.float64)  # (a reset to 1 reads as ~1e5x)
+            loss = nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        if mon is not None:
+            mon.detach()
+        return net, mon
+
+    net, mon = run(True, "mon")
+    assert not mon.events
+    assert any(k.startswith("bn_var_ratio/") for k in mon.stats)
+    assert same(net, run(False, "bare")[0])
