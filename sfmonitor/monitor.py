@@ -850,9 +850,13 @@ class Monitor:
                 "inside it is fine), or compile it with torch.compile"
             )
         lazy = [n for n, p in unwrap(model).named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        what = "parameter"
+        if not lazy:  # (LazyBatchNorm with affine=False: lazy running statistics, no lazy parameter)
+            lazy = [n for n, b in unwrap(model).named_buffers() if isinstance(b, nn.parameter.UninitializedBuffer)]
+            what = "buffer"
         if lazy:
             raise ConfigError(
-                f"attach: {len(lazy)} parameter(s) of the model are not initialised yet ({', '.join(lazy[:4])}"
+                f"attach: {len(lazy)} {what}(s) of the model are not initialised yet ({', '.join(lazy[:4])}"
                 f"{', ...' if len(lazy) > 4 else ''}: lazy modules, whose shapes come from their first input); "
                 "run one forward pass (a batch of your data) before attaching, so that the monitor can "
                 "measure them and hold their copies"

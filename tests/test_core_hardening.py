@@ -307,6 +307,25 @@ def test_attach_before_a_lazy_modules_first_forward_is_a_clear_error_and_changes
     mon.detach()
 
 
+def test_attach_before_a_lazy_buffers_first_forward_is_a_clear_error_too(tmp_path):
+    """nn.LazyBatchNorm2d(affine=False) has no lazy parameters, only lazy buffers (its running
+    statistics): attach got past the parameter check and raised a raw ValueError from its memory
+    report (a helper's probe). The same ConfigError, naming the buffers."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyBatchNorm2d(affine=False), nn.Flatten(), nn.LazyLinear(2))
+    model[3](torch.randn(1, 4 * 6 * 6))  # the head is initialised; the BatchNorm's buffers are not
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.Monitor(run_dir=str(tmp_path), config=quiet())
+    with pytest.raises(sfmonitor.ConfigError, match=r"buffer.*1\.running_mean.*forward pass"):
+        mon.attach(model, opt)
+    assert not opt._optimizer_step_pre_hooks and not model._forward_pre_hooks
+    model(torch.randn(2, 3, 8, 8))
+    mon.attach(model, opt)
+    mon.combine(model(torch.randn(2, 3, 8, 8)).pow(2).mean()).backward()
+    opt.step()
+    assert mon.step == 1
+    mon.detach()
+
+
 def test_attach_to_a_torchscript_model_is_a_clear_error_and_changes_nothing(tmp_path):
     """A whole model compiled with torch.jit.script (or traced) takes no forward hooks: attach
     raised torch's bare RuntimeError ("register_forward_hook is not supported on ScriptModules")
