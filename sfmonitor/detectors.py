@@ -487,8 +487,9 @@ class BnVarSpikeConfig(Section):
         "skip the step when a batch's variance at a BatchNorm layer is this many times the running variance "
         "it is averaged into: inputs 100x their scale (pixels not divided by 255: 6.5e4x; inputs 1e3x: 1e6x, "
         "a BatchNorm ResNet's held-out loss 1.5-3.9x its twin's in a helper's probe). The skip puts the running "
-        "statistics back. Healthy batches read ~1; heavy-tailed data reaches a few hundred (log-normal "
-        "features, sigma 2, into a BatchNorm1d: 247; 1% of images 30x: 100-300), which 100 skipped",
+        "statistics back. Healthy batches read ~1; heavy-tailed data reached a few hundred (1% of images 30x: "
+        "100-300; raw log-normal features into a BatchNorm1d, before the geometric mean over channels: 1e4), "
+        "which a threshold of 100 skipped",
         lo=1,
         lo_open=True,
     )

@@ -27,7 +27,8 @@ key                            meaning
 ``dead_units/<group>``         the largest share, over the group's layers, of units that died
                                (gradient rows exactly zero on the last samples, not before)
 ``bn_var_ratio/<group>``       the largest, over the group's BatchNorm layers, of the step's batch
-                               variance over the running variance it was averaged into
+                               variance over the running variance it was averaged into (the
+                               geometric mean over the layer's channels)
 =============================  ==============================================================
 
 Sharded parameters (FSDP2 ``fully_shard``: DTensor parameters and gradients) are measured on each
@@ -73,9 +74,9 @@ DEAD_UNITS = "dead_units/{}"
 # sets the step (``eps_dominated``).
 ADAM_EPS = "adam_eps/{}"
 # Of a group's BatchNorm layers (running statistics on): the largest ratio of the variance the
-# step's batch showed a layer to the running variance it was averaged into, inferred from the
-# running variance before and after the step's forward and the layer's momentum
-# (``BatchVarRatio``): ~1 for an ordinary batch, 1e6 for inputs 1e3x their scale.
+# step's batch showed a layer to the running variance it was averaged into (the geometric mean over
+# its channels), inferred from the running variance before and after the step's forward and the
+# layer's momentum (``BatchVarRatio``): ~1 for an ordinary batch, 1e6 for inputs 1e3x their scale.
 BN_VAR_RATIO = "bn_var_ratio/{}"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The user's LR of a group's update (the largest of its parameters' param groups, before the
@@ -451,34 +452,46 @@ def _windows(t: torch.Tensor, fraction: float) -> tuple[torch.Tensor, int, int]:
 
 
 class BatchVarRatio:
-    """``bn_var_ratio/<group>``: per BatchNorm layer whose running statistics are on, the variance
-    the step's batch showed it over the running variance it was averaged into, inferred from the
+    """``bn_var_ratio/<group>``: per BatchNorm layer whose running statistics are on, how many
+    times the running variance the step's batch's variance was, per channel, inferred from the
     running variance before the step's forward (``rebase``, after the last step's actions: a skip
     put back what its batch wrote) and after it (``measure``, before the step's read): a forward
     in training mode sets ``running_var = (1 - m) * running_var + m * batch_var``, so the batch's
     ratio is ``(after / before - (1 - m)) / m`` (m: the layer's momentum; a cumulative average,
-    momentum None: 1 / the batches it has counted). Each variance is its layer's L2 norm over
-    channels. A layer whose batch count went down was reset by the loop (``reset_running_stats()``):
-    its ratio is 1. Per group, its layers' largest; ``BN_VAR_WORST``, the layer with the largest of all.
+    momentum None: 1 / the batches it has counted). A layer's ratio is the geometric mean over its
+    channels (each at least 0.01, so a channel with no variance does not hide the others): a batch
+    off the data's scale is off in most channels, while one feature's outlier (heavy-tailed raw
+    features into a BatchNorm1d) is off in one. A layer whose batch count went down was reset by
+    the loop (``reset_running_stats()``): its ratio is 1. Per group, its layers' largest;
+    ``BN_VAR_WORST``, the layer with the largest of all.
 
     In training mode BatchNorm normalises by the batch's own statistics, so a batch far off the
     data's scale (inputs 1e3x: a pipeline that skipped its normalisation once) trains with an
     ordinary loss and gradients, while the variance it writes into ``running_var`` (1e6x) is what
     evaluation normalises by. Several forwards in a step (accumulation) compound into one ratio.
-    Costs one fused norm over the layers' running variances twice a step, no host read."""
+    Costs a copy of the running variances (channels only) and a dozen small ops a step, whatever
+    the number of layers; no host read."""
+
+    MIN_CHANNEL_RATIO = 0.01
 
     def __init__(self, layers: Sequence[tuple[str, Any, int]], groups: Sequence[str]):
         self.layers = list(layers)  # (module name, BatchNorm module, group index)
         self.groups = list(groups)
-        self._before: torch.Tensor | None = None
+        self._before: torch.Tensor | None = None  # every layer's running variance, back to back
         self._counts_before: torch.Tensor | None = None
-        self._index: torch.Tensor | None = None
+        self._index: torch.Tensor | None = None  # per layer: its group
+        self._layer_of: torch.Tensor | None = None  # per channel: its layer
+        self._sizes = torch.zeros(0)
         self._momenta: tuple[float | None, ...] = ()
         self._fixed = torch.zeros(0)
         self._cumulative: torch.Tensor | None = None
 
-    def _vars(self) -> list[torch.Tensor]:
-        return [_local_tensor(m.running_var) for _, m, _ in self.layers]
+    def _flat(self) -> torch.Tensor:
+        """The running variances of every layer, back to back (a copy), in float32 (float64 when
+        one is float64)."""
+        parts = [_local_tensor(m.running_var).reshape(-1) for _, m, _ in self.layers]
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+        return torch.cat([p.to(dtype) for p in parts])
 
     def _counts(self) -> torch.Tensor:
         return torch.stack([_local_tensor(m.num_batches_tracked) for _, m, _ in self.layers])
@@ -486,7 +499,7 @@ class BatchVarRatio:
     @torch.no_grad()
     def rebase(self) -> None:
         """The running variances (and batch counts) as the next forward finds them."""
-        self._before = norms(self._vars()) if self.layers else None
+        self._before = self._flat() if self.layers else None
         self._counts_before = self._counts() if self.layers else None
 
     @torch.no_grad()
@@ -496,26 +509,37 @@ class BatchVarRatio:
         before = self._before
         if before is None:
             return {}
-        after = norms(self._vars())
+        after = self._flat()
         if after.shape != before.shape:
             return {}
+        device, dtype = after.device, after.dtype
         momenta = tuple(m.momentum for _, m, _ in self.layers)
-        if self._index is None or self._index.device != after.device or momenta != self._momenta:
+        if self._index is None or self._index.device != device or momenta != self._momenta:
             # built once (again if a momentum is changed): no host-to-device copy a step
-            self._index = torch.tensor([g for _, _, g in self.layers], device=after.device)
-            self._fixed = torch.tensor([1.0 if x is None else float(x) for x in momenta], device=after.device)
+            sizes = [_local_tensor(m.running_var).numel() for _, m, _ in self.layers]
+            self._index = torch.tensor([g for _, _, g in self.layers], device=device)
+            self._sizes = torch.tensor(sizes, dtype=dtype, device=device)
+            self._layer_of = torch.repeat_interleave(torch.arange(len(sizes), device=device), self._sizes.long())
+            self._fixed = torch.tensor([1.0 if x is None else float(x) for x in momenta], dtype=dtype, device=device)
             cumulative = [i for i, x in enumerate(momenta) if x is None]
-            self._cumulative = torch.tensor(cumulative, device=after.device) if cumulative else None
+            self._cumulative = torch.tensor(cumulative, device=device) if cumulative else None
             self._momenta = momenta
+        assert self._layer_of is not None
         m = self._fixed
         if self._cumulative is not None:  # a cumulative average: 1 / the batches counted, on the device
             counts = [_local_tensor(mod.num_batches_tracked) for _, mod, _ in self.layers if mod.momentum is None]
             m = m.index_put((self._cumulative,), 1.0 / torch.stack(counts).clamp_min(1).to(m))
-        ratio = ((after / before.clamp_min(torch.finfo(torch.float32).tiny) - (1 - m)) / m).clamp_min(0)
+        m = m.clamp_min(1e-12)[self._layer_of]  # per channel
+        grown = after / before.clamp_min(torch.finfo(torch.float32).tiny)
+        per_channel = ((grown - (1 - m)) / m).clamp_min(self.MIN_CHANNEL_RATIO)
+        logs = torch.zeros(len(self.layers), dtype=dtype, device=device).index_add_(
+            0, self._layer_of, per_channel.log()
+        )
+        ratio = (logs / self._sizes).exp()
         if self._counts_before is not None:
             # a count that went down: the loop reset the statistics (reset_running_stats()), no batch
-            ratio = torch.where(self._counts().to(ratio.device) < self._counts_before, 1.0, ratio)
-        per_group = torch.zeros(len(self.groups), dtype=ratio.dtype, device=after.device).scatter_reduce(
+            ratio = torch.where(self._counts().to(device) < self._counts_before, 1.0, ratio)
+        per_group = torch.zeros(len(self.groups), dtype=dtype, device=device).scatter_reduce(
             0, self._index, ratio, "amax", include_self=False
         )
         out: dict[str, Any] = {BN_VAR_WORST: ratio.argmax()}
