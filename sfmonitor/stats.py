@@ -519,7 +519,9 @@ class BatchVarRatio:
             sizes = [_local_tensor(m.running_var).numel() for _, m, _ in self.layers]
             self._index = torch.tensor([g for _, _, g in self.layers], device=device)
             self._sizes = torch.tensor(sizes, dtype=dtype, device=device)
-            self._layer_of = torch.repeat_interleave(torch.arange(len(sizes), device=device), self._sizes.long())
+            self._layer_of = torch.repeat_interleave(  # (output_size: no read of the sizes on the host)
+                torch.arange(len(sizes), device=device), self._sizes.long(), output_size=sum(sizes)
+            )
             self._fixed = torch.tensor([1.0 if x is None else float(x) for x in momenta], dtype=dtype, device=device)
             cumulative = [i for i, x in enumerate(momenta) if x is None]
             self._cumulative = torch.tensor(cumulative, device=device) if cumulative else None

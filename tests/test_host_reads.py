@@ -224,6 +224,13 @@ def test_the_step_statistics_read_nothing_inside_torch_ops():
     per_tensor = S.norms(tensors)
     assert per_tensor.device == meta and S.group_norms(per_tensor[:2], index.group[:2], 1).device == meta
     assert update_norms(tensors, [t + 1 for t in tensors]).device == meta
+    # bn_var_ratio/<group>: the BatchNorm layers' running variances (a cumulative average among them)
+    layers = [("a", nn.BatchNorm1d(4, device=meta), 0), ("b", nn.BatchNorm2d(3, momentum=None, device=meta), 1)]
+    bn = S.BatchVarRatio(layers, ["g0", "g1"])
+    bn.rebase()
+    measured = bn.measure()
+    assert set(measured) == {S.BN_VAR_WORST, "bn_var_ratio/g0", "bn_var_ratio/g1"}
+    assert all(v.device == meta for v in measured.values())
 
 
 def test_first_true_and_param_of_give_the_first_offender():
