@@ -34,24 +34,37 @@ def batches(n, scale=1.0, seed=0):
     return [(scale * torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
 
 
-def train(data, *, monitored, tmp_path=None, scaled=(), drop=(), momentum=0.1, config=None):
-    net, opt = make(momentum)
+def loop(net, opt, steps, batch, loss_fn, *, run_dir=None, config=None, drop=(), before=None):
+    """``steps`` steps of ``net``, monitored (through ``monitor.batches()``) when ``run_dir`` is
+    given: ``batch(i)`` gives step i's (x, y); ``before(i)`` runs before its forward; the batches
+    in ``drop`` are never trained on. Returns the net and the monitor."""
     mon = None
-    if monitored:
-        mon = sfmonitor.attach(net, opt, run_dir=tmp_path, sinks=[], config={"console": False, **(config or {})})
-    for i in mon.batches(range(len(data))) if mon else range(len(data)):
+    if run_dir is not None:
+        mon = sfmonitor.attach(net, opt, run_dir=run_dir, sinks=[], config={"console": False, **(config or {})})
+    for i in mon.batches(range(steps)) if mon else range(steps):
         if i in drop:
             continue
-        x, y = data[i]
-        if i in scaled:
-            x = x * 1e3
-        loss = nn.functional.cross_entropy(net(x), y)
+        if before is not None:
+            before(i)
+        x, y = batch(i)
+        loss = loss_fn(net(x), y)
         (mon.combine(loss) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
     if mon is not None:
         mon.detach()
     return net, mon
+
+
+def train(data, *, monitored, tmp_path=None, scaled=(), drop=(), momentum=0.1, config=None):
+    net, opt = make(momentum)
+
+    def batch(i):
+        x, y = data[i]
+        return (x * 1e3 if i in scaled else x), y
+
+    run_dir = tmp_path if monitored else None
+    return loop(net, opt, len(data), batch, nn.functional.cross_entropy, run_dir=run_dir, config=config, drop=drop)
 
 
 def same(a, b):
@@ -127,6 +140,13 @@ def test_statistics_a_harmful_update_blew_up_are_the_states_doing_not_the_batchs
     assert not [e for e in mon.events if e.kind == "bn_var_spike"]
 
 
+def fit(net, steps, batch, *, run_dir=None, before=None):
+    """SGD on a regression: ``batch(i, g)`` gives step i's (x, y) from one generator."""
+    g = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    return loop(net, opt, steps, lambda i: batch(i, g), nn.functional.mse_loss, run_dir=run_dir, before=before)
+
+
 def test_a_float64_model_and_a_reset_of_the_running_statistics(tmp_path):
     """A float64 BatchNorm model is measured like any other (the first version crashed at its
     second step: a float64 ratio into a float32 buffer). The user's reset_running_stats() mid-run
@@ -134,32 +154,20 @@ def test_a_float64_model_and_a_reset_of_the_running_statistics(tmp_path):
     helper's probe: a reset read as a large batch was skipped, and the skip put the old
     statistics back, undoing the reset)."""
 
-    def run(monitored, sub):
+    def run(run_dir=None):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)).double()
-        opt = torch.optim.SGD(net.parameters(), lr=0.05)
-        mon = (
-            sfmonitor.attach(net, opt, run_dir=tmp_path / sub, sinks=[], config={"console": False})
-            if monitored
-            else None
-        )
-        g = torch.Generator().manual_seed(1)
-        for i in range(160):
-            if i == 150:
-                net[1].reset_running_stats()
-            x = 0.01 * torch.randn(32, 6, generator=g, dtype=torch.float64)  # (a reset to 1 reads as ~1e5x)
-            loss = nn.functional.mse_loss(net(x), x.sum(1, keepdim=True))
-            (mon.combine(loss) if mon else loss).backward()
-            opt.step()
-            opt.zero_grad()
-        if mon is not None:
-            mon.detach()
-        return net, mon
 
-    net, mon = run(True, "mon")
+        def batch(i, g):
+            x = 0.01 * torch.randn(32, 6, generator=g, dtype=torch.float64)  # (a reset to 1 reads as ~1e5x)
+            return x, x.sum(1, keepdim=True)
+
+        return fit(net, 160, batch, run_dir=run_dir, before=lambda i: i == 150 and net[1].reset_running_stats())
+
+    net, mon = run(tmp_path)
     assert not mon.events
     assert any(k.startswith("bn_var_ratio/") for k in mon.stats)
-    assert same(net, run(False, "bare")[0])
+    assert same(net, run()[0])
 
 
 def test_an_outlier_in_one_feature_is_no_batch_off_the_datas_scale(tmp_path):
@@ -169,27 +177,19 @@ def test_an_outlier_in_one_feature_is_no_batch_off_the_datas_scale(tmp_path):
     layer's ratio is the geometric mean over its channels (a helper's probe: log-normal features
     with sigma 4 had healthy batches skipped at 1.2-2.4e4 with the L2 norm over channels)."""
 
-    def run(monitored, sub):
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-        opt = torch.optim.SGD(net.parameters(), lr=0.05)
-        mon = None
-        if monitored:
-            mon = sfmonitor.attach(net, opt, run_dir=tmp_path / sub, sinks=[], config={"console": False})
-        g = torch.Generator().manual_seed(2)
-        for i in range(60):
-            x = torch.randn(32, 8, generator=g)
-            y = x[:, 1:].sum(1, keepdim=True)
-            if i == 40:
-                x[3, 0] = 1e4  # feature 0 is not in the target: an outlier the model can shrug off
-            loss = nn.functional.mse_loss(net(x), y)
-            (mon.combine(loss) if mon else loss).backward()
-            opt.step()
-            opt.zero_grad()
-        if mon is not None:
-            mon.detach()
-        return net, mon
+    def batch(i, g):
+        x = torch.randn(32, 8, generator=g)
+        y = x[:, 1:].sum(1, keepdim=True)
+        if i == 40:
+            x[3, 0] = 1e4  # feature 0 is not in the target: an outlier the model can shrug off
+        return x, y
 
-    net, mon = run(True, "mon")
+    def run(run_dir=None):
+        torch.manual_seed(0)
+        return fit(
+            nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), 60, batch, run_dir=run_dir
+        )
+
+    net, mon = run(tmp_path)
     assert not [e for e in mon.events if e.kind == "bn_var_spike"]
-    assert same(net, run(False, "bare")[0])
+    assert same(net, run()[0])
