@@ -65,6 +65,10 @@ class Task:
     def garbage(self, batch: Batch, g: torch.Generator) -> Batch:
         raise NotImplementedError
 
+    def rescale(self, batch: Batch) -> Batch:
+        """The batch's inputs at 1e3x their scale (images whose normalisation was skipped)."""
+        raise NotImplementedError
+
     def scramble(self, batch: Batch, g: torch.Generator) -> Batch:
         raise NotImplementedError
 
@@ -347,6 +351,9 @@ class CNNTask(Task):
 
     def scramble(self, batch, g):
         return {**batch, "y": torch.randint(0, self.classes, batch["y"].shape, generator=g)}
+
+    def rescale(self, batch):
+        return {**batch, "x": 1e3 * batch["x"]}
 
 
 TASKS: dict[str, type[Task]] = {"gpt": GPTTask, "bert": BertTask, "cnn": CNNTask}

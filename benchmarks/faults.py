@@ -26,11 +26,13 @@ Scenarios (``f`` = the fault step, 40% into the run, after the detectors' warm-u
 * ``hf_trainer``: healthy, BERT through the HF Trainer with evaluation and
   ``SFMonitorTrainerCallback`` (``compute_loss`` overridden with ``combine`` as
   docs/integrations.md shows), against the bare Trainer;
-* ``high_lr``: the GPT at 20x its LR without warm-up, bare and monitored, against its default LR.
+* ``high_lr``: the GPT at 20x its LR without warm-up, bare and monitored, against its default LR;
+* ``scaled_batch``: the CNN's images of one step (f) at 1e3x their scale (a pipeline that skipped
+  its normalisation once): an ordinary loss, and a variance that lands in BatchNorm's statistics.
 
 Every fault scenario also runs the bare run with the fault and the exact twin: the bare run that
 never runs the faulty steps (it keeps the loop's schedule). Where the rescue is a skip or an undo
-(nan_batch, lr_spike, loss_spike) the monitored run should equal it bit for bit.
+(nan_batch, lr_spike, loss_spike, scaled_batch) the monitored run should equal it bit for bit.
 
 Each arm runs in a forked child process (peak RSS is that run's own); the twins share the seed,
 the data and its order. From each monitored run's events.jsonl: actions, event kinds, steps thrown
@@ -84,19 +86,21 @@ SCENARIOS = (
     "lightning",
     "hf_trainer",
     "high_lr",
+    "scaled_batch",
 )
 # Which scenarios each model runs (the reference trainer evaluates every epoch on its own).
 APPLIES = {
-    "gpt": set(SCENARIOS) - {"hf_trainer"},
-    "bert": set(SCENARIOS) - {"lightning", "high_lr"},
-    "cnn": set(SCENARIOS) - {"hf_trainer", "high_lr"},
+    "gpt": set(SCENARIOS) - {"hf_trainer", "scaled_batch"},
+    "bert": set(SCENARIOS) - {"lightning", "high_lr", "scaled_batch"},
+    "cnn": set(SCENARIOS) - {"hf_trainer", "high_lr"},  # (scaled_batch: images through BatchNorm)
     "reference": {"fault_free", "nan_batch", "lr_spike", "loss_spike", "bad_labels", "bad_every"},
 }
 QUICK = {"models": "gpt,cnn", "scenarios": "fault_free,nan_batch,lr_spike,eval_combine", "steps": 60}
 LR_FAULT = 1e4  # the LR of the faulty step, x the run's own
 LOSS_FAULT = 1e4  # the loss of the faulty batch, x its own
 TRAIN_TAIL = 10  # final train loss: the mean over this many last healthy steps
-EXACT = ("nan_batch", "lr_spike", "loss_spike")  # a skip or an exact undo: equal to the twin without the step
+# a skip or an exact undo: equal to the twin without the step
+EXACT = ("nan_batch", "lr_spike", "loss_spike", "scaled_batch")
 TOLERANCE = 1.05  # the issue's target: final loss <= 1.05 x the fault-free twin
 SPIKE = 1.10  # an early spike: loss above 1.10 x the lowest loss so far
 
@@ -194,6 +198,8 @@ def spoil(task: Task, batch: dict, kinds: set[str], g: torch.Generator) -> dict:
         batch = task.scramble(batch, g)
     if "nan" in kinds:
         batch = task.poison(batch)
+    if "scale" in kinds:
+        batch = task.rescale(batch)
     return batch
 
 
@@ -715,8 +721,8 @@ def scenario_arms(model_name: str, scenario: str, opts: Options) -> dict[str, Ar
         twin = Arm(n, driver=driver)
     elif scenario == "bad_labels":
         faults = tuple(("labels", s) for s in range(f, f + max(1, n // 10)))
-    elif scenario in ("nan_batch", "lr_spike", "loss_spike"):
-        faults = (({"nan_batch": "nan", "lr_spike": "lr", "loss_spike": "loss"}[scenario], f),)
+    elif scenario in ("nan_batch", "lr_spike", "loss_spike", "scaled_batch"):
+        faults = (({"nan_batch": "nan", "lr_spike": "lr", "loss_spike": "loss", "scaled_batch": "scale"}[scenario], f),)
     else:
         faults = ()
     if faults:

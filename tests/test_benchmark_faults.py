@@ -100,3 +100,16 @@ def test_runs_move_their_batches_to_the_device(faults):
     batch = {"x": faults.torch.ones(2), "weight": faults.torch.tensor(1.0), "name": "kept"}
     moved = faults.to_device(batch, "meta")
     assert moved["x"].device.type == "meta" and moved["weight"].device.type == "meta" and moved["name"] == "kept"
+
+
+def test_a_batch_off_the_datas_scale_is_skipped_and_leaves_batchnorm_as_its_twin(faults, tmp_path):
+    """The CNN's ``scaled_batch``: its images at 1e3x for one step (after the BatchNorm check's
+    warm-up). Bare, the variance lands in the running statistics; monitored, the batch is skipped
+    and the run equals the twin that never saw it (parameters and BatchNorm buffers)."""
+    opts = faults.Options(steps=100, isolate=False, root=str(tmp_path))
+    row = faults.run_scenario("cnn", "scaled_batch", opts, {})
+    assert row["faults"] == [["scale", 40]]
+    assert row["actions"] == {"skip_step": 1} and "bn_var_spike" in row["kinds"]
+    assert row["identical"] == 1.0 and row["misses"] == []
+    assert row["bare_eval_ratio"] > 1.2  # what it saves
+    assert "scaled_batch" not in faults.APPLIES["gpt"] | faults.APPLIES["bert"] | faults.APPLIES["reference"]
