@@ -2226,7 +2226,10 @@ class Monitor:
         judged = [f for d in self._detectors if d.after_update for f in d.check(last.step, seen)]
         self._last = None
         if judged:
-            self._decide_and_act(self.step, judged, None)
+            try:
+                self._decide_and_act(self.step, judged, None)
+            except StopTraining:
+                pass  # the run is over already: the stop is in its event (and its checkpoint written)
 
     def _publish(self, rec: StepRecord, after: dict[str, float]) -> None:
         """The record's statistics are complete (its update ratios added): send them to the sinks."""

@@ -167,6 +167,37 @@ def test_a_bad_update_at_the_last_step_is_judged_when_the_monitor_detaches(tmp_p
     same_state(state(twin_model, twin_opt), state(model, opt))
 
 
+def test_a_stop_decided_for_the_last_update_still_ends_detach_cleanly(tmp_path):
+    """The last update's judgement at detach() may spend the last rescue (here the ladder's first
+    rung drops the LR, budget 0: checkpoint and stop). The run is over: detach ends as usual, its
+    summary written, and no warning that it could not finish."""
+    import json
+    import warnings
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    config = cfg(
+        policy={
+            "budget": 0,
+            "ladders": {"update_ratio_spike": {"window": 50, "rungs": [{"after": 1, "actions": ["lr_drop"]}]}},
+        }
+    )
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=["jsonl"], config=config)
+    xs = data(20)
+    for i in range(20):
+        mon.combine(model(xs[i])).backward()
+        opt.param_groups[0]["lr"] = 100.0 if i == 19 else 0.01
+        opt.step()
+        opt.param_groups[0]["lr"] = 0.01
+        opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "detach could not finish" would be one
+        mon.detach()
+    assert any("stop" in e.actions for e in mon.events if e.kind == "update_ratio_spike")
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 20
+
+
 def test_an_lr_that_stays_high_is_still_cut(tmp_path):
     """The same excursion, but the LR stays up after it (the schedule itself is too high): the
     second spike within the ladder's window lowers the LR as before."""
