@@ -693,7 +693,7 @@ class Monitor:
             [(i, self._group_names[self._param_group[i]]) for i in units], self.config.stats.dead_units_samples
         )
         self._group_of_id = {id(p): self._group_names[self._param_group[i]] for i, p in enumerate(self._params)}
-        self._bn = S.BatchVarRatio(self._batchnorm_layers(model), self._group_names)
+        self._bn = S.BatchVarRatio(self._batchnorm_layers(model), self._group_names, sharding.local)
         shapes = {g: [tuple(p.shape) for _, p in ps] for g, ps in self.groups.items()}
         for d in self._detectors:  # plain data: detectors never touch the model
             layout = getattr(d, "layout", None)
@@ -722,9 +722,9 @@ class Monitor:
                 continue  # statistics that never move)
             group = index.get(f"{name}.weight" if name else "weight")
             prefix = name
-            while group is None and prefix:
+            while group is None and prefix:  # (no affine weight: the enclosing module's group)
                 prefix = prefix.rpartition(".")[0]
-                group = next((g for n, g in index.items() if n.startswith(f"{prefix}.") or not prefix), None)
+                group = next((g for n, g in index.items() if n.startswith(f"{prefix}.")), None) if prefix else None
             found.append((name, m, group if group is not None else 0))
         return found if self._group_names else []
 
@@ -1552,23 +1552,22 @@ class Monitor:
         # 2. detectors: the core's non-finite checks; the configured detectors (after-update ones
         #    judge the update the previous step landed); the activation watch.
         findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec)
-        state_blamed = False  # the update that made this state was judged harmful (it is undone)
         findings += self._zero_grad_missing_findings(rec)
+        harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
-            seen = {**prev_rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in prev_rec.group_lr.items()}}
-            seen.update({S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(optimizer).items()})  # (the user's)
+            extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(optimizer).items()}  # (the user's)
             if prev_rec.update_landed and S.LOSS_TOTAL in rec.stats:  # what that update did to the loss
-                seen[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
-            judged = [f for d in self._detectors if d.after_update for f in d.check(prev_rec.step, seen)]
+                extra[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
+            judged = self._judge_update(prev_rec, extra)
             findings += judged
-            state_blamed = any(f.kind != LARGE_UPDATE for f in judged)
+            # (a large update that did not raise the loss is told, and sound)
+            harmful = [f for f in judged if f.kind != LARGE_UPDATE]
             if prev_rec.update_landed:  # was the update the state comes from judged, and sound?
                 measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
-                # (a large update that did not raise the loss is told, and sound)
-                self._last_update_sound = measured and all(f.kind == LARGE_UPDATE for f in judged)
+                self._last_update_sound = measured and not harmful
         findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
-        if state_blamed:  # BatchNorm statistics a harmful update blew up: the state's doing, not the batch's
+        if harmful:  # BatchNorm statistics a harmful update blew up: the state's doing, not the batch's
             findings = [f for f in findings if f.kind != BN_VAR_SPIKE]
         worst = int(rec.internal.get(S.BN_VAR_WORST, -1))
         if 0 <= worst < len(self._bn.layers):  # name the BatchNorm layer (the group's finding that holds it)
@@ -2222,14 +2221,19 @@ class Monitor:
             return
         if self._ctx is None or not any(k.startswith(S.UPDATE_RATIO.format("")) for k in last.stats):
             return
-        seen = {**last.stats, **{S.UPDATE_LR.format(g): lr for g, lr in last.group_lr.items()}, S.LAST_UPDATE: 1.0}
-        judged = [f for d in self._detectors if d.after_update for f in d.check(last.step, seen)]
+        judged = self._judge_update(last, {S.LAST_UPDATE: 1.0})
         self._last = None
         if judged:
             try:
                 self._decide_and_act(self.step, judged, None)
             except StopTraining:
                 pass  # the run is over already: the stop is in its event (and its checkpoint written)
+
+    def _judge_update(self, rec: StepRecord, extra: dict[str, float]) -> list[Finding]:
+        """The after-update detectors' findings on ``rec``'s update: its statistics (update ratios
+        included), the user's LR of each group's update, and ``extra``."""
+        seen = {**rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in rec.group_lr.items()}, **extra}
+        return [f for d in self._detectors if d.after_update for f in d.check(rec.step, seen)]
 
     def _publish(self, rec: StepRecord, after: dict[str, float]) -> None:
         """The record's statistics are complete (its update ratios added): send them to the sinks."""

@@ -474,9 +474,16 @@ class BatchVarRatio:
 
     MIN_CHANNEL_RATIO = 0.01
 
-    def __init__(self, layers: Sequence[tuple[str, Any, int]], groups: Sequence[str]):
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, Any, int]],
+        groups: Sequence[str],
+        local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ):
         self.layers = list(layers)  # (module name, BatchNorm module, group index)
         self.groups = list(groups)
+        self._local = local  # a DTensor buffer's local part (sharding.local)
+        self._present: list[int] = []  # the groups that hold a layer
         self._before: torch.Tensor | None = None  # every layer's running variance, back to back
         self._counts_before: torch.Tensor | None = None
         self._index: torch.Tensor | None = None  # per layer: its group
@@ -489,12 +496,12 @@ class BatchVarRatio:
     def _flat(self) -> torch.Tensor:
         """The running variances of every layer, back to back (a copy), in float32 (float64 when
         one is float64)."""
-        parts = [_local_tensor(m.running_var).reshape(-1) for _, m, _ in self.layers]
+        parts = [self._local(m.running_var).reshape(-1) for _, m, _ in self.layers]
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
         return torch.cat([p.to(dtype) for p in parts])
 
     def _counts(self) -> torch.Tensor:
-        return torch.stack([_local_tensor(m.num_batches_tracked) for _, m, _ in self.layers])
+        return torch.stack([self._local(m.num_batches_tracked) for _, m, _ in self.layers])
 
     @torch.no_grad()
     def rebase(self) -> None:
@@ -516,7 +523,8 @@ class BatchVarRatio:
         momenta = tuple(m.momentum for _, m, _ in self.layers)
         if self._index is None or self._index.device != device or momenta != self._momenta:
             # built once (again if a momentum is changed): no host-to-device copy a step
-            sizes = [_local_tensor(m.running_var).numel() for _, m, _ in self.layers]
+            sizes = [self._local(m.running_var).numel() for _, m, _ in self.layers]
+            self._present = sorted({g for _, _, g in self.layers})
             self._index = torch.tensor([g for _, _, g in self.layers], device=device)
             self._sizes = torch.tensor(sizes, dtype=dtype, device=device)
             self._layer_of = torch.repeat_interleave(  # (output_size: no read of the sizes on the host)
@@ -527,10 +535,10 @@ class BatchVarRatio:
             self._cumulative = torch.tensor(cumulative, device=device) if cumulative else None
             self._momenta = momenta
         assert self._layer_of is not None
+        counts = self._counts().to(device)
         m = self._fixed
         if self._cumulative is not None:  # a cumulative average: 1 / the batches counted, on the device
-            counts = [_local_tensor(mod.num_batches_tracked) for _, mod, _ in self.layers if mod.momentum is None]
-            m = m.index_put((self._cumulative,), 1.0 / torch.stack(counts).clamp_min(1).to(m))
+            m = m.index_put((self._cumulative,), 1.0 / counts[self._cumulative].clamp_min(1).to(m))
         m = m.clamp_min(1e-12)[self._layer_of]  # per channel
         grown = after / before.clamp_min(torch.finfo(torch.float32).tiny)
         per_channel = ((grown - (1 - m)) / m).clamp_min(self.MIN_CHANNEL_RATIO)
@@ -540,20 +548,14 @@ class BatchVarRatio:
         ratio = (logs / self._sizes).exp()
         if self._counts_before is not None:
             # a count that went down: the loop reset the statistics (reset_running_stats()), no batch
-            ratio = torch.where(self._counts().to(device) < self._counts_before, 1.0, ratio)
+            ratio = torch.where(counts < self._counts_before, 1.0, ratio)
         per_group = torch.zeros(len(self.groups), dtype=dtype, device=device).scatter_reduce(
             0, self._index, ratio, "amax", include_self=False
         )
         out: dict[str, Any] = {BN_VAR_WORST: ratio.argmax()}
-        for gi in sorted({g for _, _, g in self.layers}):
+        for gi in self._present:
             out[BN_VAR_RATIO.format(self.groups[gi])] = per_group[gi]
         return out
-
-
-def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part, or the tensor itself (sharding.local, without importing it here)."""
-    part = getattr(t, "_local_tensor", None)
-    return part if isinstance(part, torch.Tensor) else t
 
 
 class RotatingSlices:

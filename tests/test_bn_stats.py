@@ -193,3 +193,29 @@ def test_an_outlier_in_one_feature_is_no_batch_off_the_datas_scale(tmp_path):
     net, mon = run(tmp_path)
     assert not [e for e in mon.events if e.kind == "bn_var_spike"]
     assert same(net, run()[0])
+
+
+def test_a_layer_without_weights_belongs_to_its_enclosing_modules_group_and_ranks_agree(tmp_path):
+    """A BatchNorm without affine parameters has no weight to name its group: it takes the group
+    of the module around it. Across ranks the ratio is the largest (one rank's bad batch is the
+    step's) and the layer named is one every rank names alike."""
+    from sfmonitor import stats as S
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(8, 1)  # the first group: a layer without a group of its own is not put here
+            self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, affine=False))
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    _, mon = loop(
+        net, opt, 3, lambda i: (torch.randn(16, 4), torch.randn(16, 1)), nn.functional.mse_loss, run_dir=tmp_path
+    )
+    assert [k for k in mon.stats if k.startswith("bn_var_ratio/")] == ["bn_var_ratio/body"]
+    assert S.reduction_of("bn_var_ratio/body") is S.Reduce.MAX
+    assert S.reduction_of(S.BN_VAR_WORST) is S.Reduce.FIRST
