@@ -367,6 +367,11 @@ class ActionContext:
     undo: UndoState | None = None  # the state before the last update (the monitor keeps it current)
     undo_params: list[nn.Parameter] = field(default_factory=list)  # the parameters it holds, in order
     undo_buffers: list[torch.Tensor] = field(default_factory=list)  # the model's buffers it holds
+    # Without the undo copy (the lean profile): a copy of the normalisation layers' running
+    # statistics alone, kept as the undo copy keeps the buffers, so that a skip still puts back what
+    # the skipped batch wrote into them (a NaN batch: NaN running means, every evaluation NaN)
+    stats_copy: UndoState | None = None
+    stats_buffers: list[torch.Tensor] = field(default_factory=list)  # the running statistics it holds
     lr_dropped_at: int | None = None  # step of the last lr_drop (recovery counts from it)
     restored_at: int | None = None  # step in which an undo or a rollback put the state back
     lr_drop_kind: str = ""  # the kind that caused it
@@ -417,6 +422,16 @@ class ActionContext:
         for name, m in self.tracked:
             if name in tracked:
                 m.load_state_dict(sharding.rebuild(tracked[name]))  # (copies in: the snapshot stays intact)
+
+    def buffer_copy(self) -> tuple[UndoState, list[torch.Tensor]] | None:
+        """The copy that holds the model's buffers as they were before the step's forward, with the
+        buffers it holds: the undo copy's (every buffer), else the running statistics' copy (the lean
+        profile), else None."""
+        if self.undo is not None:
+            return self.undo, self.undo_buffers
+        if self.stats_copy is not None:
+            return self.stats_copy, self.stats_buffers
+        return None
 
     def tracked_tensors(self) -> list[torch.Tensor]:
         """The tracked modules' parameters and buffers, walked now (a module may replace one)."""

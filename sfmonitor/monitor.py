@@ -111,7 +111,7 @@ from .summary import (
     run_summary,
     write_json,
 )
-from .undo import Arena, UndoState, local, update_norms
+from .undo import Arena, UndoState, local, running_statistics, update_norms
 from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
 
@@ -666,8 +666,12 @@ class Monitor:
         held = self._params
         self._params = [p for _, p in ordered]
         self._buffers = list(model.buffers())  # walked once, not every step: the undo copy holds them
+        self._running_stats = running_statistics(model)  # without the undo copy, a copy holds these
         if self._ctx is not None:  # add_param_group()
             self._ctx.undo_params, self._ctx.undo_buffers = self._params, self._buffers
+            if self._ctx.stats_copy is not None and self._ctx.stats_buffers != self._running_stats:
+                self._ctx.stats_copy.clear()
+            self._ctx.stats_buffers = self._running_stats
             same = len(held) == len(self._params) and all(a is b for a, b in zip(held, self._params))
             if self._ctx.undo is not None and not same:
                 # New tensors: the undo copy starts over with the new list. The same tensors (a
@@ -923,6 +927,8 @@ class Monitor:
             undo=UndoState() if self.config.actions.undo.enabled else None,
             undo_params=self._params,
             undo_buffers=self._buffers,
+            stats_copy=None if self.config.actions.undo.enabled or not self._running_stats else UndoState(),
+            stats_buffers=self._running_stats,
         )
         self._watch.attach(unwrap(model))
         self._watch.reset(self.step)
@@ -963,6 +969,7 @@ class Monitor:
             rb.keep,
             int(rb.max_host_mb * 2**20),
             self.config.stats.update_ratio_fraction if self.config.stats.update_ratio_every else 0.0,
+            self._running_stats,
         )
 
     def _abandon_attach(self, run_dir: str | None, made: list[str]) -> None:
@@ -1722,11 +1729,12 @@ class Monitor:
                     if not rec.restore_after:
                         rec.hide_grads(ctx.optimizer)
                     undone = any(o.results.get(UNDO, {}).get("restored") for o in outcomes)
-                    if ctx.undo is not None and ctx.undo.label == step - 1 and not undone:
+                    held = ctx.buffer_copy()
+                    if held is not None and held[0].label == step - 1 and not undone:
                         # What this step's forward wrote into the buffers (BatchNorm statistics of
                         # a NaN batch) goes too: a skipped batch is a batch never seen. (An undo
                         # already put them back as they were before the undone step's forward.)
-                        ctx.undo.restore_buffers(ctx.undo_buffers)
+                        held[0].restore_buffers(held[1])
                 relaxed = A.relax_weights(ctx)
                 if relaxed.get("restored"):
                     outcomes.append(
@@ -1769,6 +1777,9 @@ class Monitor:
                         step, self._params, ctx.optimizer, ctx.undo_buffers, ctx.scaler, ctx.tracked_tensors()
                     )
                     rec.before_params = ctx.undo.params
+                elif ctx.stats_copy is not None and not ctx.stopped:
+                    # (the lean profile) the running statistics alone, as the next forward finds them
+                    ctx.stats_copy.capture(step, [], ctx.optimizer, ctx.stats_buffers)
                 for i, pg in enumerate(ctx.optimizer.param_groups):
                     if pg["lr"] is not None:  # (None: the optimizer sizes its steps itself)
                         self._stats[S.LR.format(i)] = float(pg["lr"])
@@ -2125,11 +2136,11 @@ class Monitor:
                 # a skip by restoring: the parameters, optimizer state and buffers as captured
                 ctx.undo.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers, tracked=ctx.tracked_tensors())
                 rec.restore_after = False
-            elif ctx is not None and ctx.undo is not None and ctx.undo.label == rec.step and rec.closure_in_step:
+            elif ctx is not None and (held := ctx.buffer_copy()) and held[0].label == rec.step and rec.closure_in_step:
                 # the closure's forward ran after this step's copy: the buffers a skip of the next
                 # step puts back are the ones this step leaves (BatchNorm statistics)
                 if not aborted:
-                    ctx.undo.refresh_buffers(ctx.undo_buffers)
+                    held[0].refresh_buffers(held[1])
             rec.put_back(self.optimizer)  # gradients hidden for a skip; the user's LR
             rec.phase = Phase.ABORTED if aborted else Phase.LANDED
             if rec.update_landed:
@@ -2324,16 +2335,17 @@ class Monitor:
         hook): a NaN batch at that step leaves no NaN BatchNorm statistics behind either."""
         ctx = self._ctx
         self._disarm_first_buffers()
-        if ctx is None or ctx.undo is None or not self._buffers or self.model is None:
+        held = ctx.buffer_copy() if ctx is not None else None
+        if held is None or not held[1] or self.model is None:
             return
-        undo = ctx.undo
+        copy, buffers = held
 
         def copy_buffers(module: nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling() or not torch.is_grad_enabled():
                 return
             self._disarm_first_buffers()
-            if undo.label is None:  # no capture yet
-                undo.start(self.step - 1, self._buffers)
+            if copy.label is None:  # no capture yet
+                copy.start(self.step - 1, buffers)
 
         self._first_buffers = self.model.register_forward_pre_hook(copy_buffers)
 

@@ -72,11 +72,14 @@ def memory_plan(
     snapshot_keep: int,
     snapshot_budget_bytes: int,
     update_ratio_fraction: float = 0.0,
+    running_stats: Iterable[torch.Tensor] = (),
 ) -> dict[str, Any]:
     """What the monitor will hold, in bytes: the exact-undo copy (device memory: parameters,
     optimizer state, buffers), the update ratio's own copy when there is no undo copy to read
-    (``update_ratio_fraction`` of the parameters; 0: the ratio is off) and the rollback snapshots
-    (host memory, bounded by the budget).
+    (``update_ratio_fraction`` of the parameters; 0: the ratio is off), the copy of the
+    normalisation layers' ``running_stats`` when there is no undo copy (two sets: as before the
+    step's forward, and the one before) and the rollback snapshots (host memory, bounded by the
+    budget).
     The optimizer's state is measured when it exists, else estimated from its class (``None``
     when unknown)."""
     params, buffers = list(params), list(buffers)
@@ -98,6 +101,7 @@ def memory_plan(
         "optimizer_state_estimated": estimated,
         "undo_device_bytes": one if undo else 0,
         "update_ratio_device_bytes": 0 if undo else math.ceil(update_ratio_fraction * p_bytes),
+        "running_stats_device_bytes": 0 if undo else 2 * sum(b.numel() * b.element_size() for b in running_stats),
         "snapshot_bytes": one,
         "snapshots_kept": min(snapshot_keep, snapshot_budget_bytes // one) if one else snapshot_keep,
         "snapshot_host_bytes": min(snapshot_keep * one, snapshot_budget_bytes),
@@ -120,6 +124,8 @@ def format_memory(plan: Mapping[str, Any]) -> str:
     )
     if not plan["undo_device_bytes"] and plan.get("update_ratio_device_bytes"):
         undo += f", update ratio's copy {_mib(plan['update_ratio_device_bytes'])}"
+    if not plan["undo_device_bytes"] and plan.get("running_stats_device_bytes"):
+        undo += f", running statistics' copy {_mib(plan['running_stats_device_bytes'])}"
     return (
         f"[sfmonitor] memory: {undo}; rollback snapshots in host memory: {plan['snapshots_kept']} x "
         f"{_mib(plan['snapshot_bytes'])} = {_mib(plan['snapshot_host_bytes'])} at most "

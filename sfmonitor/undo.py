@@ -129,6 +129,20 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
 
+def running_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The running statistics of the model's normalisation layers (BatchNorm, SyncBatchNorm,
+    InstanceNorm with ``track_running_stats``): the buffers a training forward writes from its
+    batch. What the lean profile's copy holds, so that a skip puts them back without an undo copy;
+    a few floats per channel."""
+    found: list[torch.Tensor] = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked):
+                if isinstance(b, torch.Tensor) and not isinstance(b, torch.nn.parameter.UninitializedBuffer):
+                    found.append(b)
+    return found
+
+
 def _fitted(held: list[torch.Tensor], live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``held`` when it can take a copy of ``live`` (the same count, shapes and dtypes: reused, no
     allocation), else new empty buffers for it."""
