@@ -60,6 +60,7 @@ from .events import (
     BN_VAR_SPIKE,
     CLIP,
     GRAD_NOISE,
+    GRAD_SPIKE,
     LARGE_UPDATE,
     LOSS_LEVEL_SHIFT,
     LOSS_RATIO_IMBALANCE,
@@ -1560,20 +1561,22 @@ class Monitor:
         #    judge the update the previous step landed); the activation watch.
         findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec)
         findings += self._zero_grad_missing_findings(rec)
+        detected = [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
             extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(optimizer).items()}  # (the user's)
             if prev_rec.update_landed and S.LOSS_TOTAL in rec.stats:  # what that update did to the loss
                 extra[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
+            if any(f.kind in self._TROUBLE_AFTER_UPDATE for f in findings + detected):
+                self._measure_from_undo(prev_rec)  # (an update stats.update_ratio_every left unmeasured)
             judged = self._judge_update(prev_rec, extra)
             findings += judged
             # (a large update that did not raise the loss is told, and sound)
             harmful = [f for f in judged if f.kind != LARGE_UPDATE]
             if prev_rec.update_landed:  # was the update the state comes from judged, and sound?
-                measured = any(k.startswith(S.UPDATE_RATIO.format("")) for k in prev_rec.stats)
-                self._last_update_sound = measured and not harmful
-        findings += [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
+                self._last_update_sound = self._measured(prev_rec) and not harmful
+        findings += detected
         if harmful:  # BatchNorm statistics a harmful update blew up: the state's doing, not the batch's
             findings = [f for f in findings if f.kind != BN_VAR_SPIKE]
         worst = int(rec.internal.get(S.BN_VAR_WORST, -1))
@@ -2230,7 +2233,7 @@ class Monitor:
         last = self._last
         if last is None or last.phase is Phase.ABORTED or not last.update_landed or self._sharded:
             return
-        if self._ctx is None or not any(k.startswith(S.UPDATE_RATIO.format("")) for k in last.stats):
+        if self._ctx is None or not (self._measured(last) or self._measure_from_undo(last)):
             return
         judged = self._judge_update(last, {S.LAST_UPDATE: 1.0})
         self._last = None
@@ -2239,6 +2242,37 @@ class Monitor:
                 self._decide_and_act(self.step, judged, None)
             except StopTraining:
                 pass  # the run is over already: the stop is in its event (and its checkpoint written)
+
+    # What the step after an update may find that the update made: then an update the update ratio
+    # did not measure (stats.update_ratio_every > 1) is measured, from the undo copy, and judged.
+    _TROUBLE_AFTER_UPDATE = frozenset({LOSS_SPIKE, NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, GRAD_SPIKE})
+
+    @staticmethod
+    def _measured(rec: StepRecord) -> bool:
+        """Whether ``rec``'s update ratios were measured."""
+        return any(k.startswith(S.UPDATE_RATIO.format("")) for k in rec.stats)
+
+    def _measure_from_undo(self, rec: StepRecord) -> bool:
+        """An update the update ratio did not measure (``stats.update_ratio_every`` > 1), measured
+        now from the undo copy, which holds the state from before it until the next capture: its
+        ratios join ``rec.stats``, in a host read of their own. Only where the step after it is in
+        trouble (a loss spike, a non-finite value), and at detach for the run's last update: one bad
+        update in ``every`` would otherwise go unjudged, its loss spike counted against a state not
+        known sound (skips, then a rollback and an LR cut) while the copy that undoes it exactly is
+        in memory. False where it cannot be measured (measured already, no update landed, no copy)
+        or is off (``update_ratio_every: 0``)."""
+        undo = self._ctx.undo if self._ctx is not None else None
+        if undo is None or undo.label != rec.step or not undo.params or not rec.update_landed or self._measured(rec):
+            return False
+        if not self.config.stats.update_ratio_every:  # (0: the update ratio is off)
+            return False
+        n = len(self._group_names)
+        before, now = undo.params, self._layout.detached(self._params)
+        moved = S.group_norms(update_norms(before, now, self._scratch), self._param_group_t, n)
+        held = S.group_norms(S.norms(before), self._param_group_t, n)
+        ratios = {S.UPDATE_RATIO.format(g): S.NormRatio(moved[gi], held[gi]) for gi, g in enumerate(self._group_names)}
+        rec.stats.update(S.read_all(ratios))
+        return True
 
     def _judge_update(self, rec: StepRecord, extra: dict[str, float]) -> list[Finding]:
         """The after-update detectors' findings on ``rec``'s update: its statistics (update ratios

@@ -104,7 +104,7 @@ def test_a_landed_update_spike_is_undone_exactly(tmp_path):
     mon.detach()
 
 
-def _excursion_run(tmp_path, bad, *, drop=(), monitored=True, steps=70, lr=0.01):
+def _excursion_run(tmp_path, bad, *, drop=(), monitored=True, steps=70, lr=0.01, config=None):
     """Net under SGD with momentum, batches through ``monitor.batches()``; the batches in ``bad``
     are trained at 1e4x the LR for their step only (the LR set back after it, as a loop whose
     LR is set by hand or a scheduler bug); those in ``drop`` are never trained on."""
@@ -112,7 +112,7 @@ def _excursion_run(tmp_path, bad, *, drop=(), monitored=True, steps=70, lr=0.01)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     xs = data(steps)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg()) if monitored else None
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg(**(config or {}))) if monitored else None
     for i in mon.batches(range(steps)) if mon else range(steps):
         if i in drop:
             continue
@@ -164,6 +164,24 @@ def test_a_bad_update_at_the_last_step_is_judged_when_the_monitor_detaches(tmp_p
     mon.detach()
     assert not mon.events
     twin_model, twin_opt, _ = _excursion_run(tmp_path / "bare", bad=set(), monitored=False)
+    same_state(state(twin_model, twin_opt), state(model, opt))
+
+
+@pytest.mark.parametrize("bad", [{33}, {34}, {69}])
+def test_an_update_the_ratio_did_not_measure_is_measured_from_the_undo_copy_when_trouble_follows(tmp_path, bad):
+    """``stats.update_ratio_every: 4`` measures one update in four; the undo copy still holds
+    the state before each. A bad update on a step it did not measure (33, 34: the loss after it
+    spikes) is measured there from the copy, judged and undone, one step lost, as at a measured
+    step; so is one at the run's last step (69), at detach. Before, the loss spike counted
+    against a state "not known sound": two healthy batches skipped, then a rollback and an LR cut
+    (a helper's probe: an MLP 1.36x its twin's held-out loss)."""
+    every = {"stats": {"update_ratio_every": 4}}
+    model, opt, mon = _excursion_run(tmp_path / "mon", bad=bad, config=every)
+    mon.detach()
+    (at,) = bad
+    acting = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acting == [(at, "update_ratio_spike", ["undo"])]
+    twin_model, twin_opt, _ = _excursion_run(tmp_path / "twin", bad=set(), drop=bad, monitored=False)
     same_state(state(twin_model, twin_opt), state(model, opt))
 
 
@@ -235,10 +253,13 @@ def test_grad_spike_is_clipped_before_it_lands(tmp_path):
 
 def test_a_loss_jump_is_skipped_and_three_close_together_roll_back(tmp_path):
     # Three jumps within 10 steps of each other on weights whose soundness is not known (the update
-    # ratio is measured only every 100 steps here): trouble that builds up, go back and lower the LR.
+    # ratio is measured only every 100 steps here, and there is no undo copy to measure the others
+    # from): trouble that builds up, go back and lower the LR.
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    cfg_ = cfg(actions={"rollback": {"snapshot_every": 5}}, stats={"update_ratio_every": 100})
+    cfg_ = cfg(
+        actions={"rollback": {"snapshot_every": 5}, "undo": {"enabled": False}}, stats={"update_ratio_every": 100}
+    )
     mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=cfg_)
     xs = data(40)
     for x in xs[:30]:
