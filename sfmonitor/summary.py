@@ -143,7 +143,8 @@ def run_summary(
     undo_bytes: int,
     dry_run: bool,
 ) -> dict[str, Any]:
-    """Events and actions by kind, steps skipped and undone, budget left, the monitor's own
+    """Events and actions by kind, steps skipped, updates undone, rollbacks and the steps they
+    went back, budget left, the monitor's own
     milliseconds per step. ``events`` may be the bounded in-memory list (the files keep all)."""
     events = list(events)
     kinds = collections.Counter(e.kind for e in events)
@@ -153,7 +154,11 @@ def run_summary(
     actions = collections.Counter(a for _, a in done)
     idle = collections.Counter(a for e in events for a in e.actions) - actions
     skipped = {e.step for e, a in done if a == "skip_step"} | {e.step for e in events if e.data.get("step_skipped")}
-    undone = sum(1 for _, a in done if a == "undo")
+    # An undo without its copy (the lean profile) fell back to a rollback: counted as one, with the
+    # steps it went back.
+    restores = [((e.data.get("action_results") or {}).get(a) or {}, a) for e, a in done if a in ("undo", "rollback")]
+    rolled = [facts for facts, a in restores if a == "rollback" or facts.get("fallback") == "rollback"]
+    undone = len(restores) - len(rolled)
     return {
         "steps": steps,
         "events": dict(kinds),
@@ -161,6 +166,8 @@ def run_summary(
         "actions_that_changed_nothing": dict(idle),
         "steps_skipped": len(skipped),
         "updates_undone": undone,
+        "rollbacks": len(rolled),
+        "steps_rolled_back": sum(int(facts.get("steps_back", 0)) for facts in rolled),
         "rescues_used": rescues_used,
         "rescue_budget_left": max(0, budget - rescues_used),
         "monitor_ms_per_step": 1e3 * monitor_seconds / max(1, monitored_steps),
@@ -175,7 +182,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     kinds = ", ".join(f"{k} x{v}" for k, v in summary["events"].items()) or "none"
     return (
         f"[sfmonitor] run summary: {summary['steps']} steps; events: {kinds}; actions: {acts}; "
-        f"{summary['steps_skipped']} skipped, {summary['updates_undone']} undone; "
+        f"{summary['steps_skipped']} skipped, {summary['updates_undone']} undone, "
+        f"{summary['rollbacks']} rolled back ({summary['steps_rolled_back']} steps); "
         f"rescue budget left {summary['rescue_budget_left']}; "
         f"monitor {summary['monitor_ms_per_step']:.2f} ms/step"
         + (" (dry run: nothing was changed)" if summary["dry_run"] else "")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import sfmonitor
+from sfmonitor.events import Event
 from sfmonitor.sinks.jsonl import read_jsonl
 
 
@@ -79,3 +80,40 @@ def test_the_kill_switch_makes_attach_a_no_op(tmp_path, monkeypatch, capsys):
         opt.step()
     assert mon.step == 0 and mon.events == []
     mon.detach()
+
+
+def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_with_its_steps(tmp_path):
+    """Without the undo copy (the lean profile) an undo falls back to a rollback to the newest
+    snapshot: the summary counts it so, with the steps it went back, not as one update undone (a
+    helper's probe: a 151-step rollback read ``updates_undone: 1, steps_skipped: 0``)."""
+    from sfmonitor.summary import run_summary
+
+    fallback = {"restored": True, "restored_from": 10, "steps_back": 31, "fallback": "rollback", "reason": "no copy"}
+    events = [
+        Event(
+            step=41,
+            kind="update_ratio_spike",
+            message="",
+            actions=["undo"],
+            data={"action_results": {"undo": fallback}},
+        ),
+        Event(
+            step=60,
+            kind="update_ratio_spike",
+            message="",
+            actions=["undo"],
+            data={"action_results": {"undo": {"restored": True, "undone_step": 59, "steps_back": 1}}},
+        ),
+        Event(
+            step=90,
+            kind="loss_spike",
+            message="",
+            actions=["rollback", "lr_drop"],
+            data={
+                "action_results": {"rollback": {"restored": True, "restored_from": 80, "steps_back": 10}, "lr_drop": {}}
+            },
+        ),
+    ]
+    s = run_summary(events, 100, 3, 10, 1.0, 100, 0, False)
+    assert s["updates_undone"] == 1
+    assert s["rollbacks"] == 2 and s["steps_rolled_back"] == 41
