@@ -670,8 +670,10 @@ class Monitor:
         self._running_stats = running_statistics(model)  # without the undo copy, a copy holds these
         if self._ctx is not None:  # add_param_group()
             self._ctx.undo_params, self._ctx.undo_buffers = self._params, self._buffers
-            if self._ctx.stats_copy is not None and self._ctx.stats_buffers != self._running_stats:
-                self._ctx.stats_copy.clear()
+            if self._ctx.stats_copy is not None and list(map(id, self._ctx.stats_buffers)) != list(
+                map(id, self._running_stats)
+            ):
+                self._ctx.stats_copy.clear()  # (other tensors: its copies are of nothing held now)
             self._ctx.stats_buffers = self._running_stats
             same = len(held) == len(self._params) and all(a is b for a, b in zip(held, self._params))
             if self._ctx.undo is not None and not same:
