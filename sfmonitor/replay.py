@@ -90,7 +90,7 @@ def first_nonfinite_param(model: nn.Module) -> str | None:
 
 
 def _losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]:
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
         return {"total": out}
     if isinstance(out, (tuple, list)):  # nanoGPT's (logits, loss): the one scalar tensor is the loss
         scalars = [v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0]
@@ -104,10 +104,11 @@ def _losses(out: Any, weights: dict[str, float]) -> dict[str, torch.Tensor]:
         }
         if comps:
             return comps
+    got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
     raise BundleError(
-        f"the model's forward must return a loss tensor, a dict of 0-d loss tensors or a tuple holding "
-        f"one 0-d loss (as nanoGPT's (logits, loss)), got {type(out).__name__}; or pass --loss "
-        f"module:function to compute the loss from the output"
+        f"the model's forward must return a 0-d loss tensor, a dict of 0-d loss tensors or a tuple holding "
+        f"one 0-d loss (as nanoGPT's (logits, loss)), or pass --loss module:function to compute the loss "
+        f"from its output (function(output, batch) -> loss); got {got}"
     )
 
 

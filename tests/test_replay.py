@@ -347,3 +347,35 @@ def test_help_text_is_whole(capsys):
     out = capsys.readouterr().out
     assert "Exit status: 0 reproduced, 1 ran but did not reproduce, 2 bad bundle or arguments." in out
     assert "--loss" in out
+
+
+def build_logits_only():
+    torch.manual_seed(0)
+    return nn.Linear(5, 3)  # its forward returns the output, not a loss
+
+
+def test_a_model_whose_forward_returns_its_output_asks_for_a_loss_function(tmp_path, capsys):
+    """A forward that returns logits (most models) is no loss: replay says to pass ``--loss``
+    instead of failing on the tensor's size (a helper's probe: "ValueError: only one element
+    tensors can be converted to Python scalars")."""
+    model = build_logits_only()
+    rec = BatchRecorder().attach(model)
+    model(torch.randn(4, 5))
+    path = write_bundle(
+        tmp_path,
+        0,
+        "on_demand",
+        model_state=model.state_dict(),
+        optimizer_state={},
+        batch=rec.batches,
+        rng_state=rec.rng_state,
+        stats={"loss/total": 1.0},
+        event={"step": 0, "kind": "on_demand", "message": ""},
+        model_factory=f"{__name__}:build_logits_only",
+        model_kwargs={},
+        loss_weights={},
+    )
+    with pytest.raises(BundleError, match=r"--loss module:function.*shape \(4, 3\)"):
+        replay_bundle(path, factory=build_logits_only)
+    assert main([path, "--model", f"{__name__}:build_logits_only"]) == 2
+    assert "--loss" in capsys.readouterr().err
