@@ -5,6 +5,7 @@ undone, rescue budget left, the monitor's own time per step), both plain JSON.""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -195,7 +196,12 @@ def write_json(folder: str, name: str, data: Mapping[str, Any]) -> str:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name)
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(jsonable(dict(data)), fh, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(jsonable(dict(data)), fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # (a full disk: no temporary left behind)
+            os.remove(tmp)
+        raise
     return path

@@ -117,3 +117,19 @@ def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_w
     s = run_summary(events, 100, 3, 10, 1.0, 100, 0, False)
     assert s["updates_undone"] == 1
     assert s["rollbacks"] == 2 and s["steps_rolled_back"] == 41
+
+
+def test_a_failed_json_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """run.json and summary.json are written to a temporary file and renamed: a rename that fails
+    (a full disk) removes the temporary (a helper's probe found ``run.json.<pid>.tmp`` left)."""
+    import pytest
+
+    from sfmonitor import summary as summary_module
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(summary_module.os, "replace", full)
+    with pytest.raises(OSError):
+        summary_module.write_json(str(tmp_path), "run.json", {"a": 1})
+    assert os.listdir(tmp_path) == []
