@@ -180,6 +180,10 @@ def resolve_groups(
                 f"groups: the name {gname!r} is a{'n' if type(gname).__name__[0] in 'aeiou' else ''} "
                 f"{type(gname).__name__}; group names must be strings (they name grad_norm/<name>)"
             )
+        if not gname.strip():
+            raise ConfigError(
+                f"groups: a group has an empty or blank name ({gname!r}); give it one (it names grad_norm/<name>)"
+            )
         if isinstance(spec, nn.Module):
             for pname, p in spec.named_parameters():
                 _check_group_member(p, f"groups[{gname!r}] (a {type(spec).__name__}): its parameter {pname!r},", by_id)
@@ -208,6 +212,13 @@ def resolve_groups(
             owner[pid] = gname
     if TOTAL in groups:
         raise ConfigError(f"groups: the name {TOTAL!r} is reserved (grad_norm/total is the norm over all groups)")
+    left = [name for name, p in named if id(p) not in owner]
+    if OTHER in groups and left:
+        raise ConfigError(
+            f"groups[{OTHER!r}]: the parameters no group names go to {OTHER!r} "
+            f"({', '.join(repr(n) for n in left[:5])}{', ...' if len(left) > 5 else ''}), and would be merged "
+            f"with yours; name your group differently, or put those parameters in a group"
+        )
     out: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for gname in groups:
         out[gname] = []
@@ -310,6 +321,10 @@ def _check_component_names(losses: Mapping[Any, Any]) -> None:
             )
         if not name:
             raise ConfigError("combine: a loss component has an empty name; give it one (it names loss/<name>)")
+        if not name.strip():
+            raise ConfigError(
+                f"combine: a loss component has a blank name ({name!r}); give it one (it names loss/<name>)"
+            )
         if "/" in name:
             raise ConfigError(
                 f"combine: loss component {name!r} has a '/' in its name; loss_ratio/<a>/<b> could not be "

@@ -193,6 +193,8 @@ def test_combine_refuses_weights_with_a_single_loss_tensor(tmp_path):
         ("a/b", sfmonitor.ConfigError, r"loss component 'a/b'.*'/'"),
         (1, TypeError, r"loss component names must be strings.*1 \(an int\)"),
         ("", sfmonitor.ConfigError, r"empty"),
+        (" ", sfmonitor.ConfigError, r"blank"),
+        ("\n", sfmonitor.ConfigError, r"blank"),
         ("total", sfmonitor.ConfigError, r"'total' is reserved"),
     ],
 )
@@ -249,6 +251,33 @@ def test_a_group_name_must_be_a_string(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(sfmonitor.ConfigError, match=r"groups: the name 1 is an int"):
         sfmonitor.attach(model, opt, groups={1: model[0]}, run_dir=str(tmp_path), config=quiet())
+
+
+@pytest.mark.parametrize(
+    ("name", "match"), [("", r"groups: a group has an empty or blank name"), (" \t", r"empty or blank")]
+)
+def test_a_group_name_must_name_something(name, match, tmp_path):
+    """A blank group name gave the metric keys ``grad_norm/`` and ``param_norm/`` (a helper's
+    probe); refused, as a blank loss component name is."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(sfmonitor.ConfigError, match=match):
+        sfmonitor.attach(model, opt, groups={name: model[0]}, run_dir=str(tmp_path), config=quiet())
+
+
+def test_a_group_named_other_is_not_merged_with_the_parameters_no_group_names(tmp_path):
+    """The parameters no group names go to "other": a user's group of that name was merged with
+    them, silently (a helper's probe: the user's 2 parameters and 2 more). Refused, naming them;
+    allowed where every parameter is in a group."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(sfmonitor.ConfigError, match=r"groups\['other'\].*'1.weight', '1.bias'"):
+        sfmonitor.attach(model, opt, groups={"other": model[0]}, run_dir=str(tmp_path), config=quiet())
+    mon = sfmonitor.attach(
+        model, opt, groups={"other": model[0], "head": model[1]}, run_dir=str(tmp_path), config=quiet()
+    )
+    assert sorted(mon.groups) == ["head", "other"]
+    mon.detach()
 
 
 # --------------------------------------------------------------------------------------------
