@@ -105,6 +105,7 @@ from .sinks.console import ConsoleSink
 from .summary import (
     RUN_FILE,
     SUMMARY_FILE,
+    Tally,
     format_memory,
     format_summary,
     memory_plan,
@@ -539,6 +540,8 @@ class Monitor:
             raise ConfigError(f"sinks: expected a list of sink names or objects, e.g. [{sinks!r}]")
         self._sink_specs = list(sinks) if sinks is not None else ["jsonl"]
         self.events: list[Event] = []
+        self._counted = Tally()  # the summary's counts of events no longer in self.events
+        self._superseded: set[int] = set()  # events of a timeline a load_state_dict left
         self.step = 0
         self._should_stop = False
         self.model: nn.Module | None = None
@@ -1032,7 +1035,7 @@ class Monitor:
         own milliseconds per step (``summary.json`` in run_dir at detach)."""
         undo = self._ctx.undo if self._ctx is not None else None
         return run_summary(
-            self.events,
+            self._tally(),
             self.step,
             self._policy.rescues_used,
             self.config.policy.budget,
@@ -2304,10 +2307,17 @@ class Monitor:
         if self._router is not None and rec.step % self.config.log_every == 0:
             self._router.log_metrics(rec.step, dict(rec.stats))
 
+    def _tally(self) -> Tally:
+        """The counts of the run's events: those let go of (the list's bound, the sessions before a
+        resume) and those in memory (their facts final: an action finishing after its update has)."""
+        return self._counted.merged(e for e in self.events if id(e) not in self._superseded)
+
     def _emit(self, event: Event) -> Event:
         self.events.append(event)
         if len(self.events) > self.config.max_events:  # bounded in memory; the files keep all
-            del self.events[: len(self.events) - self.config.max_events]
+            gone = self.events[: len(self.events) - self.config.max_events]
+            self._counted = self._counted.merged(e for e in gone if id(e) not in self._superseded)
+            del self.events[: len(gone)]
         if self._router is not None:
             # An action that finishes after the update (qk_clip sizes its clip from the updated
             # weights) is written once it has: the files say what was done, not what was planned.
@@ -2345,6 +2355,7 @@ class Monitor:
             "policy": self._policy.state_dict(),
             "watch": self._watch.state_dict(),
             "bundles": self._bundles.state_dict(),
+            "summary": self._tally().state_dict(),  # (a resume's summary counts the run before it)
             "epoch": ctx.epoch if ctx else self._pending_ctx.get("epoch", 0),
             "lr_recovery": (
                 {
@@ -2424,11 +2435,21 @@ class Monitor:
         whole = isinstance(step, (numbers.Integral, torch.Tensor)) and not isinstance(step, bool)
         if not whole or int(step) != step or step < 0:
             raise ConfigError(f"load_state_dict: state['step'] must be a whole number, got {step!r}")
+        counted = Tally()
+        try:
+            counted.load_state_dict(sd.get("summary") or {})
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"load_state_dict: state['summary'] is not what state_dict() wrote ({e})") from None
         self.step = int(step)
         self._record = StepRecord(step=self.step)
-        if self._ctx is not None and self._ctx.undo is not None:
-            self._ctx.undo.clear()  # a copy from another step of another timeline
+        held = self._ctx.buffer_copy() if self._ctx is not None else None
+        if held is not None:
+            held[0].clear()  # a copy from another step of another timeline
             self._arm_first_buffers()
+        # The run's counts so far are the loaded ones: this session's events before the load
+        # belong to the timeline it left.
+        self._counted = counted
+        self._superseded = {id(e) for e in self.events}
         self._amp_skipped = int(sd.get("amp_skipped", 0))
         self._base_weights.clear()
         self._base_weights.update(sd.get("base_weights", {}))

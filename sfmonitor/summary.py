@@ -18,7 +18,7 @@ import torch
 from .events import Event, jsonable
 from .sharding import local
 
-__all__ = ["format_memory", "format_summary", "memory_plan", "run_metadata", "run_summary", "write_json"]
+__all__ = ["Tally", "format_memory", "format_summary", "memory_plan", "run_metadata", "run_summary", "write_json"]
 
 RUN_FILE = "run.json"
 SUMMARY_FILE = "summary.json"
@@ -134,8 +134,80 @@ def format_memory(plan: Mapping[str, Any]) -> str:
     )
 
 
+class Tally:
+    """What the run's summary counts of its events: events and actions by kind, actions that
+    changed nothing, steps skipped, updates undone, rollbacks and the steps they went back. Plain
+    counts, so that they outlive the events they came from: those the bounded in-memory list let go
+    and, through the monitor's ``state_dict``, those of the sessions before a resume."""
+
+    def __init__(self) -> None:
+        self.events: collections.Counter[str] = collections.Counter()
+        self.actions: collections.Counter[str] = collections.Counter()
+        self.idle: collections.Counter[str] = collections.Counter()
+        self.steps_skipped = 0
+        self.last_skipped: int | None = None
+        self.updates_undone = 0
+        self.rollbacks = 0
+        self.steps_rolled_back = 0
+
+    def add(self, event: Event) -> None:
+        """Count one event (events come in step order)."""
+        self.events[event.kind] += 1
+        # An action counts where it changed training; one decided that changed nothing (a clip the
+        # optimizer takes in its stride, an LR drop on an optimizer without an LR) is counted apart.
+        done = event.changed()
+        self.actions.update(done)
+        self.idle.update(a for a in event.actions if a not in done)
+        if ("skip_step" in done or event.data.get("step_skipped")) and event.step != self.last_skipped:
+            self.steps_skipped += 1
+            self.last_skipped = event.step
+        results = event.data.get("action_results") or {}
+        for a in done:
+            if a not in ("undo", "rollback"):
+                continue
+            facts = results.get(a) or {}
+            # an undo without its copy (the lean profile) fell back to a rollback: counted as one
+            if a == "rollback" or facts.get("fallback") == "rollback":
+                self.rollbacks += 1
+                self.steps_rolled_back += int(facts.get("steps_back", 0))
+            else:
+                self.updates_undone += 1
+
+    def merged(self, events: Iterable[Event]) -> Tally:
+        """A copy of these counts with ``events`` added."""
+        out = Tally()
+        out.load_state_dict(self.state_dict())
+        for e in events:
+            out.add(e)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "events": dict(self.events),
+            "actions": dict(self.actions),
+            "actions_that_changed_nothing": dict(self.idle),
+            "steps_skipped": self.steps_skipped,
+            "last_skipped": self.last_skipped,
+            "updates_undone": self.updates_undone,
+            "rollbacks": self.rollbacks,
+            "steps_rolled_back": self.steps_rolled_back,
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.events = collections.Counter({str(k): int(v) for k, v in dict(sd.get("events") or {}).items()})
+        self.actions = collections.Counter({str(k): int(v) for k, v in dict(sd.get("actions") or {}).items()})
+        idle = dict(sd.get("actions_that_changed_nothing") or {})
+        self.idle = collections.Counter({str(k): int(v) for k, v in idle.items()})
+        self.steps_skipped = int(sd.get("steps_skipped", 0))
+        last = sd.get("last_skipped")
+        self.last_skipped = None if last is None else int(last)
+        self.updates_undone = int(sd.get("updates_undone", 0))
+        self.rollbacks = int(sd.get("rollbacks", 0))
+        self.steps_rolled_back = int(sd.get("steps_rolled_back", 0))
+
+
 def run_summary(
-    events: Iterable[Event],
+    tally: Tally,
     steps: int,
     rescues_used: int,
     budget: int,
@@ -144,31 +216,13 @@ def run_summary(
     undo_bytes: int,
     dry_run: bool,
 ) -> dict[str, Any]:
-    """Events and actions by kind, steps skipped, updates undone, rollbacks and the steps they
-    went back, budget left, the monitor's own
-    milliseconds per step. ``events`` may be the bounded in-memory list (the files keep all)."""
-    events = list(events)
-    kinds = collections.Counter(e.kind for e in events)
-    # An action counts where it changed training; one decided that changed nothing (a clip the
-    # optimizer takes in its stride, an LR drop on an optimizer without an LR) is counted apart.
-    done = [(e, a) for e in events for a in e.changed()]
-    actions = collections.Counter(a for _, a in done)
-    idle = collections.Counter(a for e in events for a in e.actions) - actions
-    skipped = {e.step for e, a in done if a == "skip_step"} | {e.step for e in events if e.data.get("step_skipped")}
-    # An undo without its copy (the lean profile) fell back to a rollback: counted as one, with the
-    # steps it went back.
-    restores = [((e.data.get("action_results") or {}).get(a) or {}, a) for e, a in done if a in ("undo", "rollback")]
-    rolled = [facts for facts, a in restores if a == "rollback" or facts.get("fallback") == "rollback"]
-    undone = len(restores) - len(rolled)
+    """The run's events and actions by kind, steps skipped, updates undone, rollbacks and the
+    steps they went back (``tally``), budget left, the monitor's own milliseconds per step."""
+    counts = tally.state_dict()
+    del counts["last_skipped"]
     return {
         "steps": steps,
-        "events": dict(kinds),
-        "actions": dict(actions),
-        "actions_that_changed_nothing": dict(idle),
-        "steps_skipped": len(skipped),
-        "updates_undone": undone,
-        "rollbacks": len(rolled),
-        "steps_rolled_back": sum(int(facts.get("steps_back", 0)) for facts in rolled),
+        **counts,
         "rescues_used": rescues_used,
         "rescue_budget_left": max(0, budget - rescues_used),
         "monitor_ms_per_step": 1e3 * monitor_seconds / max(1, monitored_steps),

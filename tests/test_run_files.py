@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -86,7 +87,7 @@ def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_w
     """Without the undo copy (the lean profile) an undo falls back to a rollback to the newest
     snapshot: the summary counts it so, with the steps it went back, not as one update undone (a
     helper's probe: a 151-step rollback read ``updates_undone: 1, steps_skipped: 0``)."""
-    from sfmonitor.summary import run_summary
+    from sfmonitor.summary import Tally, run_summary
 
     fallback = {"restored": True, "restored_from": 10, "steps_back": 31, "fallback": "rollback", "reason": "no copy"}
     events = [
@@ -114,7 +115,7 @@ def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_w
             },
         ),
     ]
-    s = run_summary(events, 100, 3, 10, 1.0, 100, 0, False)
+    s = run_summary(Tally().merged(events), 100, 3, 10, 1.0, 100, 0, False)
     assert s["updates_undone"] == 1
     assert s["rollbacks"] == 2 and s["steps_rolled_back"] == 41
 
@@ -122,7 +123,6 @@ def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_w
 def test_a_failed_json_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     """run.json and summary.json are written to a temporary file and renamed: a rename that fails
     (a full disk) removes the temporary (a helper's probe found ``run.json.<pid>.tmp`` left)."""
-    import pytest
 
     from sfmonitor import summary as summary_module
 
@@ -133,3 +133,36 @@ def test_a_failed_json_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         summary_module.write_json(str(tmp_path), "run.json", {"a": 1})
     assert os.listdir(tmp_path) == []
+
+
+def test_a_resumed_runs_summary_counts_the_run_before_the_resume(tmp_path):
+    """A run resumed into its run_dir (the monitor's state_dict saved with the checkpoint and
+    loaded into the next session's monitor) ends with a summary of the whole run: before, the
+    second session's summary.json replaced the first's with its own events only (a helper's
+    probe: a skipped bad batch of the first session gone from it)."""
+    model, opt, mon = setup(tmp_path)
+    train(mon, model, opt, steps=10, nan_at={3})
+    saved = mon.state_dict()
+    mon.detach()
+    first = json.load(open(tmp_path / "summary.json"))
+    assert first["steps_skipped"] == 1 and first["actions"] == {"skip_step": 1}
+    mon2 = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config={"console": False})
+    mon2.load_state_dict(saved)
+    train(mon2, model, opt, steps=10, nan_at={5})
+    mon2.detach()
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["steps"] == 20 and summary["steps_skipped"] == 2
+    assert summary["actions"] == {"skip_step": 2}
+    assert summary["events"] == {"nonfinite_loss": 2, "nonfinite_grad": 2}
+    with pytest.raises(sfmonitor.ConfigError, match=r"state\['summary'\]"):
+        mon2.load_state_dict({**saved, "summary": {"steps_skipped": "many"}})
+
+
+def test_the_summary_counts_events_the_bounded_list_let_go(tmp_path):
+    """``max_events`` bounds the events kept in memory; the summary still counts every one."""
+    model, opt, mon = setup(tmp_path, max_events=2)
+    train(mon, model, opt, steps=12, nan_at={2, 5, 8})
+    mon.detach()
+    assert len(mon.events) == 2
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["steps_skipped"] == 3 and summary["events"] == {"nonfinite_loss": 3, "nonfinite_grad": 3}
