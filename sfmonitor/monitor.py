@@ -1043,6 +1043,7 @@ class Monitor:
             self._own_steps,
             undo.nbytes if undo is not None else 0,
             self.config.dry_run,
+            self._router.failures() if self._router is not None else {},
         )
 
     @_in_its_world

@@ -215,9 +215,11 @@ def run_summary(
     monitored_steps: int,
     undo_bytes: int,
     dry_run: bool,
+    sink_failures: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The run's events and actions by kind, steps skipped, updates undone, rollbacks and the
-    steps they went back (``tally``), budget left, the monitor's own milliseconds per step."""
+    steps they went back (``tally``), budget left, the monitor's own milliseconds per step, and
+    the sinks (or their files) that stopped writing, with why."""
     counts = tally.state_dict()
     del counts["last_skipped"]
     return {
@@ -228,6 +230,7 @@ def run_summary(
         "monitor_ms_per_step": 1e3 * monitor_seconds / max(1, monitored_steps),
         "undo_copy_bytes": undo_bytes,
         "dry_run": dry_run,
+        "sink_failures": dict(sink_failures or {}),
     }
 
 
@@ -242,6 +245,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"rescue budget left {summary['rescue_budget_left']}; "
         f"monitor {summary['monitor_ms_per_step']:.2f} ms/step"
         + (" (dry run: nothing was changed)" if summary["dry_run"] else "")
+        + (f"; stopped writing: {', '.join(summary['sink_failures'])}" if summary.get("sink_failures") else "")
     )
 
 

@@ -166,3 +166,26 @@ def test_the_summary_counts_events_the_bounded_list_let_go(tmp_path):
     assert len(mon.events) == 2
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["steps_skipped"] == 3 and summary["events"] == {"nonfinite_loss": 3, "nonfinite_grad": 3}
+
+
+def test_the_summary_names_a_sink_that_stopped_writing(tmp_path):
+    """A sink that fails is disabled with one warning and training goes on; the run's summary
+    says so too, so that what is missing from a dashboard is explained after the run (a helper's
+    probe: the console warning was the only trace)."""
+
+    class Broken:
+        name = "broken"
+
+        def log_metrics(self, step, metrics):
+            raise RuntimeError("dashboard down")
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=["jsonl", Broken()], config={"console": False})
+    with pytest.warns(RuntimeWarning, match="dashboard down"):
+        train(mon, model, opt, steps=3)
+    mon.detach()
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert list(summary["sink_failures"]) == ["broken"]
+    assert "dashboard down" in summary["sink_failures"]["broken"]

@@ -140,6 +140,16 @@ class SinkRouter:
                     stacklevel=3,
                 )
 
+    def failures(self) -> dict[str, str]:
+        """What stopped writing during the run, by name: each disabled sink, and each file a sink
+        turned off itself (the jsonl sink's, on a full disk), with the records it did not write."""
+        out = dict(self.disabled)
+        for sink in self.sinks:
+            dropped = getattr(sink, "dropped", None) or {}
+            for file, error in (getattr(sink, "failed", None) or {}).items():
+                out[f"{sink.name}:{file}"] = f"{error} ({dropped.get(file, 0)} records not written)"
+        return out
+
     def open(self, run_dir: str | None, config: dict[str, Any]) -> None:
         self._call("open", run_dir, config)
 
