@@ -359,3 +359,26 @@ def test_a_full_buffer_drops_rows_with_one_warning_and_keeps_events(tmp_path, mo
     assert sink.dropped >= 20 - 6
     got = parse_run(str(tmp_path / "wandb_dir"))
     assert got["summary"]["sfmonitor/events_total"] == 4  # events are never dropped
+
+
+def test_a_run_wandb_put_elsewhere_is_warned_with_where(tmp_path, monkeypatch):
+    """W&B writes to the system temp folder, saying so only in its own log, when the folder it
+    was given is not writable (a run folder made read-only): the sink warns with both paths (a
+    helper's probe found the run in /tmp/wandb and no word from the monitor)."""
+    import tempfile
+
+    from wandb.sdk import wandb_init
+
+    monkeypatch.delenv("WANDB_DIR")
+    run_dir = tmp_path / "run"
+    real_access = os.access
+    monkeypatch.setattr(
+        wandb_init.os, "access", lambda p, mode: False if str(p).startswith(str(run_dir)) else real_access(p, mode)
+    )
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "elsewhere"))
+    os.makedirs(tmp_path / "elsewhere")
+    sink = WandbSink()
+    with pytest.warns(RuntimeWarning, match=r"W&B wrote this run under .*elsewhere.*not under .*run"):
+        sink.open(str(run_dir), {})
+        sink.log_metrics(0, {"loss/total": 0.25})
+        sink.close()

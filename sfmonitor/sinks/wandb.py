@@ -156,6 +156,8 @@ class WandbSink(Sink):
         self._thread: threading.Thread | None = None
         self._warned_failed = False
         self._warned_dropped = False
+        self.moved: tuple[str, str] | None = None  # (the folder given, where W&B put the run instead)
+        self._warned_moved = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def open(self, run_dir: str | None, config: dict[str, Any]) -> None:
@@ -197,6 +199,14 @@ class WandbSink(Sink):
             warnings.warn(
                 f"sfmonitor: W&B failed ({self.failed}); the wandb sink is off for the "
                 f"rest of the run, training goes on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if self.moved is not None and not self._warned_moved:
+            self._warned_moved = True
+            warnings.warn(
+                f"sfmonitor: W&B wrote this run under {self.moved[1]}, not under {self.moved[0]} (not "
+                f"writable for it?); the wandb sink logs there",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -301,6 +311,15 @@ class WandbSink(Sink):
                 if run is None:
                     raise RuntimeError("wandb.init returned no run")
                 self.run, self.owns_run = run, True
+                where = os.path.realpath(getattr(run, "dir", "") or "")
+                if (
+                    folder
+                    and where
+                    and os.path.commonpath([where, os.path.realpath(folder)]) != os.path.realpath(folder)
+                ):
+                    # W&B falls back to the system temp folder, saying so only in its own log, when
+                    # the folder it was given is not writable (a run folder made read-only)
+                    self.moved = (str(folder), where)
             self.run.define_metric(STEP_KEY)
             self.run.define_metric(KEY_PREFIX + "*", step_metric=STEP_KEY)
         except Exception as e:
