@@ -381,6 +381,9 @@ class ActionContext:
     # scale of its window: what the climb is judged against (relax_lr).
     lr_climb: list[tuple[float, float]] = field(default_factory=list)
     lr_climb_best: tuple[float, float] | None = None
+    # The LR per param group that the drop (or a halt of the climb) set, the level it holds the LR
+    # at or below (None: no such level; an entry None: a group without a step-size LR)
+    lr_ceiling: list[float | None] | None = None
     should_stop: bool = False
     zero_grads: bool = False  # set by zero_grad: the monitor zeroes the gradients as each step closes
     stopped: bool = False  # set by stop (not early stopping): every later step is skipped
@@ -820,9 +823,19 @@ def restore_lr(optimizer: torch.optim.Optimizer, saved: list[Any]) -> None:
 # Cooldown 20: one drop per incident, not one per finding of a burst.
 @register_action(LR_DROP, order=40, budgeted=True, cooldown=20, config=LRDropConfig)
 def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
-    """``ctx.lr_scale *= factor`` (not below ``min_scale``); effective LRs reported per group."""
+    """``ctx.lr_scale *= factor`` (not below ``min_scale``); effective LRs reported per group.
+    Where the update that caused it was made at an LR the user's schedule had raised more than
+    1 / ``factor`` x above its level before (the median LR of the group's last updates: a schedule
+    bug that multiplies the LR for some steps), the scale takes the LR back to that level instead: a
+    fifth of a 300x LR is still 60x the LR the run was healthy at."""
     cfg = ctx.config.lr_drop
     factor = float(decision.params.get("factor", cfg.factor))
+    lr, before = decision.cause.data.get("lr"), decision.cause.data.get("lr_before")
+    rise = lr / before if isinstance(lr, float) and isinstance(before, float) and before > 0 and lr > 0 else None
+    sized = rise is not None and rise * factor > 1.0
+    if sized:
+        assert rise is not None
+        factor = 1.0 / rise
     old = ctx.lr_scale
     new = max(old * factor, cfg.min_scale)
     ctx.lr_scale = new
@@ -842,10 +855,47 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "old_lr": [None if lr is None else _scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
         "new_lr": [None if lr is None else _scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
     }
+    if sized:
+        facts["lr_rise"] = {"lr": lr, "lr_before": before, "times": rise}
     if all(why_not):
         facts["applied"] = False
         facts["reason"] = f"no param group has an LR to lower: {why_not[0]}"
+    else:
+        ctx.lr_ceiling = list(facts["new_lr"])
     return facts
+
+
+def _user_lrs(ctx: ActionContext) -> list[float | None]:
+    """The user's LR of each param group as it is now (before the monitor's scale is applied);
+    None for a group whose LR sizes no step."""
+    opt = ctx.optimizer
+    return [None if lr_not_a_step_size(opt, g) else float(g["lr"]) for g in opt.param_groups]
+
+
+def _hold_ceiling(ctx: ActionContext) -> dict[str, Any]:
+    """A drop holds the LR at or below the level it set (``ctx.lr_ceiling``), not at a fixed share
+    of whatever the user's schedule does next: as the user's LR falls, the scale rises so that the
+    LR stays at that level, and once the user's own LR is at or below it the drop is released
+    (its cause, an LR too high, is gone: an LR raised for some steps by a schedule bug and set
+    back). Returns the release's facts, else {}."""
+    ceiling = ctx.lr_ceiling
+    if ceiling is None or ctx.lr_scale >= 1.0:
+        return {}
+    lrs = _user_lrs(ctx)
+    if len(lrs) != len(ceiling):  # (param groups added since: no level to compare with)
+        ctx.lr_ceiling = None
+        return {}
+    room = [c / lr for c, lr in zip(ceiling, lrs) if c is not None and lr is not None and lr > 0]
+    if not room:
+        return {}
+    needed = min(room)  # the scale at which every group's LR is at its level
+    if needed < 1.0:
+        ctx.lr_scale = max(ctx.lr_scale, needed)
+        return {}
+    old = ctx.lr_scale
+    ctx.lr_scale, ctx.lr_permanent, ctx.lr_dropped_at, ctx.lr_ceiling = 1.0, False, None, None
+    ctx.lr_climb, ctx.lr_climb_best = [], None
+    return {"old_scale": old, "new_scale": 1.0, "released": True, "user_lr": lrs, "dropped_lr": ceiling}
 
 
 def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
@@ -855,8 +905,13 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     last ``halt_window`` losses rises ``halt_rise`` x above the lowest such median since the climb
     began (the LR's return brings the trouble back: weights that grew at the low LR, an LR the run
     never could take), the climb halts at the scale of that lowest median, for good. Returns facts
-    when the climb starts, ends or halts (each is an event), else {}."""
+    when the climb starts, ends or halts (each is an event), else {}. Before any of it, the drop
+    holds the LR at the level it set, and is released when the user's LR falls there
+    (``_hold_ceiling``)."""
     cfg = ctx.config.lr_drop
+    released = _hold_ceiling(ctx)
+    if released:
+        return released
     idle = ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not cfg.recover_after
     since = 0 if idle or ctx.lr_dropped_at is None else ctx.step - ctx.lr_dropped_at
     if idle or since < cfg.recover_after - cfg.halt_window:  # (a new drop restarts the count)
@@ -870,6 +925,9 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
             if since > cfg.recover_after and best is not None and median - best[0] > math.log(cfg.halt_rise):
                 old = ctx.lr_scale
                 ctx.lr_scale, ctx.lr_permanent = min(best[1], old), True
+                ctx.lr_ceiling = [
+                    None if lr is None else _scaled_lr(lr, ctx.lr_scale, cfg.min_lr) for lr in _user_lrs(ctx)
+                ]
                 return {
                     "halted": True,
                     "old_scale": old,
@@ -887,7 +945,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     rate = (1.0 / cfg.factor) ** (1.0 / cfg.recover_steps)
     ctx.lr_scale = min(1.0, old * rate)
     if ctx.lr_scale >= 1.0:
-        ctx.lr_dropped_at = None
+        ctx.lr_dropped_at, ctx.lr_ceiling = None, None
         return {"old_scale": old, "new_scale": 1.0, "recovered": True}
     if since == cfg.recover_after:
         return {"old_scale": old, "new_scale": ctx.lr_scale, "recovering": True, "steps": cfg.recover_steps}

@@ -1044,6 +1044,7 @@ class UpdateRatioSpike(_Windowed):
             # schedule's LR would have moved (an update normal per unit of a 100x LR is 100x too
             # large), and its LR is not recorded as one the schedule reached.
             level = self._excursion(key, lr, stats.get(S.NEXT_LR.format(group))) if per_lr else None
+            earlier = list(self.lrs.get(key) or ())  # (the LRs of the group's updates before this one)
             restart = per_lr and level is None and self._lr_back(key, lr)
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
@@ -1092,6 +1093,10 @@ class UpdateRatioSpike(_Windowed):
                         "step": step,
                     },
                 )
+                if per_lr and level is None and earlier:
+                    # what the LR was before: an LR drop sized to a rise of the user's LR (a schedule
+                    # bug that raised it for some steps) takes it back there (actions.lr_drop)
+                    finding.data["lr_before"] = _median(earlier)
                 if level is not None:
                     finding.data["lr_excursion"] = {
                         "lr": lr,

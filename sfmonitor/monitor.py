@@ -1783,6 +1783,11 @@ class Monitor:
                         f"the trouble came back with it; the LR stays at {recovered['new_scale']:.3g}x "
                         "the user's schedule, where the loss was lowest"
                     )
+                elif recovered.get("released"):
+                    message = (
+                        "the user's LR fell to the level the LR drop set (or below it): the drop is released, "
+                        "the LR is the user's schedule again"
+                    )
                 elif recovered:
                     what = "is back to" if recovered.get("recovered") else "climbs back towards"
                     message = f"no trouble since the LR drop: the LR {what} the user's schedule"
@@ -2365,6 +2370,7 @@ class Monitor:
                     "permanent": ctx.lr_permanent,
                     "climb": [list(v) for v in ctx.lr_climb],
                     "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
+                    "ceiling": list(ctx.lr_ceiling) if ctx.lr_ceiling is not None else None,
                 }
                 if ctx
                 else self._pending_ctx.get("lr_recovery", {})
@@ -2480,6 +2486,8 @@ class Monitor:
             ctx.lr_climb = [(float(x), float(scale)) for x, scale in recovery.get("climb", [])]
             best = recovery.get("climb_best")
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
+            ceiling = recovery.get("ceiling")
+            ctx.lr_ceiling = None if ceiling is None else [None if c is None else float(c) for c in ceiling]
             for name in sd.get("fp32_modules", []):
                 if name not in ctx.fp32_modules:
                     A.precision_fallback(

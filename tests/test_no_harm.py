@@ -319,16 +319,19 @@ def test_an_undo_under_a_gradscaler_puts_the_scaler_back_too(tmp_path):
     assert torch.equal(scaler._growth_tracker, tscaler._growth_tracker)
 
 
-def test_a_second_landed_spike_lowers_the_lr_which_then_climbs_back(tmp_path):
+def test_a_second_landed_spike_lowers_the_lr_to_its_level_before_the_rise_until_it_is_back(tmp_path):
     cfg = {"actions": {"lr_drop": {"recover_after": 10, "recover_steps": 5}}}
     # The LR is still up at the step after the second bad update (step 41, the one that judges it,
-    # which the undo skips): no one-step excursion, which an undo alone would answer
+    # which the undo skips): no one-step excursion, which an undo alone would answer. The drop
+    # takes the LR back to where it was before the user's LR rose 1e4x (not to a fifth of it:
+    # still 2000x), and is released once the user's LR is back there.
     model, mon, _ = spiky_run(tmp_path, lr_at={30, 40, 41}, config=cfg, steps=80)
     acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
     assert acted[:2] == [(30, "update_ratio_spike", ["undo"]), (40, "update_ratio_spike", ["undo", "lr_drop"])]
+    drop = next(e for e in mon.events if e.step == 40 and e.actions).data["action_results"]["lr_drop"]
+    assert drop["lr_rise"]["times"] == pytest.approx(1e4) and drop["new_scale"] == pytest.approx(1e-3)  # (min_scale)
     recovery = [e for e in mon.events if e.actions == ["lr_drop"]]
-    assert [e.data["action_results"]["lr_drop"].get("recovering") for e in recovery[:1]] == [True]
-    assert recovery[-1].data["action_results"]["lr_drop"]["recovered"] is True
+    assert recovery[0].data["action_results"]["lr_drop"]["released"] is True
     assert mon.state_dict()["lr_scale"] == 1.0 and not mon.state_dict()["lr_recovery"]["permanent"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

@@ -671,3 +671,50 @@ def test_a_bundle_on_request_replays_the_next_step(tmp_path):
     mon.detach()
     with pytest.raises(sfmonitor.ConfigError, match="on_demand"):
         sfmonitor.Monitor(config=cfg(bundle={"on_demand": False})).request_bundle()
+
+
+def _held_raise_run(tmp_path, *, raised=(), monitored=True, steps=150, mult=300.0, seed=1):
+    """An Adam MLP classifier on a decaying schedule whose LR is ``mult`` x its schedule for the
+    steps in ``raised`` (a scheduler bug, a warm restart gone wrong); returns its held-out loss
+    and the monitor."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(1 + seed)
+    teacher = torch.randn(20, 4, generator=g)
+
+    def make(n):
+        x = torch.randn(n, 20, generator=g)
+        return x, (x @ teacher + 0.5 * torch.randn(n, 4, generator=g)).argmax(1)
+
+    X, Y = make(steps * 16)
+    Xv, Yv = make(2000)
+    net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (mult if k in raised else 1.0) * max(0.1, 1 - k / 180))
+    mon = sfmonitor.attach(net, opt, run_dir=tmp_path, sinks=[], config=cfg()) if monitored else None
+    for i in range(steps):
+        loss = nn.functional.cross_entropy(net(X[i * 16 : (i + 1) * 16]), Y[i * 16 : (i + 1) * 16])
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+        sch.step()
+    if mon is not None:
+        mon.detach()
+    with torch.no_grad():
+        return nn.functional.cross_entropy(net(Xv), Yv).item(), mon
+
+
+def test_an_lr_drop_is_released_once_the_users_lr_falls_below_the_lr_it_set(tmp_path):
+    """The schedule's LR at 300x for 30 steps, then back (a helper's probe, through Lightning and
+    the HF Trainer): the monitor undid, then dropped the LR to 0.2x; that drop outlived the raise,
+    so the damaged model trained on at a fifth of the LR the bare run recovered with (held-out
+    2.6-4.2x the bare run's). The drop holds the LR at or below the level it set: once the
+    user's own LR is there, it is released (an event), and the run recovers as the bare one does."""
+    raised = set(range(60, 90))
+    bare, _ = _held_raise_run(tmp_path / "bare", raised=raised, monitored=False)
+    held, mon = _held_raise_run(tmp_path / "mon", raised=raised)
+    drops = [e.step for e in mon.events if "lr_drop" in e.actions and e.data["action_results"]["lr_drop"].get("factor")]
+    assert drops and 60 <= drops[0] < 90
+    released = [e for e in mon.events if (e.data.get("action_results") or {}).get("lr_drop", {}).get("released")]
+    assert [e.step for e in released] == [90]  # the first step back on the schedule
+    assert mon.stats["lr/0"] == pytest.approx(3e-3 * max(0.1, 1 - 149 / 180))  # the user's own LR at the end
+    assert held <= 1.05 * bare
