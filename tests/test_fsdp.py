@@ -924,3 +924,33 @@ def test_an_unwatched_fp16_overflow_under_fsdp2_is_found_on_every_rank_alike(tmp
     assert fallback == [(1, "activation_overflow", ["precision_fallback"], "gram")], r0["events"]
     assert all(v == v and abs(v) != float("inf") for v in r1["losses"][2:])
     assert not r0["wide"] and not r1["wide"]
+
+
+def _stride_worker(rank, port, out, bad):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = _quiet(stats={"update_ratio_every": 4})
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=["jsonl"], config=config)
+    for i in mon.batches(range(12)):
+        x, y = _half(_batches(12)[i], rank)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        for g in opt.param_groups:
+            g["lr"] = 1e-2 * (1e4 if i == bad else 1.0)
+        opt.step()
+        opt.zero_grad()
+    events = _events(mon)
+    mon.detach()
+    torch.save({"events": events, "params": _full_params(model)}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_an_update_the_stride_left_unmeasured_is_measured_on_every_rank_alike(tmp_path):
+    """``stats.update_ratio_every: 4`` and an LR at 1e4x on step 5, which the stride leaves
+    unmeasured: the next step's trouble has every rank measure it from its undo copy's shards (a
+    read of its own: one more collective, on every rank) and undo it alike; no rank waits."""
+    r0, r1 = _run(_stride_worker, tmp_path, 5)
+    assert r0["events"] == r1["events"]
+    assert [(s, k, a) for s, k, a, _ in r0["events"] if a] == [(5, "update_ratio_spike", ["undo"])]
+    for n in r0["params"]:
+        assert torch.equal(r0["params"][n], r1["params"][n])
