@@ -824,17 +824,16 @@ def restore_lr(optimizer: torch.optim.Optimizer, saved: list[Any]) -> None:
 @register_action(LR_DROP, order=40, budgeted=True, cooldown=20, config=LRDropConfig)
 def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """``ctx.lr_scale *= factor`` (not below ``min_scale``); effective LRs reported per group.
-    Where the update that caused it was made at an LR the user's schedule had raised more than
-    1 / ``factor`` x above its level before (the median LR of the group's last updates: a schedule
-    bug that multiplies the LR for some steps), the scale takes the LR back to that level instead: a
-    fifth of a 300x LR is still 60x the LR the run was healthy at."""
+    Where the user's LR is now more than 1 / ``factor`` x its level before, in every group (the
+    finding's ``lr_rise``: a schedule bug that multiplies the LR for some steps), the scale takes
+    the LR back to that level instead: a fifth of a 300x LR is still 60x the LR the run was healthy
+    at."""
     cfg = ctx.config.lr_drop
     factor = float(decision.params.get("factor", cfg.factor))
-    lr, before = decision.cause.data.get("lr"), decision.cause.data.get("lr_before")
-    rise = lr / before if isinstance(lr, float) and isinstance(before, float) and before > 0 and lr > 0 else None
-    sized = rise is not None and rise * factor > 1.0
+    rise = decision.cause.data.get("lr_rise")
+    sized = isinstance(rise, float) and rise * factor > 1.0
     if sized:
-        assert rise is not None
+        assert isinstance(rise, float)
         factor = 1.0 / rise
     old = ctx.lr_scale
     new = max(old * factor, cfg.min_scale)
@@ -856,7 +855,7 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "new_lr": [None if lr is None else _scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
     }
     if sized:
-        facts["lr_rise"] = {"lr": lr, "lr_before": before, "times": rise}
+        facts["lr_rise"] = rise
     if all(why_not):
         facts["applied"] = False
         facts["reason"] = f"no param group has an LR to lower: {why_not[0]}"
@@ -873,13 +872,14 @@ def _user_lrs(ctx: ActionContext) -> list[float | None]:
 
 
 def _hold_ceiling(ctx: ActionContext) -> dict[str, Any]:
-    """A drop holds the LR at or below the level it set (``ctx.lr_ceiling``), not at a fixed share
-    of whatever the user's schedule does next: as the user's LR falls, the scale rises so that the
-    LR stays at that level, and once the user's own LR is at or below it the drop is released
-    (its cause, an LR too high, is gone: an LR raised for some steps by a schedule bug and set
-    back). Returns the release's facts, else {}."""
+    """A drop never takes the LR below the level it set (``ctx.lr_ceiling``) as the user's
+    schedule falls: the scale rises so that the LR stays at that level, and once the user's own LR
+    is at or below it the drop is released (its cause, an LR too high, is gone: an LR raised for
+    some steps by a schedule bug and set back). A permanent cut (the trouble came back with the LR)
+    is a cap at its level instead, both ways: a schedule that falls under it runs untouched, one
+    that rises again (a warm restart) is held there. Returns the release's facts, else {}."""
     ceiling = ctx.lr_ceiling
-    if ceiling is None or ctx.lr_scale >= 1.0:
+    if ceiling is None or (ctx.lr_scale >= 1.0 and not ctx.lr_permanent):
         return {}
     lrs = _user_lrs(ctx)
     if len(lrs) != len(ceiling):  # (param groups added since: no level to compare with)
@@ -889,6 +889,9 @@ def _hold_ceiling(ctx: ActionContext) -> dict[str, Any]:
     if not room:
         return {}
     needed = min(room)  # the scale at which every group's LR is at its level
+    if ctx.lr_permanent:  # (the trouble came back with the LR: a cap at that level, both ways)
+        ctx.lr_scale = max(min(1.0, needed), ctx.config.lr_drop.min_scale)
+        return {}
     if needed < 1.0:
         ctx.lr_scale = max(ctx.lr_scale, needed)
         return {}

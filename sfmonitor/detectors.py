@@ -1022,6 +1022,7 @@ class UpdateRatioSpike(_Windowed):
         loss = stats.get(LOSS_TOTAL)
         if loss is not None and S.finite(loss) and len(self.losses_seen) < 3:
             self.losses_seen.append(float(loss))
+        rise = self._lr_rise(stats)
         for key, value in stats.items():
             if not key.startswith(UPDATE_RATIO_PREFIX):
                 continue
@@ -1044,7 +1045,6 @@ class UpdateRatioSpike(_Windowed):
             # schedule's LR would have moved (an update normal per unit of a 100x LR is 100x too
             # large), and its LR is not recorded as one the schedule reached.
             level = self._excursion(key, lr, stats.get(S.NEXT_LR.format(group))) if per_lr else None
-            earlier = list(self.lrs.get(key) or ())  # (the LRs of the group's updates before this one)
             restart = per_lr and level is None and self._lr_back(key, lr)
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
@@ -1093,10 +1093,10 @@ class UpdateRatioSpike(_Windowed):
                         "step": step,
                     },
                 )
-                if per_lr and level is None and earlier:
-                    # what the LR was before: an LR drop sized to a rise of the user's LR (a schedule
-                    # bug that raised it for some steps) takes it back there (actions.lr_drop)
-                    finding.data["lr_before"] = _median(earlier)
+                if per_lr and level is None and rise is not None:
+                    # how far the user's LR is now above its level before (every group's): an LR
+                    # drop takes a risen LR back to that level (actions.lr_drop)
+                    finding.data["lr_rise"] = rise
                 if level is not None:
                     finding.data["lr_excursion"] = {
                         "lr": lr,
@@ -1122,6 +1122,22 @@ class UpdateRatioSpike(_Windowed):
             self.large_runs.pop(key, None)
             w.append(x)
         return out
+
+    def _lr_rise(self, stats: Mapping[str, float]) -> float | None:
+        """How many times its level before the user's LR is now, the same for every group: the
+        smallest over the groups of the user's LR of the next step over the median LR of the group's
+        last ``warmup`` updates (a schedule bug that multiplies every LR for some steps; a layer
+        unfrozen at a raised LR alone is no rise of the others'). None where a group has no such
+        history or no next LR."""
+        rises = []
+        for key in stats:
+            if not key.startswith(UPDATE_RATIO_PREFIX):
+                continue
+            now, earlier = stats.get(S.NEXT_LR.format(key[len(UPDATE_RATIO_PREFIX) :])), self.lrs.get(key)
+            if now is None or not S.finite(now) or now <= 0 or not earlier:
+                return None
+            rises.append(float(now) / _median(list(earlier)))
+        return min(rises) if rises else None
 
     def _excursion(self, key: str, lr: float, next_lr: float | None) -> float | None:
         """The schedule's LR when ``lr`` (this update's) is a one-step excursion above it: at least

@@ -503,3 +503,43 @@ def test_the_lr_climbs_watch_survives_a_checkpoint(tmp_path):
         halted.append((A.relax_lr(ctx, rising(step, ctx.lr_scale)), A.relax_lr(again, rising(step, again.lr_scale))))
     assert any(a.get("halted") for a, _ in halted) and all(a == b for a, b in halted)
     other.detach()
+
+
+def test_a_drop_is_sized_to_the_rise_the_users_lr_still_has_and_never_cut_below_its_level():
+    """``lr_rise`` (the user's LR now over its level before, in every group) sizes the drop when it
+    is more than 1 / factor: the LR goes back to that level. A rise already gone by the time of the
+    drop (a schedule bug of 2-3 steps, set back) sizes nothing: a fifth, as any drop (a helper's
+    probe: sized by the update's LR, such drops cut a normal LR 300-1000x for the rest of the run).
+    As the user's LR falls the scale rises so the LR stays at the level set, and the drop is
+    released when the user's LR is there."""
+    opt = torch.optim.SGD(Tri().parameters(), lr=0.3)
+    ctx = ctx_for(Tri(), opt)
+    facts = A.apply(ctx, D("lr_drop", kind="update_ratio_spike", lr_rise=300.0))
+    assert facts["lr_rise"] == 300.0 and ctx.lr_scale == pytest.approx(1 / 300)
+    assert ctx.lr_ceiling == [pytest.approx(0.001)]
+    opt.param_groups[0]["lr"] = 0.1  # the schedule falls: the LR stays at 0.001, not 0.1/300
+    assert A.relax_lr(ctx) == {} and ctx.lr_scale == pytest.approx(0.01)
+    opt.param_groups[0]["lr"] = 0.001  # back to the level before: released
+    released = A.relax_lr(ctx)
+    assert released["released"] and ctx.lr_scale == 1.0 and ctx.lr_ceiling is None
+    ctx = ctx_for(Tri(), torch.optim.SGD(Tri().parameters(), lr=0.3))
+    facts = A.apply(ctx, D("lr_drop", kind="update_ratio_spike", lr_rise=1.0))  # the rise is gone
+    assert "lr_rise" not in facts and ctx.lr_scale == pytest.approx(0.2)
+
+
+def test_a_permanent_cut_is_a_cap_at_its_level_both_ways():
+    """A cut the trouble made permanent is not released by a schedule that falls under it: a
+    warm restart that takes the user's LR back up is held at the level (the helper's probe: a
+    release cleared the permanent cut, and a later restart ran at full LR)."""
+    opt = torch.optim.SGD(Tri().parameters(), lr=0.1)
+    ctx = ctx_for(Tri(), opt)
+    A.apply(ctx, D("lr_drop", kind="update_ratio_spike"))
+    A.apply(ctx, D("lr_drop", kind="update_ratio_spike"))  # a second before the first is back
+    assert ctx.lr_permanent and ctx.lr_scale == pytest.approx(0.04)
+    assert ctx.lr_ceiling == [pytest.approx(0.1 * 0.04)]
+    opt.param_groups[0]["lr"] = 0.001  # under the cap: untouched
+    A.relax_lr(ctx)
+    assert ctx.lr_scale == 1.0 and ctx.lr_permanent
+    opt.param_groups[0]["lr"] = 0.1  # a restart: held at the cap
+    A.relax_lr(ctx)
+    assert ctx.lr_scale == pytest.approx(0.04) and ctx.lr_permanent

@@ -718,3 +718,14 @@ def test_an_lr_drop_is_released_once_the_users_lr_falls_below_the_lr_it_set(tmp_
     assert [e.step for e in released] == [90]  # the first step back on the schedule
     assert mon.stats["lr/0"] == pytest.approx(3e-3 * max(0.1, 1 - 149 / 180))  # the user's own LR at the end
     assert held <= 1.05 * bare
+
+
+def test_a_drop_after_a_short_lr_raise_is_not_sized_to_a_rise_that_is_gone(tmp_path):
+    """The same schedule bug for 3 steps only: by the drop (the second undo, two steps on) the
+    user's LR is back, so the drop is the usual fifth, which climbs back; sized by the update's
+    LR it cut the normal LR to the 1e-3 floor for the rest of the run (a helper's probe: held-out
+    1.2-12x the old rescue's)."""
+    _, mon = _held_raise_run(tmp_path / "mon", raised={60, 61, 62})
+    drops = [e.data["action_results"]["lr_drop"] for e in mon.events if "lr_drop" in e.actions]
+    assert drops and drops[0].get("factor") == 0.2 and "lr_rise" not in drops[0]
+    assert drops[0]["new_scale"] == pytest.approx(0.2)
