@@ -288,13 +288,10 @@ def build_tuple_gpt():
     return TupleGPT()
 
 
-def _tuple_bundle(tmp_path):
-    torch.manual_seed(0)
-    model = build_tuple_gpt()
-    rec = BatchRecorder().attach(model)
-    idx, targets = torch.randint(0, 10, (2, 5)), torch.randint(0, 10, (2, 5))
-    _, loss = model(idx, targets)
-    path = write_bundle(
+def _on_demand_bundle(tmp_path, model, rec, loss, factory):
+    """An on-demand bundle of ``model``'s step 0 (the batches ``rec`` recorded), rebuilt by
+    ``factory`` (a function of this module)."""
+    return write_bundle(
         tmp_path,
         0,
         "on_demand",
@@ -304,10 +301,19 @@ def _tuple_bundle(tmp_path):
         rng_state=rec.rng_state,
         stats={"loss/total": float(loss)},
         event={"step": 0, "kind": "on_demand", "message": ""},
-        model_factory=f"{__name__}:build_tuple_gpt",
+        model_factory=f"{__name__}:{factory.__name__}",
         model_kwargs={},
         loss_weights={},
     )
+
+
+def _tuple_bundle(tmp_path):
+    torch.manual_seed(0)
+    model = build_tuple_gpt()
+    rec = BatchRecorder().attach(model)
+    idx, targets = torch.randint(0, 10, (2, 5)), torch.randint(0, 10, (2, 5))
+    _, loss = model(idx, targets)
+    path = _on_demand_bundle(tmp_path, model, rec, loss, build_tuple_gpt)
     return path, float(loss)
 
 
@@ -361,20 +367,7 @@ def test_a_model_whose_forward_returns_its_output_asks_for_a_loss_function(tmp_p
     model = build_logits_only()
     rec = BatchRecorder().attach(model)
     model(torch.randn(4, 5))
-    path = write_bundle(
-        tmp_path,
-        0,
-        "on_demand",
-        model_state=model.state_dict(),
-        optimizer_state={},
-        batch=rec.batches,
-        rng_state=rec.rng_state,
-        stats={"loss/total": 1.0},
-        event={"step": 0, "kind": "on_demand", "message": ""},
-        model_factory=f"{__name__}:build_logits_only",
-        model_kwargs={},
-        loss_weights={},
-    )
+    path = _on_demand_bundle(tmp_path, model, rec, 1.0, build_logits_only)
     with pytest.raises(BundleError, match=r"--loss module:function.*shape \(4, 3\)"):
         replay_bundle(path, factory=build_logits_only)
     assert main([path, "--model", f"{__name__}:build_logits_only"]) == 2

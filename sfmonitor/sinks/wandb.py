@@ -154,10 +154,8 @@ class WandbSink(Sink):
         self._closing = False
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._warned_failed = False
-        self._warned_dropped = False
+        self._warned: set[str] = set()  # what was warned about: "failed", "moved", "dropped"
         self.moved: tuple[str, str] | None = None  # (the folder given, where W&B put the run instead)
-        self._warned_moved = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def open(self, run_dir: str | None, config: dict[str, Any]) -> None:
@@ -193,32 +191,27 @@ class WandbSink(Sink):
             self.failed = f"{type(e).__name__}: {e} (in {where})"
 
     def _warn(self) -> None:
-        """Training thread: the one warning for a failure, and one for dropped rows."""
-        if self.failed is not None and not self._warned_failed:
-            self._warned_failed = True
-            warnings.warn(
-                f"sfmonitor: W&B failed ({self.failed}); the wandb sink is off for the "
-                f"rest of the run, training goes on",
-                RuntimeWarning,
-                stacklevel=3,
+        """Training thread: one warning each for a failure, a run W&B put elsewhere, dropped rows."""
+        if self.failed is not None and "failed" not in self._warned:
+            self._warn_once(
+                "failed", f"W&B failed ({self.failed}); the wandb sink is off for the rest of the run, training goes on"
             )
-        if self.moved is not None and not self._warned_moved:
-            self._warned_moved = True
-            warnings.warn(
-                f"sfmonitor: W&B wrote this run under {self.moved[1]}, not under {self.moved[0]} (not "
-                f"writable for it?); the wandb sink logs there",
-                RuntimeWarning,
-                stacklevel=3,
+        if self.moved is not None and "moved" not in self._warned:
+            self._warn_once(
+                "moved",
+                f"W&B wrote this run under {self.moved[1]}, not under {self.moved[0]} (not writable for it?); "
+                "the wandb sink logs there",
             )
-        if self.dropped and not self._warned_dropped and self.failed is None:
-            self._warned_dropped = True
-            warnings.warn(
-                f"sfmonitor: W&B is not keeping up; the wandb sink dropped metrics rows "
-                f"(more than max_buffer={self.config.max_buffer} were waiting); events "
-                f"and alerts are kept, training goes on",
-                RuntimeWarning,
-                stacklevel=3,
+        if self.dropped and "dropped" not in self._warned and self.failed is None:
+            self._warn_once(
+                "dropped",
+                f"W&B is not keeping up; the wandb sink dropped metrics rows (more than "
+                f"max_buffer={self.config.max_buffer} were waiting); events and alerts are kept, training goes on",
             )
+
+    def _warn_once(self, what: str, message: str) -> None:
+        self._warned.add(what)
+        warnings.warn(f"sfmonitor: {message}", RuntimeWarning, stacklevel=4)
 
     def _submit(self, kind: str, fn: Callable[[], None]) -> None:
         """Training thread: queue one W&B call for the worker; never waits for W&B."""
