@@ -1791,6 +1791,8 @@ class Monitor:
                 elif recovered:
                     what = "is back to" if recovered.get("recovered") else "climbs back towards"
                     message = f"no trouble since the LR drop: the LR {what} the user's schedule"
+                if (recovered.get("recovered") or recovered.get("released")) and self._policy.credit():
+                    recovered["budget_returned"] = 1  # (the incident is over: its rescue is given back)
                 if recovered:
                     outcomes.append(Outcome(Finding(ctx.lr_drop_kind, message), [LR_DROP], {LR_DROP: recovered}))
                 # The LR scale (lr_drop) applies around this update only; the user's own LR and

@@ -257,6 +257,16 @@ class Policy:
         allowed.sort(key=lambda d: order.index(d.action))
         return allowed
 
+    def credit(self) -> bool:
+        """Give one rescue back: the LR drop it paid for is back on the user's schedule (its
+        climb done, or released), the incident over. The budget counts trouble that stays, not
+        transients the run recovered from (a schedule bug every few hundred steps stopped a 6000-step
+        run that ended at its twin's loss). Returns whether there was one to give back."""
+        if self.rescues_used <= 0:
+            return False
+        self.rescues_used -= 1
+        return True
+
     def refund(self, step: int) -> bool:
         """Give back the rescue the decisions of ``step`` spent when none of their budgeted actions
         changed anything (a precision fallback on a module already in fp32, a rollback without a

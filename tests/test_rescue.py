@@ -729,3 +729,30 @@ def test_a_drop_after_a_short_lr_raise_is_not_sized_to_a_rise_that_is_gone(tmp_p
     drops = [e.data["action_results"]["lr_drop"] for e in mon.events if "lr_drop" in e.actions]
     assert drops and drops[0].get("factor") == 0.2 and "lr_rise" not in drops[0]
     assert drops[0]["new_scale"] == pytest.approx(0.2)
+
+
+def test_transients_the_run_recovers_from_give_their_rescue_back(tmp_path):
+    """A schedule bug (the LR at 1e4x for 3 steps) every 60 steps: each incident is undone and the
+    LR dropped, and the drop is released when the schedule is back. Each rescue is given back
+    once its drop is back, so a budget of 2 never runs out (a helper's probe: 13 such incidents
+    over 6000 steps spent the budget of 10 and stopped a run that ended at its twin's loss)."""
+    raised = {k for start in range(60, 400, 60) for k in range(start, start + 3)}
+    config = {"policy": {"budget": 2}, "actions": {"lr_drop": {"recover_after": 10, "recover_steps": 10}}}
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(net, opt, run_dir=tmp_path, sinks=[], config=cfg(**config))
+    g = torch.Generator().manual_seed(0)
+    for i in mon.batches(range(420)):
+        x = torch.randn(16, 8, generator=g)
+        loss = mon.combine(nn.functional.mse_loss(net(x), x.sum(1, keepdim=True).sin()))
+        loss.backward()
+        opt.param_groups[0]["lr"] = 1e-3 * (1e4 if i in raised else 1)
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    assert not mon.should_stop
+    drops = [e for e in mon.events if "lr_drop" in e.actions and e.data["action_results"]["lr_drop"].get("factor")]
+    back = [e for e in mon.events if (e.data.get("action_results") or {}).get("lr_drop", {}).get("budget_returned")]
+    assert len(drops) >= 3 and len(back) >= len(drops) - 1
+    assert mon.summary()["rescue_budget_left"] >= 1
