@@ -838,8 +838,8 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     old = ctx.lr_scale
     new = max(old * factor, cfg.min_scale)
     ctx.lr_scale = new
-    if old < 1.0 or not cfg.recover_after:  # the trouble came back before the LR did: it stays cut
-        ctx.lr_permanent = True
+    if (old < 1.0 and not sized) or not cfg.recover_after:  # the trouble came back before the LR did: it
+        ctx.lr_permanent = True  # stays cut (a drop sized to the user's raise answers that raise, not this)
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
     groups = ctx.optimizer.param_groups
     why_not = [lr_not_a_step_size(ctx.optimizer, g) for g in groups]

@@ -1045,14 +1045,31 @@ class UpdateRatioSpike(_Windowed):
             # schedule's LR would have moved (an update normal per unit of a 100x LR is 100x too
             # large), and its LR is not recorded as one the schedule reached.
             level = self._excursion(key, lr, stats.get(S.NEXT_LR.format(group))) if per_lr else None
+            earlier = list(self.lrs.get(key) or ())
             restart = per_lr and level is None and self._lr_back(key, lr)
+            # An update made at an LR the schedule raised (at least lr_excursion x the median LR of
+            # the group's updates before; not a warm restart to a level it had) is judged against
+            # what that LR would have moved, by what it did to the loss: a raise that does no harm
+            # is the user's (accepted, silently), one whose updates wreck the loss is undone.
+            before = _median(earlier) if per_lr and level is None and not restart and earlier else None
+            raised = before is not None and cfg.lr_excursion > 0 and lr >= cfg.lr_excursion * before
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
             judged_lr = lr if level is None else level
             rel_limit = max(cfg.factor * med * judged_lr, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
-            if value > limit:
+            by_raise = False  # past the raise's test alone: ordinary per unit of the user's LR
+            if raised and before is not None and med is not None and value <= limit:
+                by_raise = value > max(cfg.factor * med * before, cfg.min_ratio)
+            if value > limit or by_raise:
                 kind, harm = self.kind, self._harm(stats, value <= cfg.ceiling or key in self.zero_init or restart)
+                if by_raise and (harm is None or not harm["harm"]):
+                    self.large_runs.pop(key, None)
+                    w.append(x)  # the raise is the user's
+                    continue
+                if by_raise and before is not None and med is not None:  # (what the message says)
+                    judged_lr, rel_limit = before, max(cfg.factor * med * before, cfg.min_ratio)
+                    limit = rel_limit
                 if harm is not None and not harm["harm"]:
                     kind = LARGE_UPDATE
                 why = (
@@ -1064,6 +1081,10 @@ class UpdateRatioSpike(_Windowed):
                     + (" (the schedule took the LR back up: judged by the loss)" if restart else "")
                 )
                 told = ""
+                if by_raise and before is not None:
+                    told = (
+                        f"; made at LR {_fmt(lr)}, {lr / before:.3g}x the LR of the group's updates before it (a raise)"
+                    )
                 if level is not None:
                     told = (
                         f"; made at LR {_fmt(lr)}, {lr / level:.3g}x the schedule's {_fmt(level)} before and "

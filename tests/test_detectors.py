@@ -580,8 +580,13 @@ def test_an_update_at_a_one_step_lr_excursion_is_judged_at_the_schedules_lr():
     assert "excursion" in f.message and "no LR drop" in f.message
     (told,) = warmed().check(30, {**bad, "loss_after_update": 0.9})  # it did no harm: told
     assert told.kind == "large_update" and "excursion" in told.message
-    # the LR stays up (the next step's is as high): judged at its own LR, as before
-    assert warmed().check(30, {**bad, "next_lr/a": 0.1, "loss_after_update": 3.0}) == []
+    # the LR stays up (the next step's is as high): no excursion; a raise, judged at the LR before
+    # it by what it did to the loss: harmful, a spike (the LR drop that may follow is sized to the
+    # raise); harmless, the user's raise, accepted silently
+    (raised,) = warmed().check(30, {**bad, "next_lr/a": 0.1, "loss_after_update": 3.0})
+    assert raised.kind == UPDATE_RATIO_SPIKE and raised.occurrence is None and "a raise" in raised.message
+    assert raised.data["lr_rise"] == pytest.approx(100) and "lr_excursion" not in raised.data
+    assert warmed().check(30, {**bad, "next_lr/a": 0.1, "loss_after_update": 0.9}) == []
     assert warmed(lr_excursion=0).check(30, {**bad, "loss_after_update": 3.0}) == []  # off
     det = warmed()
     det.check(30, {**bad, "loss_after_update": 3.0})

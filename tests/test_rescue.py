@@ -756,3 +756,27 @@ def test_transients_the_run_recovers_from_give_their_rescue_back(tmp_path):
     back = [e for e in mon.events if (e.data.get("action_results") or {}).get("lr_drop", {}).get("budget_returned")]
     assert len(drops) >= 3 and len(back) >= len(drops) - 1
     assert mon.summary()["rescue_budget_left"] >= 1
+
+
+def test_updates_at_a_raised_lr_that_raise_the_loss_are_undone_and_the_lr_taken_back(tmp_path):
+    """The schedule's LR at 100x for 20 steps: each update is ordinary per unit of the raised LR and
+    under the ceiling, so it was taken as sound, the loss jumps after it blamed on the batches
+    (skipped, then accepted as a new level) and the raise landed (a helper's long-run probe:
+    1.18-1.79x the twin). An update made at an LR raised to at least ``lr_excursion`` x the LRs
+    of the group's updates before is judged against those, by what it did to the loss: harmful,
+    it is undone, and the LR drop takes the LR back, until the user's LR is back."""
+    raised = set(range(60, 80))
+    held, mon = _held_raise_run(tmp_path / "mon", raised=raised, mult=100.0)
+    free, _ = _held_raise_run(tmp_path / "free", monitored=False)
+    bare, _ = _held_raise_run(tmp_path / "bare", raised=raised, monitored=False, mult=100.0)
+    acting = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert acting[0] == (60, "update_ratio_spike", ["undo"])
+    assert held <= 1.05 * free < bare
+
+
+def test_an_lr_raise_that_does_no_harm_is_accepted_silently(tmp_path):
+    """A deliberate raise (3x from step 60 on, for good) whose updates do not raise the loss: no
+    action."""
+    raised = set(range(60, 150))
+    _, mon = _held_raise_run(tmp_path / "mon", raised=raised, mult=3.0)
+    assert not [e for e in mon.events if e.actions]
