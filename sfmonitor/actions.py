@@ -831,14 +831,14 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     cfg = ctx.config.lr_drop
     factor = float(decision.params.get("factor", cfg.factor))
     rise = decision.cause.data.get("lr_rise")
-    sized = isinstance(rise, float) and rise * factor > 1.0
-    if sized:
-        assert isinstance(rise, float)
+    if not isinstance(rise, float) or rise * factor <= 1.0:
+        rise = None  # (no rise beyond what the factor takes back: the drop is the factor's)
+    if rise is not None:
         factor = 1.0 / rise
     old = ctx.lr_scale
     new = max(old * factor, cfg.min_scale)
     ctx.lr_scale = new
-    if (old < 1.0 and not sized) or not cfg.recover_after:  # the trouble came back before the LR did: it
+    if (old < 1.0 and rise is None) or not cfg.recover_after:  # the trouble came back before the LR did: it
         ctx.lr_permanent = True  # stays cut (a drop sized to the user's raise answers that raise, not this)
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
     groups = ctx.optimizer.param_groups
@@ -851,10 +851,10 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "permanent": ctx.lr_permanent,
         "recovers_from_step": None if ctx.lr_permanent else ctx.step + cfg.recover_after,
         "at_floor": new == cfg.min_scale,
-        "old_lr": [None if lr is None else _scaled_lr(lr, old, cfg.min_lr) for lr in lrs],
-        "new_lr": [None if lr is None else _scaled_lr(lr, new, cfg.min_lr) for lr in lrs],
+        "old_lr": _scaled_lrs(lrs, old, cfg.min_lr),
+        "new_lr": _scaled_lrs(lrs, new, cfg.min_lr),
     }
-    if sized:
+    if rise is not None:
         facts["lr_rise"] = rise
     if all(why_not):
         facts["applied"] = False
@@ -862,6 +862,11 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     else:
         ctx.lr_ceiling = list(facts["new_lr"])
     return facts
+
+
+def _scaled_lrs(lrs: list[float | None], scale: float, min_lr: float) -> list[float | None]:
+    """Each param group's LR under ``scale`` (None: a group without a step-size LR)."""
+    return [None if lr is None else _scaled_lr(lr, scale, min_lr) for lr in lrs]
 
 
 def _user_lrs(ctx: ActionContext) -> list[float | None]:
@@ -928,9 +933,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
             if since > cfg.recover_after and best is not None and median - best[0] > math.log(cfg.halt_rise):
                 old = ctx.lr_scale
                 ctx.lr_scale, ctx.lr_permanent = min(best[1], old), True
-                ctx.lr_ceiling = [
-                    None if lr is None else _scaled_lr(lr, ctx.lr_scale, cfg.min_lr) for lr in _user_lrs(ctx)
-                ]
+                ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
                 return {
                     "halted": True,
                     "old_scale": old,

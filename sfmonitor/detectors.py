@@ -1022,7 +1022,10 @@ class UpdateRatioSpike(_Windowed):
         loss = stats.get(LOSS_TOTAL)
         if loss is not None and S.finite(loss) and len(self.losses_seen) < 3:
             self.losses_seen.append(float(loss))
-        rise = self._lr_rise(stats)
+        # The median LR of each group's last updates (before this one), and how far every group's
+        # next LR is above it: once a step, for the raise's test and an LR drop's size.
+        befores = {k: _median(list(lrs)) for k, lrs in self.lrs.items() if lrs}
+        rise = self._lr_rise(stats, befores)
         for key, value in stats.items():
             if not key.startswith(UPDATE_RATIO_PREFIX):
                 continue
@@ -1045,31 +1048,29 @@ class UpdateRatioSpike(_Windowed):
             # schedule's LR would have moved (an update normal per unit of a 100x LR is 100x too
             # large), and its LR is not recorded as one the schedule reached.
             level = self._excursion(key, lr, stats.get(S.NEXT_LR.format(group))) if per_lr else None
-            earlier = list(self.lrs.get(key) or ())
             restart = per_lr and level is None and self._lr_back(key, lr)
             # An update made at an LR the schedule raised (at least lr_excursion x the median LR of
             # the group's updates before; not a warm restart to a level it had) is judged against
             # what that LR would have moved, by what it did to the loss: a raise that does no harm
             # is the user's (accepted, silently), one whose updates wreck the loss is undone.
-            before = _median(earlier) if per_lr and level is None and not restart and earlier else None
-            raised = before is not None and cfg.lr_excursion > 0 and lr >= cfg.lr_excursion * before
+            before = befores.get(key) if per_lr and level is None and not restart else None
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
             judged_lr = lr if level is None else level
             rel_limit = max(cfg.factor * med * judged_lr, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
-            by_raise = False  # past the raise's test alone: ordinary per unit of the user's LR
-            if raised and before is not None and med is not None and value <= limit:
-                by_raise = value > max(cfg.factor * med * before, cfg.min_ratio)
+            raise_limit = math.inf  # the raise's test: the update the LR before the raise would make
+            if before is not None and med is not None and cfg.lr_excursion and lr >= cfg.lr_excursion * before:
+                raise_limit = max(cfg.factor * med * before, cfg.min_ratio)
+            by_raise = raise_limit < value <= limit  # past the raise's test alone (ordinary per unit of LR)
             if value > limit or by_raise:
                 kind, harm = self.kind, self._harm(stats, value <= cfg.ceiling or key in self.zero_init or restart)
                 if by_raise and (harm is None or not harm["harm"]):
                     self.large_runs.pop(key, None)
                     w.append(x)  # the raise is the user's
                     continue
-                if by_raise and before is not None and med is not None:  # (what the message says)
-                    judged_lr, rel_limit = before, max(cfg.factor * med * before, cfg.min_ratio)
-                    limit = rel_limit
+                if by_raise and before is not None:  # (what the message says)
+                    judged_lr, rel_limit, limit = before, raise_limit, raise_limit
                 if harm is not None and not harm["harm"]:
                     kind = LARGE_UPDATE
                 why = (
@@ -1144,20 +1145,21 @@ class UpdateRatioSpike(_Windowed):
             w.append(x)
         return out
 
-    def _lr_rise(self, stats: Mapping[str, float]) -> float | None:
+    @staticmethod
+    def _lr_rise(stats: Mapping[str, float], befores: Mapping[str, float]) -> float | None:
         """How many times its level before the user's LR is now, the same for every group: the
         smallest over the groups of the user's LR of the next step over the median LR of the group's
-        last ``warmup`` updates (a schedule bug that multiplies every LR for some steps; a layer
-        unfrozen at a raised LR alone is no rise of the others'). None where a group has no such
-        history or no next LR."""
+        last ``warmup`` updates (``befores``; a schedule bug that multiplies every LR for some steps;
+        a layer unfrozen at a raised LR alone is no rise of the others'). None where a group has no
+        such history or no next LR."""
         rises = []
         for key in stats:
             if not key.startswith(UPDATE_RATIO_PREFIX):
                 continue
-            now, earlier = stats.get(S.NEXT_LR.format(key[len(UPDATE_RATIO_PREFIX) :])), self.lrs.get(key)
-            if now is None or not S.finite(now) or now <= 0 or not earlier:
+            now, before = stats.get(S.NEXT_LR.format(key[len(UPDATE_RATIO_PREFIX) :])), befores.get(key)
+            if now is None or not S.finite(now) or now <= 0 or not before:
                 return None
-            rises.append(float(now) / _median(list(earlier)))
+            rises.append(float(now) / before)
         return min(rises) if rises else None
 
     def _excursion(self, key: str, lr: float, next_lr: float | None) -> float | None:

@@ -541,7 +541,7 @@ class Monitor:
         self._sink_specs = list(sinks) if sinks is not None else ["jsonl"]
         self.events: list[Event] = []
         self._counted = Tally()  # the summary's counts of events no longer in self.events
-        self._superseded: set[int] = set()  # events of a timeline a load_state_dict left
+        self._superseded = 0  # the first events of self.events: of a timeline a load_state_dict left
         self.step = 0
         self._should_stop = False
         self.model: nn.Module | None = None
@@ -2191,10 +2191,7 @@ class Monitor:
                             self._stale_shares(rec, before, now)
                     else:
                         upd = S.update_norms_(rec.before_params, now)
-                    per_group = S.group_norms(upd, self._param_group_t, len(self._group_names))
-                    for gi, g in enumerate(self._group_names):
-                        # ||delta theta|| / ||theta||: both norms are completed across ranks at the read
-                        rec.after[S.UPDATE_RATIO.format(g)] = S.NormRatio(per_group[gi], rec.before_norms[gi])
+                    rec.after.update(self._update_ratios(upd, rec.before_norms))
                 else:
                     for g in self._group_names:
                         rec.after[S.UPDATE_RATIO.format(g)] = torch.zeros(())
@@ -2294,13 +2291,19 @@ class Monitor:
             return False
         if not self.config.stats.update_ratio_every:  # (0: the update ratio is off)
             return False
-        n = len(self._group_names)
-        before, now = undo.params, self._layout.detached(self._params)
-        moved = S.group_norms(update_norms(before, now, self._scratch), self._param_group_t, n)
-        held = S.group_norms(S.norms(before), self._param_group_t, n)
-        ratios = {S.UPDATE_RATIO.format(g): S.NormRatio(moved[gi], held[gi]) for gi, g in enumerate(self._group_names)}
-        rec.stats.update(S.read_all(ratios))
+        before = undo.params
+        upd = update_norms(before, self._layout.detached(self._params), self._scratch)
+        held = S.group_norms(S.norms(before), self._param_group_t, len(self._group_names))
+        rec.stats.update(S.read_all(self._update_ratios(upd, held)))
         return True
+
+    def _update_ratios(self, moved_norms: torch.Tensor, before_norms: torch.Tensor) -> dict[str, Any]:
+        """``update_ratio/<group>`` from the per-tensor norms of an update and the per-group norms
+        of the weights before it: ||delta theta|| / ||theta||, both completed across ranks at the read."""
+        moved = S.group_norms(moved_norms, self._param_group_t, len(self._group_names))
+        return {
+            S.UPDATE_RATIO.format(g): S.NormRatio(moved[gi], before_norms[gi]) for gi, g in enumerate(self._group_names)
+        }
 
     def _judge_update(self, rec: StepRecord, extra: dict[str, float]) -> list[Finding]:
         """The after-update detectors' findings on ``rec``'s update: its statistics (update ratios
@@ -2318,14 +2321,16 @@ class Monitor:
     def _tally(self) -> Tally:
         """The counts of the run's events: those let go of (the list's bound, the sessions before a
         resume) and those in memory (their facts final: an action finishing after its update has)."""
-        return self._counted.merged(e for e in self.events if id(e) not in self._superseded)
+        return self._counted.merged(self.events[self._superseded :])
 
     def _emit(self, event: Event) -> Event:
         self.events.append(event)
         if len(self.events) > self.config.max_events:  # bounded in memory; the files keep all
-            gone = self.events[: len(self.events) - self.config.max_events]
-            self._counted = self._counted.merged(e for e in gone if id(e) not in self._superseded)
-            del self.events[: len(gone)]
+            gone = len(self.events) - self.config.max_events
+            for e in self.events[self._superseded : gone]:
+                self._counted.add(e)
+            self._superseded = max(0, self._superseded - gone)
+            del self.events[:gone]
         if self._router is not None:
             # An action that finishes after the update (qk_clip sizes its clip from the updated
             # weights) is written once it has: the files say what was done, not what was planned.
@@ -2458,7 +2463,7 @@ class Monitor:
         # The run's counts so far are the loaded ones: this session's events before the load
         # belong to the timeline it left.
         self._counted = counted
-        self._superseded = {id(e) for e in self.events}
+        self._superseded = len(self.events)
         self._amp_skipped = int(sd.get("amp_skipped", 0))
         self._base_weights.clear()
         self._base_weights.update(sd.get("base_weights", {}))

@@ -181,17 +181,20 @@ class Tally:
             out.add(e)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
+    def counts(self) -> dict[str, Any]:
+        """What the summary reports."""
         return {
             "events": dict(self.events),
             "actions": dict(self.actions),
             "actions_that_changed_nothing": dict(self.idle),
             "steps_skipped": self.steps_skipped,
-            "last_skipped": self.last_skipped,
             "updates_undone": self.updates_undone,
             "rollbacks": self.rollbacks,
             "steps_rolled_back": self.steps_rolled_back,
         }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.counts(), "last_skipped": self.last_skipped}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.events = collections.Counter({str(k): int(v) for k, v in dict(sd.get("events") or {}).items()})
@@ -220,11 +223,9 @@ def run_summary(
     """The run's events and actions by kind, steps skipped, updates undone, rollbacks and the
     steps they went back (``tally``), budget left, the monitor's own milliseconds per step, and
     the sinks (or their files) that stopped writing, with why."""
-    counts = tally.state_dict()
-    del counts["last_skipped"]
     return {
         "steps": steps,
-        **counts,
+        **tally.counts(),
         "rescues_used": rescues_used,
         "rescue_budget_left": max(0, budget - rescues_used),
         "monitor_ms_per_step": 1e3 * monitor_seconds / max(1, monitored_steps),

@@ -246,3 +246,4 @@ def test_the_lean_profile_puts_the_running_statistics_back_on_a_skip(tmp_path, f
     assert same(net, twin)
     held = mon.memory["running_stats_device_bytes"]  # reported, and small: the running statistics only
     assert 0 < held <= 2 * sum(b.numel() * b.element_size() for b in net.buffers())
+    assert "running statistics' copy" in sfmonitor.summary.format_memory(mon.memory)

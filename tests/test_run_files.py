@@ -87,7 +87,7 @@ def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_w
     """Without the undo copy (the lean profile) an undo falls back to a rollback to the newest
     snapshot: the summary counts it so, with the steps it went back, not as one update undone (a
     helper's probe: a 151-step rollback read ``updates_undone: 1, steps_skipped: 0``)."""
-    from sfmonitor.summary import Tally, run_summary
+    from sfmonitor.summary import Tally, format_summary, run_summary
 
     fallback = {"restored": True, "restored_from": 10, "steps_back": 31, "fallback": "rollback", "reason": "no copy"}
     events = [
@@ -118,6 +118,7 @@ def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_w
     s = run_summary(Tally().merged(events), 100, 3, 10, 1.0, 100, 0, False)
     assert s["updates_undone"] == 1
     assert s["rollbacks"] == 2 and s["steps_rolled_back"] == 41
+    assert "1 undone, 2 rolled back (41 steps)" in format_summary({**s, "events": {}, "actions": {}})
 
 
 def test_a_failed_json_write_leaves_no_temporary_file(tmp_path, monkeypatch):
@@ -158,6 +159,19 @@ def test_a_resumed_runs_summary_counts_the_run_before_the_resume(tmp_path):
         mon2.load_state_dict({**saved, "summary": {"steps_skipped": "many"}})
 
 
+def test_a_resume_into_a_monitor_that_has_events_counts_only_the_resumed_timeline(tmp_path):
+    """load_state_dict into a monitor that already has events: those belong to the timeline the
+    load left and are not counted, also once the bounded list lets them go; later ones are."""
+    model, opt, mon = setup(tmp_path, max_events=3)
+    train(mon, model, opt, steps=4, nan_at={1})  # 2 events of the left timeline
+    saved = {**mon.state_dict(), "summary": {}}  # a state whose run had no event
+    mon.load_state_dict(saved)
+    train(mon, model, opt, steps=8, nan_at={2, 5})  # 4 more: the list keeps the last 3
+    mon.detach()
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["steps_skipped"] == 2 and summary["events"] == {"nonfinite_loss": 2, "nonfinite_grad": 2}
+
+
 def test_the_summary_counts_events_the_bounded_list_let_go(tmp_path):
     """``max_events`` bounds the events kept in memory; the summary still counts every one."""
     model, opt, mon = setup(tmp_path, max_events=2)
@@ -189,3 +203,4 @@ def test_the_summary_names_a_sink_that_stopped_writing(tmp_path):
     summary = json.load(open(tmp_path / "summary.json"))
     assert list(summary["sink_failures"]) == ["broken"]
     assert "dashboard down" in summary["sink_failures"]["broken"]
+    assert "stopped writing: broken" in sfmonitor.summary.format_summary(summary)  # (the console line too)
