@@ -1007,6 +1007,12 @@ class UpdateRatioSpike(_Windowed):
         # sound: how much one batch's loss differs from the next one's in this run (the noise a
         # harm must rise above)
         self.loss_moves: collections.deque[float] = collections.deque(maxlen=self.config.window)
+        # The losses before the last few updates made at the schedule's usual LR, and, per group
+        # whose LR a raise took up (updates accepted as the user's), the loss's level before the
+        # raise: a raise's updates are judged by where they took the loss from there, not by one
+        # step (the loss climbs over several, each rise within the batch-to-batch noise).
+        self.recent_losses: collections.deque[float] = collections.deque(maxlen=5)
+        self.raise_base: dict[str, float] = {}
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         out = self._check(step, stats)
@@ -1026,6 +1032,11 @@ class UpdateRatioSpike(_Windowed):
         # next LR is above it: once a step, for the raise's test and an LR drop's size.
         befores = {k: _median(list(lrs)) for k, lrs in self.lrs.items() if lrs}
         rise = self._lr_rise(stats, befores)
+        # An update made under the monitor's LR drop: the user's LR it read is no level the
+        # schedule reached (the monitor held it down).
+        held_down = stats.get(S.UPDATE_LR_SCALE, 1.0) < 1.0
+        base = _median([*self.recent_losses, loss]) if loss is not None and S.finite(loss) else None
+        raising_any, judged = False, False
         for key, value in stats.items():
             if not key.startswith(UPDATE_RATIO_PREFIX):
                 continue
@@ -1036,6 +1047,7 @@ class UpdateRatioSpike(_Windowed):
                 self.zero_init.add(key)
             if not S.finite(value) or value <= 0:
                 continue
+            judged = True
             # The relative test reads the update per unit of the LR it was made with: a schedule
             # that raises the LR (a warm restart, an unfrozen layer, a warm-up's step) raises the
             # ratio with it; an update far larger at the same LR is the spike. The ceiling reads
@@ -1048,7 +1060,8 @@ class UpdateRatioSpike(_Windowed):
             # schedule's LR would have moved (an update normal per unit of a 100x LR is 100x too
             # large), and its LR is not recorded as one the schedule reached.
             level = self._excursion(key, lr, stats.get(S.NEXT_LR.format(group))) if per_lr else None
-            restart = per_lr and level is None and self._lr_back(key, lr)
+            peak_before = self.lr_peak.get(key)
+            restart = per_lr and level is None and self._lr_back(key, lr, held_down)
             # An update made at an LR the schedule raised (at least lr_excursion x the median LR of
             # the group's updates before; not a warm restart to a level it had) is judged against
             # what that LR would have moved, by what it did to the loss: a raise that does no harm
@@ -1062,12 +1075,19 @@ class UpdateRatioSpike(_Windowed):
             raise_limit = math.inf  # the raise's test: the update the LR before the raise would make
             if before is not None and med is not None and cfg.lr_excursion and lr >= cfg.lr_excursion * before:
                 raise_limit = max(cfg.factor * med * before, cfg.min_ratio)
+                raising_any = True
+            else:
+                self.raise_base.pop(key, None)
             by_raise = raise_limit < value <= limit  # past the raise's test alone (ordinary per unit of LR)
             if value > limit or by_raise:
-                kind, harm = self.kind, self._harm(stats, value <= cfg.ceiling or key in self.zero_init or restart)
+                since = self.raise_base.get(key) if by_raise else None
+                relative = value <= cfg.ceiling or key in self.zero_init or restart
+                kind, harm = self.kind, self._harm(stats, relative, since)
                 if by_raise and (harm is None or not harm["harm"]):
                     self.large_runs.pop(key, None)
                     w.append(x)  # the raise is the user's
+                    if base is not None:
+                        self.raise_base.setdefault(key, base)
                     continue
                 if by_raise and before is not None:  # (what the message says)
                     judged_lr, rel_limit, limit = before, raise_limit, raise_limit
@@ -1094,7 +1114,10 @@ class UpdateRatioSpike(_Windowed):
                 if harm is not None and harm.get("last_update"):
                     told += "; the run's last update: no loss was measured after it, no harm shown to undo"
                 elif harm is not None:
-                    told += f"; the loss went from {_fmt(harm['loss_before'])} to {_fmt(harm['loss_after'])} " + (
+                    told += f"; the loss went from {_fmt(harm['loss_before'])}" + (
+                        " (its level before the raise)" if harm.get("since_raise") else ""
+                    )
+                    told += f" to {_fmt(harm['loss_after'])} " + (
                         "after it" if harm["harm"] else "after it: no harm to undo"
                     )
                 finding = Finding(
@@ -1128,6 +1151,10 @@ class UpdateRatioSpike(_Windowed):
                     }
                     finding.occurrence = 1  # its undo alone: the ladder's streak starts afresh
                 out.append(finding)
+                if kind == self.kind and peak_before is not None:
+                    # undone: its LR is no level the schedule reached (a schedule bug that comes
+                    # back to it is no warm restart)
+                    self.lr_peak[key] = peak_before
                 if kind == LARGE_UPDATE:
                     run = self.large_runs.setdefault(key, [])
                     run.append(x)
@@ -1143,6 +1170,8 @@ class UpdateRatioSpike(_Windowed):
                 continue
             self.large_runs.pop(key, None)
             w.append(x)
+        if judged and not out and not raising_any and base is not None and loss is not None:
+            self.recent_losses.append(float(loss))  # (the loss before an update made at the usual LR)
         return out
 
     @staticmethod
@@ -1173,26 +1202,28 @@ class UpdateRatioSpike(_Windowed):
         level = max(max(recent), float(next_lr))
         return level if lr >= factor * level else None
 
-    def _lr_back(self, key: str, lr: float) -> bool:
+    def _lr_back(self, key: str, lr: float, held_down: bool = False) -> bool:
         """Records the LR of this update of ``key``; True when the user's schedule has just taken it
         back up to a level the group's updates were made at before it fell: at least 2x the lowest
         of the last ``warmup`` updates, at most the highest LR so far, the LR having fallen to half
         that highest since (a warm restart). A first step, a constant LR, an LR above any before it
-        (a fault, a schedule bug, an unfrozen layer, a warm-up): False."""
+        (a fault, a schedule bug, an unfrozen layer, a warm-up): False. An update the monitor's LR
+        drop made (``held_down``) sets no new highest: the user's LR was not what it was made at."""
         recent = self.lrs.setdefault(key, collections.deque(maxlen=self.config.warmup))
         peak, low = self.lr_peak.get(key, (lr, lr))
         back = bool(recent) and 2 * low <= peak and 2 * min(recent) <= lr <= peak * (1 + 1e-6)
         recent.append(lr)
-        self.lr_peak[key] = (lr, lr) if lr > peak else (peak, min(low, lr))
+        self.lr_peak[key] = (lr, lr) if lr > peak and not held_down else (peak, min(low, lr))
         return back
 
-    def _harm(self, stats: Mapping[str, float], relative: bool) -> dict[str, Any] | None:
+    def _harm(self, stats: Mapping[str, float], relative: bool, since: float | None = None) -> dict[str, Any] | None:
         """What the update did to the loss, for a spike of the relative test alone (``relative``):
         {"loss_before", "loss_after", "loss_start", "harm_rise", "harm"}; None when the test needs no
         evidence (the ceiling, ``harm_rise`` 0) or no loss was given to judge by. Harm: the loss after
         is non-finite, or over ``harm_rise`` x the loss before and the rise gives back at least
         ``harm_setback`` of the progress since the start (a loss that never fell below its start:
-        the ratio alone)."""
+        the ratio alone). ``since``: the loss's level before a raise whose earlier updates were
+        accepted; a rise that far over it is harm too (``since_raise``)."""
         cfg = self.config
         before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)
         if relative and cfg.harm_rise and before is not None and S.finite(before) and stats.get(S.LAST_UPDATE):
@@ -1209,6 +1240,16 @@ class UpdateRatioSpike(_Windowed):
             noise = math.exp(cfg.harm_noise * _median(list(self.loss_moves)))
             rise = max(rise, min(noise, cfg.harm_rise_max))
         harm = not S.finite(after) or (after > rise * before and material)
+        if not harm and since is not None and S.finite(since) and since > 0:
+            if after > rise * since and _gives_back(after, since, start, cfg.harm_setback):
+                return {
+                    "loss_before": since,
+                    "loss_after": after,
+                    "loss_start": start,
+                    "harm_rise": rise,
+                    "harm": True,
+                    "since_raise": True,
+                }
         return {
             "loss_before": before,
             "loss_after": after,
@@ -1221,8 +1262,9 @@ class UpdateRatioSpike(_Windowed):
         """After a change of data a model relearns with larger updates: the relative test learns
         their usual size afresh (its warm-up; the ceiling judges meanwhile), and the loss's start
         is the new level's."""
-        self.windows, self.losses_seen, self.large_runs = {}, [], {}
+        self.windows, self.losses_seen, self.large_runs, self.raise_base = {}, [], {}, {}
         self.loss_moves.clear()
+        self.recent_losses.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -1233,6 +1275,8 @@ class UpdateRatioSpike(_Windowed):
             "lrs": {k: list(v) for k, v in self.lrs.items()},
             "lr_peak": {k: list(v) for k, v in self.lr_peak.items()},
             "loss_moves": list(self.loss_moves),
+            "recent_losses": list(self.recent_losses),
+            "raise_base": dict(self.raise_base),
             "large_runs": {k: list(v) for k, v in self.large_runs.items()},
         }
 
@@ -1250,6 +1294,8 @@ class UpdateRatioSpike(_Windowed):
         }
         self.lr_peak = {str(k): (float(v[0]), float(v[1])) for k, v in state.get("lr_peak", {}).items()}
         self.loss_moves = collections.deque((float(v) for v in state.get("loss_moves", [])), maxlen=self.config.window)
+        self.recent_losses = collections.deque((float(v) for v in state.get("recent_losses", [])), maxlen=5)
+        self.raise_base = {str(k): float(v) for k, v in state.get("raise_base", {}).items()}
         self.large_runs = {str(k): [float(x) for x in v] for k, v in state.get("large_runs", {}).items()}
 
 

@@ -283,6 +283,12 @@ class BatchRecorder:
     to ``max_batches`` a step; the first forward past them calls ``on_full()`` (once per recorder).
     ``clear()`` at each step start. The RNG state is captured at the step's first forward
     (``capture_rng``), so a replay draws the same dropout masks.
+
+    A loop that feeds its data to a child of the root, not to the root (a LightningModule's
+    ``training_step`` calling ``self.net(x)``), never runs the root's forward: the first direct
+    child a step calls outside the root's forward is where its data comes in, and the floating
+    inputs of that child's calls (outside the root) are counted as non-finite inputs too. Nothing of
+    theirs is kept for a bundle (a replay runs the root).
     """
 
     def __init__(
@@ -304,17 +310,33 @@ class BatchRecorder:
         self.batches: list[dict[str, Any]] = []
         self.rng_state: dict[str, Any] | None = None
         self._handle: RemovableHandle | None = None
+        self._child_handles: list[RemovableHandle] = []
+        self._in_root = 0  # forwards of the root under way (its children's calls inside are not entries)
+        self._entry: nn.Module | None = None  # the child the step's data came in through (no root forward)
+        self._entry_nonfinite: torch.Tensor | None = None
 
     def attach(self, model: nn.Module) -> BatchRecorder:
         if self._handle is not None:
             raise RuntimeError("BatchRecorder is already attached; call detach() first")
         self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        self._child_handles = [
+            model.register_forward_pre_hook(self._enter_root, prepend=True),
+            model.register_forward_hook(self._leave_root, always_call=True),
+        ]
+        self._child_handles += [
+            child.register_forward_pre_hook(self._child_pre, with_kwargs=True)
+            for child in model.children()
+            if not isinstance(child, torch.jit.ScriptModule)  # (no hooks on those)
+        ]
         return self
 
     def detach(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        for h in self._child_handles:
+            h.remove()
+        self._child_handles, self._in_root = [], 0
         self.clear()
 
     def clear(self) -> None:
@@ -322,14 +344,43 @@ class BatchRecorder:
         self.rng_state = None
         self.forwards = 0
         self._nonfinite = None
+        self._entry, self._entry_nonfinite = None, None
+
+    def _enter_root(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self._in_root += 1
+
+    def _leave_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self._in_root = max(0, self._in_root - 1)
+
+    def _child_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling() or self._in_root or not torch.is_grad_enabled() or inside_func_transform():
+            return
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside the backward (activation checkpointing)
+        if self._entry is None:
+            self._entry = module
+        if module is not self._entry:
+            return  # (an intermediate passed on to another child: an overflow in the first is no bad input)
+        n = _count_nonfinite([[args, kwargs]])
+        if n is not None:
+            held = self._entry_nonfinite
+            self._entry_nonfinite = n if held is None else held + n.to(held.device)
 
     def nonfinite_inputs(self) -> torch.Tensor | None:
         """How many floating input values of this step's micro-batches are NaN or inf, as a 0-d
         tensor (no host read); None when no floating input was recorded. A NaN that arrives with
         the data is a bad batch, not an overflow inside the model."""
-        if not self.keep:
-            return self._nonfinite
-        return _count_nonfinite([[b.get("args", ()), b.get("kwargs", {})] for b in self.batches])
+        root = (
+            self._nonfinite
+            if not self.keep
+            else _count_nonfinite([[b.get("args", ()), b.get("kwargs", {})] for b in self.batches])
+        )
+        entry = self._entry_nonfinite
+        if root is None or entry is None:
+            return root if entry is None else entry
+        return root + entry.to(root.device)
 
     def _pre(self, module, args, kwargs):
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or inside_func_transform():

@@ -1799,7 +1799,7 @@ class Monitor:
                 # scheduler are put back when the step closes (see actions.py).
                 # The user's LR per group (before the drop): the update-ratio test reads updates per
                 # unit of it, so the user's schedule is no spike and the monitor's own drop a remedy.
-                rec.group_lr = self._group_lrs(ctx.optimizer)
+                rec.group_lr, rec.lr_scale = self._group_lrs(ctx.optimizer), ctx.lr_scale
                 rec.saved_lr = A.apply_lr_scale(ctx.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
                 if ctx.undo is not None and not ctx.stopped:
                     # The state this update starts from: an exact undo of it, and the update ratio's
@@ -2309,6 +2309,7 @@ class Monitor:
         """The after-update detectors' findings on ``rec``'s update: its statistics (update ratios
         included), the user's LR of each group's update, and ``extra``."""
         seen = {**rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in rec.group_lr.items()}, **extra}
+        seen[S.UPDATE_LR_SCALE] = rec.lr_scale
         return [f for d in self._detectors if d.after_update for f in d.check(rec.step, seen)]
 
     def _publish(self, rec: StepRecord, after: dict[str, float]) -> None:

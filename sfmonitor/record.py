@@ -150,7 +150,8 @@ class StepRecord:
     restore_after: bool = False  # a skip by putting this step's exact copy back after the step ran
     closure_in_step: bool = False  # the optimizer calls the closure inside its step (SAM): a forward after the copy
     saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
-    group_lr: dict[str, float] = field(default_factory=dict)  # the LR each group's update is made with
+    group_lr: dict[str, float] = field(default_factory=dict)  # the user's LR of each group's update
+    lr_scale: float = 1.0  # the monitor's LR drop the update was made under (1: none)
     before_params: list[torch.Tensor] | None = None  # parameters before the update
     ratio_live: list[torch.Tensor] | None = None  # views of the parameters the update ratio measures (slices)
     before_norms: torch.Tensor | None = None  # their norms per group

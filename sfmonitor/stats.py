@@ -88,6 +88,9 @@ UPDATE_LR = "update_lr/{}"
 # UPDATE_LR, not published. An update made at an LR far above both the LRs before it and this one
 # was made at an excursion of the LR, not at the schedule's level.
 NEXT_LR = "next_lr/{}"
+# The monitor's LR scale (lr_drop) an update was made under, given beside UPDATE_LR (1.0: the
+# user's LR as set), not published: an LR the monitor held down is no level the schedule reached.
+UPDATE_LR_SCALE = "update_lr_scale"
 # Given (1.0) with the run's last update when detach() judges it: no step came after it, so no loss
 # was measured on the updated weights; a test that asks the loss for evidence of harm tells instead.
 LAST_UPDATE = "last_update"

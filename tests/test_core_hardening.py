@@ -379,3 +379,52 @@ def test_without_bundles_no_input_is_held_past_its_forward_and_a_nan_input_is_st
     assert [(e.kind, e.actions) for e in mon.events] == [("bad_batch", ["skip_step"])]
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     mon.detach()
+
+
+def test_a_nan_input_given_to_a_child_module_is_a_bad_batch(tmp_path):
+    """A LightningModule's ``training_step`` that calls its network, ``self.net(x)``, never runs
+    the attached module's own forward, whose inputs are the ones checked: a NaN input was told as
+    ``nonfinite_loss`` + ``nonfinite_grad`` (what an overflow inside the model looks like), not as
+    the bad batch it is. The first child module a step calls outside the root's forward is where
+    its data comes in: its floating inputs are checked too (under accumulation, each of its calls;
+    an intermediate passed to a second child is not, so an overflow in the first stays one)."""
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+            self.head = nn.Linear(8, 1)
+
+    for bundles in (True, False):
+        torch.manual_seed(0)
+        wrap = Wrap()
+        opt = torch.optim.Adam(wrap.parameters(), lr=1e-3)
+        mon = sfmonitor.attach(
+            wrap, opt, run_dir=str(tmp_path / str(bundles)), config=quiet(bundle={"enabled": bundles})
+        )
+        for i in range(6):
+            for micro in range(2):
+                x = torch.randn(4, 4)
+                if i == 4 and micro == 1:
+                    x[0, 0] = float("nan")
+                mon.combine(wrap.head(wrap.net(x)).pow(2).mean() / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        assert [(e.kind, e.step, e.actions) for e in mon.events] == [("bad_batch", 4, ["skip_step"])]
+        assert mon.events[0].data["nonfinite_inputs"] == 1
+        assert mon._recorder.batches == []  # (nothing of a child's is held for a bundle)
+        mon.detach()
+    # An inf made inside the first child and passed on to the second is no bad input.
+    torch.manual_seed(0)
+    wrap = Wrap()
+    opt = torch.optim.SGD(wrap.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(wrap, opt, run_dir=str(tmp_path / "inside"), config=quiet())
+    for i in range(3):
+        h = wrap.net(torch.randn(4, 4))
+        if i == 2:
+            h = h * float("inf")
+        mon.combine(wrap.head(h).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert "bad_batch" not in [e.kind for e in mon.events] and mon.events
+    mon.detach()

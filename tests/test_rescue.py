@@ -720,6 +720,22 @@ def test_an_lr_drop_is_released_once_the_users_lr_falls_below_the_lr_it_set(tmp_
     assert held <= 1.05 * bare
 
 
+def test_a_schedule_bug_that_comes_back_is_not_taken_for_a_warm_restart(tmp_path):
+    """The schedule bug (300x for 30 steps) comes back 170 steps later: the LRs of the first one's
+    updates were recorded as a level the schedule had reached, though the monitor undid them and
+    held the LR down, so the second raise read as a warm restart back to that level (no raise
+    test) and landed: held-out 4.5-5.9x the fault-free run, as bare. An LR the monitor undid or
+    held down is no level of the user's schedule, and a raise's updates are judged by where they
+    took the loss from its level before the raise (each step's rise was within this batch-16
+    run's noise): the second raise is undone and its LR taken back like the first."""
+    raised = set(range(60, 90)) | set(range(230, 260))
+    held, mon = _held_raise_run(tmp_path / "mon", raised=raised, steps=330, seed=2)
+    bare, _ = _held_raise_run(tmp_path / "bare", raised=raised, monitored=False, steps=330, seed=2)
+    undone = [e.step for e in mon.events if "undo" in e.actions]
+    assert any(230 <= s < 260 for s in undone)
+    assert held <= 0.5 * bare  # (before: 1.00x bare, 5.9x the fault-free run; now 1.9x it)
+
+
 def test_a_drop_after_a_short_lr_raise_is_not_sized_to_a_rise_that_is_gone(tmp_path):
     """The same schedule bug for 3 steps only: by the drop (the second undo, two steps on) the
     user's LR is back, so the drop is the usual fifth, which climbs back; sized by the update's
