@@ -79,6 +79,9 @@ QK_CLIP = "qk_clip"
 
 # Maxima: one rank's growing head must not be diluted by the others.
 S.REDUCTIONS[ATTN_LOGIT_MAX_PREFIX] = S.Reduce.MAX
+# Under a process group the watch gives it as [sum, count] over the ranks that ran the module
+# (ActivationWatch.pending): summed, then made a mean after the read.
+S.REDUCTIONS[ATTN_ENTROPY_PREFIX] = S.Reduce.SUM
 
 # The activation watch of each attached model (``watch.ActivationWatch.attach``): qk_clip asks it
 # for the logits the updated weights give on the sampled step's own input.

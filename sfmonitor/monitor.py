@@ -1563,6 +1563,8 @@ class Monitor:
         last = self._last if self._last is not None and self._last.after else None
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
         values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
+        if world_size() > 1:
+            self._watch.settle(values)  # (modules no rank ran; attention entropies' means)
         self._dead.resolve(values)  # dead_units/<group>: counts summed across ranks -> shares
         S.shares(values, S.ADAM_EPS.format(""))  # adam_eps/<group>: [|m| under eps, all |m|] -> share
         if last is not None:

@@ -88,7 +88,7 @@ from .integrations.distributed import world_size
 from .registry import register_kind
 from .schema import Section, option
 from .sharding import is_sharded
-from .stats import ACT_FIRST_NONFINITE, INPUT_NONFINITE, LOSS_TOTAL, finite
+from .stats import ACT_FIRST_NONFINITE, INPUT_NONFINITE, LOSS_TOTAL, REDUCTIONS, Reduce, Vector, finite
 
 # A first warning (|x| >= half the dtype's max, or the limit a few steps away at the current growth
 # rate) is told; a second within 100 steps means the module keeps living near the limit: treat the
@@ -120,6 +120,26 @@ ACT_ABSMAX_PREFIX = "act_absmax/"
 # An index, internal (never in monitor.stats); across ranks the smallest (stats.REDUCTIONS: FIRST).
 FIRST_NONFINITE_KEY = ACT_FIRST_NONFINITE
 _NO_NONFINITE = 2**62  # sentinel sequence number: "no non-finite record"
+# Under a process group, the value of a watched module that did not run on this rank: below any
+# maximum (|activation| >= 0; an attention logit above -1e30), so the max over the ranks is the
+# ranks' that ran it; still this after the read, no rank ran it (ActivationWatch.settle).
+ABSENT = -1e30
+# Under a process group, minus the largest finite value of the dtype a module's maximum was taken
+# in (its activations', its attention logits'), reduced by max (the narrowest dtype of the ranks
+# that ran it): a rank that did not run the module judges it in that dtype too. Not published.
+ACT_DTYPE_PREFIX = "act_dtype_limit/"
+ATTN_DTYPE_PREFIX = "attn_dtype_limit/"
+_DTYPE_PREFIXES = (ACT_DTYPE_PREFIX, ATTN_DTYPE_PREFIX)
+for _prefix in _DTYPE_PREFIXES:
+    REDUCTIONS[_prefix] = Reduce.MAX
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_of_limit(limit: float) -> torch.dtype:
+    """The floating dtype whose largest finite value is ``limit`` (the nearest one)."""
+    return min(_FLOATS, key=lambda d: abs(math.log(dtype_limit(d)) - math.log(max(limit, 1.0))))
+
+
 # A sampled step whose loss is non-finite and in which a watched module was fed an inf/NaN that no
 # watched module made (a module the patterns do not select made it: a parameter-free similarity or
 # scaling module, a custom activation) widens the watch: every module of the model is recorded on
@@ -478,6 +498,7 @@ class ActivationWatch:
         self._inputs: dict[str, tuple[int, tuple, dict]] = {}  # this step's (step, args, kwargs)
         self._last_inputs: dict[str, tuple[int, tuple, dict]] = {}  # the previous step's, for qk_clip
         self._held: dict[str, _Hold] = {}
+        self._device = torch.device("cpu")  # the model's (where ABSENT values are made)
         self._told: dict[str, float] = {}  # modules QK-Clip cannot act on: the max last reported
         self._entropy_start: dict[str, float] = {}  # module -> its first sampled attn_entropy
         self._entropy_told: set[str] = set()  # modules told collapsed, not yet recovered
@@ -551,6 +572,8 @@ class ActivationWatch:
                         self._sharded.add(name)
         AT.WATCHES[model] = self
         self._model = model
+        first = next(iter(model.parameters()), None)
+        self._device = first.device if first is not None else torch.device("cpu")
         self.reset(0)
         return self
 
@@ -867,41 +890,100 @@ class ActivationWatch:
             rec.calls += 1
 
     # ---- read-out --------------------------------------------------------------------------
-    def pending(self) -> dict[str, torch.Tensor]:
+    def pending(self) -> dict[str, Any]:
         """This step's 0-d tensors: ``act_absmax/<module>``, ``act_first_nonfinite`` and
         ``attn_logit_max/<module>`` (``/h<i>`` per head).
 
         Empty on unsampled steps. For each module the value is taken in the narrowest dtype it
         produced (the one that overflows first); wider dtypes still count for non-finiteness.
+
+        Under a process group the step's values are one all-reduce by position, so every rank
+        gives the same keys in the same order: every watched module (``ABSENT`` where it did not
+        run on this rank: an expert no token was routed to; a branch one rank takes), and the
+        attention entropy as [sum, count] summed over the ranks that ran it. ``settle`` turns the
+        read values back into this single-process form.
         """
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, Any] = {}
         self._dtypes = {}
+        every = self._sampled and world_size() > 1
+        if every:
+            universe = [n for n in [*self.module_names, *sorted(self._wide_names)] if self._wanted(n)]
+            absent = torch.full((), ABSENT, device=self._device)
         order, bads = [], []
-        for name, rec in self._records.items():
-            if not rec.absmax:
+        for name in universe if every else list(self._records):
+            rec = self._records.get(name)
+            if rec is not None and rec.absmax:
+                dtype = min(rec.absmax, key=dtype_limit)
+                self._dtypes[name] = dtype
+                out[ACT_ABSMAX_PREFIX + name] = rec.absmax[dtype]
+                if every:
+                    out[ACT_DTYPE_PREFIX + name] = torch.full((), -dtype_limit(dtype), device=self._device)
+            elif every:
+                out[ACT_ABSMAX_PREFIX + name] = out[ACT_DTYPE_PREFIX + name] = absent
+            else:
                 continue
-            dtype = min(rec.absmax, key=dtype_limit)
-            self._dtypes[name] = dtype
-            out[ACT_ABSMAX_PREFIX + name] = rec.absmax[dtype]
             order.append(name)
-            bads.append(rec.first_bad if rec.first_bad is not None else torch.tensor(_NO_NONFINITE))
+            bad = rec.first_bad if rec is not None else None
+            bads.append(bad if bad is not None else torch.full((), _NO_NONFINITE, device=self._device))
         self._order = order
         if bads:
-            seqs = torch.stack(bads)
+            seqs = torch.stack([b.to(bads[0].device) for b in bads])
             first = torch.argmin(seqs)
             out[FIRST_NONFINITE_KEY] = torch.where(seqs[first] < _NO_NONFINITE, first, -1).float()
         self._attn_dtypes, self._attn_heads = {}, {}
-        for name, arec in self._attn.items():
-            key = ATTN_LOGIT_MAX_PREFIX + name
+        attn_names = [n for n in self.attention if self._wanted(n)] if every else list(self._attn)
+        for name in attn_names:
+            key, arec = ATTN_LOGIT_MAX_PREFIX + name, self._attn.get(name)
+            n = arec.heads.numel() if arec is not None else 0
+            if every:
+                # the same number of heads on every rank: the module's own (one value where unknown)
+                known = self.attention[name].heads
+                heads = known if isinstance(known, int) and known > 1 and self._attn_cfg.per_head else 1
+                have = arec is not None and (n == heads or heads == 1)
+                out[key] = arec.heads.max() if arec is not None else absent
+                limit = -dtype_limit(arec.dtype) if arec is not None else ABSENT
+                out[ATTN_DTYPE_PREFIX + name] = torch.full((), limit, device=self._device)
+                if heads > 1:
+                    for h in range(heads):
+                        out[f"{key}/h{h}"] = arec.heads[h] if have and arec is not None else absent
+                ent = arec.entropy / arec.calls if arec is not None and arec.entropy is not None else None
+                if self._attn_cfg.entropy:
+                    one = torch.ones((), device=self._device)
+                    pair = (
+                        torch.stack([ent.float().to(one.device), one])
+                        if ent is not None
+                        else torch.zeros(2, device=one.device)
+                    )
+                    out[AT.ATTN_ENTROPY_PREFIX + name] = Vector(pair)
+                if arec is not None:
+                    self._attn_dtypes[name], self._attn_heads[name] = arec.dtype, heads if have else 1
+                continue
+            assert arec is not None
             out[key] = arec.heads.max()
             if arec.entropy is not None:
                 out[AT.ATTN_ENTROPY_PREFIX + name] = arec.entropy / arec.calls
-            n = arec.heads.numel()
             self._attn_dtypes[name], self._attn_heads[name] = arec.dtype, n
             if n > 1 and self._attn_cfg.per_head:
                 for h in range(n):
                     out[f"{key}/h{h}"] = arec.heads[h]
         return out
+
+    def settle(self, values: dict[str, Any]) -> None:
+        """After the step's read (under a process group): drop the values of modules no rank ran
+        (still ``ABSENT``), and make each attention entropy [sum, count] its mean."""
+        for key in [k for k, v in values.items() if isinstance(v, float) and v <= ABSENT / 2]:
+            if key.startswith((ACT_ABSMAX_PREFIX, ATTN_LOGIT_MAX_PREFIX, *_DTYPE_PREFIXES)):
+                del values[key]
+        for prefix, dtypes in ((ACT_DTYPE_PREFIX, self._dtypes), (ATTN_DTYPE_PREFIX, self._attn_dtypes)):
+            for key in [k for k in values if k.startswith(prefix)]:
+                dtypes[key[len(prefix) :]] = _dtype_of_limit(-values.pop(key))
+        for key in [k for k in values if k.startswith(AT.ATTN_ENTROPY_PREFIX)]:
+            v = values[key]
+            if isinstance(v, list) and len(v) == 2:
+                if v[1] > 0:
+                    values[key] = v[0] / v[1]
+                else:
+                    del values[key]
 
     def _head_values(self, name: str, stats: dict[str, float]) -> list[float] | None:
         key = ATTN_LOGIT_MAX_PREFIX + name

@@ -359,3 +359,74 @@ def test_one_rank_forgetting_zero_grad_is_told_on_every_rank(tmp_path):
     mp.spawn(_forgetful_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0 == r1 == [(1, "zero_grad_missing")]
+
+
+class _Branches(nn.Module):
+    """Rank 0 runs branch ``b``, rank 1 branch ``c`` (a mixture-of-experts routing no token to an
+    expert on a rank); ``c``'s weights are large, so its activations are."""
+
+    def __init__(self, scale=1000.0):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 3), nn.Linear(6, 3), nn.Linear(6, 3)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        with torch.no_grad():
+            self.c.weight.mul_(scale)
+
+    def forward(self, x):
+        branch = self.b if dist.get_rank() == 0 else self.c
+        out = self.a(x) + 1e-3 * branch(x)
+        if dist.get_rank() == 1:  # the attention module runs on rank 1 only
+            seq = x.reshape(x.shape[0], 2, 3).repeat(1, 1, 2)
+            out = out + 1e-3 * self.attn(seq, seq, seq, need_weights=False)[0].mean(1)[:, :3]
+        return out
+
+
+def _branches_worker(rank, world, port, out_dir, half=False):
+    _join(rank, world, port)
+    torch.manual_seed(0)
+    net = _Branches(30000.0).half() if half else _Branches()
+    model = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    cfg = {"console": False, "watch": {"stride": 1}}
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config=cfg)
+    true = {}
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + step + 10 * rank)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        x, y = (x.half(), y.half()) if half else (x, y)
+        with torch.no_grad():
+            true["b" if rank == 0 else "c"] = (model.module.b if rank == 0 else model.module.c)(x).abs().max().item()
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = {k: v for k, v in mon.stats.items() if k.startswith(("act_absmax/", "attn_"))}
+    events = [(e.step, e.kind, e.actions, e.data.get("module")) for e in mon.events]
+    torch.save({"stats": stats, "true": true, "events": events}, f"{out_dir}/r{rank}.pt")
+    mon.detach()
+    _leave()
+
+
+def test_watched_modules_that_run_on_some_ranks_only_are_read_alike_on_every_rank(tmp_path):
+    """The watch gave the maxima of the modules that ran on this rank, and the step's values are
+    one all-reduce by position: where ranks ran different modules the job aborted inside gloo (a
+    count differing), or, with as many on each, one rank's maxima were read as another module's
+    (rank 0 logged branch b at 1153, c's maximum on rank 1; under fp16 each rank fell back to
+    fp32 a different module). Under a process group the watch gives every watched module a value,
+    one that no maximum is below where it did not run, so every rank reads every module's
+    maximum over the ranks that ran it, and a module no rank ran has no value."""
+    mp.spawn(_branches_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
+    assert r0["stats"] == r1["stats"] and r0["events"] == r1["events"] == []
+    assert r0["stats"]["act_absmax/b"] == pytest.approx(r0["true"]["b"], rel=1e-5)
+    assert r0["stats"]["act_absmax/c"] == pytest.approx(r1["true"]["c"], rel=1e-5)
+    assert "attn_logit_max/attn" in r0["stats"] and "attn_entropy/attn" in r0["stats"]
+
+
+def test_a_module_near_the_fp16_limit_on_one_rank_is_judged_alike_on_every_rank(tmp_path):
+    """The same, in fp16, branch c's activations near the fp16 limit on rank 1: rank 1 judged it
+    (activation_overflow, then its rescue) and rank 0, which never ran c, knew no dtype for it and
+    judged nothing: the ranks took different actions. The dtype behind each maximum is agreed too."""
+    mp.spawn(_branches_worker, args=(2, _free_port(), str(tmp_path), True), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
+    assert r0["events"] == r1["events"] and r0["events"]
+    assert {module for *_, module in r0["events"]} == {"c"}
