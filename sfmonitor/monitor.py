@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from . import actions as A
@@ -513,6 +514,18 @@ def _backward_hooked(model: nn.Module, params: Sequence[torch.Tensor]) -> str | 
     return None
 
 
+def _raw_weight(module: nn.Module) -> torch.Tensor | None:
+    """A layer's weight parameter as the optimizer holds it, without running a parametrization:
+    ``module.weight`` of a parametrized layer computes it, and ``spectral_norm``'s computation in
+    training mode is a power iteration that moves its state (a monitor must not)."""
+    if parametrize.is_parametrized(module, "weight"):
+        held = getattr(getattr(module, "parametrizations", None), "weight", None)
+        original = getattr(held, "original", None)  # (weight_norm's two have no single one)
+        return original if isinstance(original, torch.Tensor) else None
+    weight = module._parameters.get("weight")
+    return weight if isinstance(weight, torch.Tensor) else None
+
+
 class Monitor:
     """Watches a model and optimizer each optimizer step; see the module docstring.
 
@@ -706,13 +719,9 @@ class Monitor:
         # The weights of nn.Linear / nn.Conv layers whose units dead_units/<group> watches (a tied
         # weight once); their counts start over with the new list.
         position = {id(p): i for i, p in enumerate(self._params)}
+        weights = [w for m in model.modules() if isinstance(m, _UNIT_LAYERS) and (w := _raw_weight(m)) is not None]
         units = dict.fromkeys(
-            position[id(m.weight)]
-            for m in model.modules()
-            if isinstance(m, _UNIT_LAYERS)
-            and id(m.weight) in position
-            and m.weight.dim() >= 2
-            and m.weight.shape[0] >= MIN_UNITS
+            position[id(w)] for w in weights if id(w) in position and w.dim() >= 2 and w.shape[0] >= MIN_UNITS
         )
         self._dead = S.DeadUnitCounter(
             [(i, self._group_names[self._param_group[i]]) for i in units], self.config.stats.dead_units_samples

@@ -1189,3 +1189,36 @@ def test_a_backward_hook_that_feeds_training_is_not_run_again_by_grad_ratio(tmp_
     assert all(torch.equal(bare[k], watched[k]) for k in bare)
     told = [str(w.message) for w in caught if "grad_ratio" in str(w.message)]
     assert len(told) == 1 and "backward hook" in told[0]
+
+
+def test_a_spectral_norm_parametrization_is_not_advanced_by_attach(tmp_path):
+    """``torch.nn.utils.parametrizations.spectral_norm``: reading ``module.weight`` runs the
+    parametrization, and in training mode that is one power iteration, which moves its ``_u``
+    and ``_v``. The monitor read the weight of every ``nn.Linear`` at attach (which units
+    dead_units watches): one extra iteration per layer, so a healthy run ended off its bare twin
+    (a helper's probe: held-out 1.005-1.135x, no event). It reads the parameter under it."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    def run(monitored):
+        torch.manual_seed(0)
+        net = nn.Sequential(spectral_norm(nn.Linear(8, 32)), nn.ReLU(), spectral_norm(nn.Linear(32, 1)))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        mon = (
+            sfmonitor.attach(net, opt, run_dir=tmp_path / str(monitored), sinks=[], config=quiet())
+            if monitored
+            else None
+        )
+        g = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            x = torch.randn(16, 8, generator=g)
+            loss = nn.functional.mse_loss(net(x), x.sum(1, keepdim=True).sin())
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        if mon is not None:
+            assert not mon.events
+            mon.detach()
+        return net.state_dict()
+
+    bare, monitored = run(False), run(True)
+    assert all(torch.equal(bare[k], monitored[k]) for k in bare)
