@@ -44,6 +44,8 @@ from .checkpoint import (
     TRACKED,
     SnapshotRing,
     capture_state,
+    inner_optimizers,
+    params_of,
     restore_state,
     save_checkpoint,
 )
@@ -436,9 +438,19 @@ class ActionContext:
             return self.stats_copy, self.stats_buffers
         return None
 
+    def held_ids(self) -> set[int]:
+        """The ids of the tensors the undo copy puts back of its own: the parameters the optimizer
+        updates (and those of the optimizers it wraps) and the model's buffers."""
+        params = [p for opt in [self.optimizer, *inner_optimizers(self.optimizer)] for p in params_of(opt)]
+        return {id(t) for t in (*params, *self.undo_buffers)}
+
     def tracked_tensors(self) -> list[torch.Tensor]:
-        """The tracked modules' parameters and buffers, walked now (a module may replace one)."""
-        return [t for _, m in self.tracked for t in (*m.parameters(), *m.buffers())]
+        """The tracked modules' parameters and buffers, walked now (a module may replace one), but
+        those the undo copy holds of its own (``held_ids``: a tracked part of the model)."""
+        if not self.tracked:
+            return []
+        held = self.held_ids()
+        return [t for _, m in self.tracked for t in (*m.parameters(), *m.buffers()) if id(t) not in held]
 
     def params_with_grad(self) -> dict[str, list[nn.Parameter]]:
         groups = self.groups or {"all": list(self.model.named_parameters())}

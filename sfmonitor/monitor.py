@@ -768,7 +768,10 @@ class Monitor:
 
     def track(self, *modules: nn.Module) -> Monitor:
         """Hold ``modules`` (an EMA of the weights: ``torch.optim.swa_utils.AveragedModel``, timm's
-        ``ModelEmaV2``) beside the model: what the loop derives from the weights after each step.
+        ``ModelEmaV2``; or a part of the model outside the optimizer, such as BYOL's target network
+        inside the learner) beside the model: what the loop derives from the weights after each step.
+        Of a module the monitor holds already in part, the rest is held (not the parameters its
+        optimizer updates, nor the model's buffers).
         The undo copy holds their parameters and buffers (an undo puts them back with the
         weights: an EMA updated after a bad update, before the step that finds it, mixed it in),
         and so do the rollback snapshots and the single-file emergency checkpoint
@@ -776,20 +779,21 @@ class Monitor:
         ...; not the FSDP2 (DCP) checkpoint: a sharded module's parts would not all land). Call it after
         ``attach`` (once per module; again after a new attach). Returns the monitor."""
         ctx = self._live()
-        model_tensors = {id(t) for t in (*unwrap(ctx.model).parameters(), *unwrap(ctx.model).buffers())}
+        held = ctx.held_ids()
         for i, m in enumerate(modules):
             if not isinstance(m, nn.Module):
                 raise TypeError(
                     f"track: argument {i} must be an nn.Module (an EMA of the model), got {type(m).__name__}"
                 )
-            if any(m is held for _, held in ctx.tracked):
+            if any(m is already for _, already in ctx.tracked):
                 raise ConfigError(f"track: argument {i} ({type(m).__name__}) is already tracked")
-            shared = [n for n, t in (*m.named_parameters(), *m.named_buffers()) if id(t) in model_tensors]
-            if shared:
-                names = ", ".join(shared[:3]) + (", ..." if len(shared) > 3 else "")
+            named = [*m.named_parameters(), *m.named_buffers()]
+            if named and all(id(t) in held for _, t in named):
+                names = ", ".join(n for n, _ in named[:3]) + (", ..." if len(named) > 3 else "")
                 raise ConfigError(
-                    f"track: argument {i} ({type(m).__name__}) holds tensors of the model itself ({names}), which "
-                    f"the monitor holds already; track a separate copy (an EMA is a deep copy of the model)"
+                    f"track: argument {i} ({type(m).__name__}) holds nothing the monitor does not hold already "
+                    f"(the parameters its optimizer updates and the model's buffers: {names}); track a separate "
+                    "copy (an EMA is a deep copy of the model), or a part of the model outside the optimizer"
                 )
         for m in modules:
             ctx.tracked.append((f"tracked.{len(ctx.tracked)}", m))
