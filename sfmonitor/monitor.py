@@ -697,7 +697,16 @@ class Monitor:
         ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group] + outside
         held = self._params
         self._params = [p for _, p in ordered]
-        self._buffers = list(model.buffers())  # walked once, not every step: the undo copy holds them
+        # Walked once, not every step: the undo copy holds them. A forward may replace one (DINO's
+        # `self.center = ...`): where each lives is kept, and looked up each step (_fresh_buffers).
+        seen: set[int] = set()
+        self._buffer_slots = [
+            (m, n)
+            for m in model.modules()
+            for n, b in m._buffers.items()
+            if b is not None and id(b) not in seen and not seen.add(id(b))  # type: ignore[func-returns-value]
+        ]
+        self._buffers = [b for m, n in self._buffer_slots if (b := m._buffers[n]) is not None]
         self._running_stats = running_statistics(model)  # without the undo copy, a copy holds these
         if self._ctx is not None:  # add_param_group()
             self._ctx.undo_params, self._ctx.undo_buffers = self._params, self._buffers
@@ -1565,6 +1574,7 @@ class Monitor:
         optimizer = self._live().optimizer
         if sum(len(pg["params"]) for pg in optimizer.param_groups) != self._n_opt_params:
             self._index_params()  # add_param_group() since the last step
+        self._fresh_buffers()
 
         # 1. stats: every number of this step as a tensor, then ONE host read. The previous
         #    step's update ratios (measured after its update landed) ride along in the same read.
@@ -2419,6 +2429,16 @@ class Monitor:
             for g, js in self._group_pgs.items()
             if js and all(A.lr_not_a_step_size(optimizer, groups[j]) is None for j in js)
         }
+
+    def _fresh_buffers(self) -> None:
+        """The model's buffers as they are registered now: a forward that assigns a new tensor to a
+        buffer (not in place) leaves the held list pointing at the old one, and a skip or an undo
+        would put the saved values there. Updated in place (the action context shares the list)."""
+        live = [m._buffers.get(n) for m, n in self._buffer_slots]
+        if any(a is not b for a, b in zip(live, self._buffers)):
+            fresh = [b for b in live if b is not None]
+            if len(fresh) == len(live):  # (one set to None: the copy's layout stays as it was)
+                self._buffers[:] = fresh
 
     def _arm_first_buffers(self) -> None:
         """The undo copy holds the model's buffers as they were before the step's forward from the

@@ -156,17 +156,18 @@ class Tally:
         # An action counts where it changed training; one decided that changed nothing (a clip the
         # optimizer takes in its stride, an LR drop on an optimizer without an LR) is counted apart.
         done = event.changed()
-        self.actions.update(done)
+        results = event.data.get("action_results") or {}
+        # an undo without its copy (the lean profile) fell back to a rollback: counted as one
+        fell_back = (results.get("undo") or {}).get("fallback") == "rollback"
+        self.actions.update("rollback" if a == "undo" and fell_back else a for a in done)
         self.idle.update(a for a in event.actions if a not in done)
         if ("skip_step" in done or event.data.get("step_skipped")) and event.step != self.last_skipped:
             self.steps_skipped += 1
             self.last_skipped = event.step
-        results = event.data.get("action_results") or {}
         for a in done:
             if a not in ("undo", "rollback"):
                 continue
             facts = results.get(a) or {}
-            # an undo without its copy (the lean profile) fell back to a rollback: counted as one
             if a == "rollback" or facts.get("fallback") == "rollback":
                 self.rollbacks += 1
                 self.steps_rolled_back += int(facts.get("steps_back", 0))

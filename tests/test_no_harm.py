@@ -1222,3 +1222,53 @@ def test_a_spectral_norm_parametrization_is_not_advanced_by_attach(tmp_path):
 
     bare, monitored = run(False), run(True)
     assert all(torch.equal(bare[k], monitored[k]) for k in bare)
+
+
+def test_a_buffer_the_forward_reassigns_is_put_back_by_a_skip(tmp_path):
+    """DINO's ``self.center = self.center * m + ...`` and ports of running mean/std normalisers
+    replace a registered buffer with a new tensor in the forward (not in place). The monitor held
+    the list of the model's buffers from attach, so a skip copied the saved values into the
+    replaced tensors, and the NaN of a bad batch stayed in the live one (a helper's probe: every
+    step after it non-finite, then a rollback and an LR cut, 1.024x the twin). The buffers are
+    looked up each step."""
+
+    class Centered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+            self.register_buffer("center", torch.zeros(6))
+
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.center = 0.9 * self.center + 0.1 * x.mean(0)  # a new tensor each step
+            return self.net(x - self.center)
+
+    def run(monitored, nan_at=None, omit=()):
+        torch.manual_seed(0)
+        model = Centered()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), sinks=[], config=quiet())
+            if monitored
+            else None
+        )
+        for i in range(20):
+            if i in omit:
+                continue
+            x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i))
+            if i == nan_at:
+                x[0, 0] = float("nan")
+            loss = (model(x) - x[:, :3]).pow(2).mean()
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions] if mon else []
+        if mon is not None:
+            mon.detach()
+        return model.state_dict(), events
+
+    twin, _ = run(False, omit={10})
+    state, events = run(True, nan_at=10)
+    assert events == [(10, "bad_batch", ["skip_step"])]
+    assert all(torch.equal(twin[k], state[k]) for k in twin)

@@ -118,6 +118,8 @@ def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_w
     s = run_summary(Tally().merged(events), 100, 3, 10, 1.0, 100, 0, False)
     assert s["updates_undone"] == 1
     assert s["rollbacks"] == 2 and s["steps_rolled_back"] == 41
+    # and under `actions` too (a second probe: `actions: {"undo": 1}` beside `rollbacks: 1`)
+    assert s["actions"] == {"undo": 1, "rollback": 2, "lr_drop": 1}
     assert "1 undone, 2 rolled back (41 steps)" in format_summary({**s, "events": {}, "actions": {}})
 
 
