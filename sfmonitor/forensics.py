@@ -314,6 +314,7 @@ class BatchRecorder:
         self._in_root = 0  # forwards of the root under way (its children's calls inside are not entries)
         self._entry: nn.Module | None = None  # the child the step's data came in through (no root forward)
         self._entry_nonfinite: torch.Tensor | None = None
+        self._root_ran = False  # a training forward of the root ran this step
 
     def attach(self, model: nn.Module) -> BatchRecorder:
         if self._handle is not None:
@@ -344,18 +345,21 @@ class BatchRecorder:
         self.rng_state = None
         self.forwards = 0
         self._nonfinite = None
-        self._entry, self._entry_nonfinite = None, None
+        self._entry, self._entry_nonfinite, self._root_ran = None, None, False
 
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         if not torch.compiler.is_compiling():
             self._in_root += 1
+            self._root_ran = self._root_ran or torch.is_grad_enabled()
 
     def _leave_root(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.compiler.is_compiling():
             self._in_root = max(0, self._in_root - 1)
 
     def _child_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling() or self._in_root or not torch.is_grad_enabled() or inside_func_transform():
+        if torch.compiler.is_compiling() or self._in_root or self._root_ran or not torch.is_grad_enabled():
+            return  # (the step's data came in through the root: a child called apart gets its outputs)
+        if inside_func_transform():
             return
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside the backward (activation checkpointing)

@@ -428,3 +428,21 @@ def test_a_nan_input_given_to_a_child_module_is_a_bad_batch(tmp_path):
         opt.zero_grad()
     assert "bad_batch" not in [e.kind for e in mon.events] and mon.events
     mon.detach()
+    # Nor one made inside the root's forward and passed to a child the loop calls apart after it
+    # (an auxiliary head on the root's output): the step's data came in through the root.
+
+    class Root(Wrap):
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(0)
+    root = Root()
+    opt = torch.optim.SGD(root.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(root, opt, run_dir=str(tmp_path / "root"), config=quiet())
+    for i in range(3):
+        h = root(torch.randn(4, 4))
+        mon.combine(root.head(h * float("inf") if i == 2 else h).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert "bad_batch" not in [e.kind for e in mon.events] and mon.events
+    mon.detach()
