@@ -271,6 +271,19 @@ class UpdateRatioSpikeConfig(Section):
         hi=1,
     )
 
+    raise_setback: float = option(
+        0.25,
+        "a raise's later updates are also judged against the loss's level before the raise (the median "
+        "of the last 5 losses at the usual LR), once its first ones were accepted: harm where the loss "
+        "after one is over the rise test's factor x that level and gives back at least this share of the "
+        "progress since the start (a 300x schedule bug took a batch-16 classifier from 0.3 to 1.6-3.5, past "
+        "its start: each step's rise within the noise; a deliberate x30 raise on a converged CNN took its "
+        "loss from 0.011 to 0.085, 5% of the progress, and recovered alone: undone at 5%, 12x its bare "
+        "run's held-out loss). 0: judged by harm_setback as one step's rise",
+        lo=0,
+        hi=1,
+    )
+
     relearn_after: int = option(
         8,
         "this many large_update findings of a group in a row (updates past the relative test that did "
@@ -1241,7 +1254,8 @@ class UpdateRatioSpike(_Windowed):
             rise = max(rise, min(noise, cfg.harm_rise_max))
         harm = not S.finite(after) or (after > rise * before and material)
         if not harm and since is not None and S.finite(since) and since > 0:
-            if after > rise * since and _gives_back(after, since, start, cfg.harm_setback):
+            share = cfg.raise_setback or cfg.harm_setback
+            if after > rise * since and _gives_back(after, since, start, share):
                 return {
                     "loss_before": since,
                     "loss_after": after,

@@ -411,8 +411,14 @@ class BatchRecorder:
 
 
 def _count_nonfinite(inputs: list[Any]) -> torch.Tensor | None:
-    """How many floating values of ``inputs`` are NaN or inf, as a 0-d tensor; None without any."""
-    counts = [(~torch.isfinite(t)).sum() for _, t in _named_tensors(inputs, "") if t.is_floating_point() and t.numel()]
+    """How many floating values of ``inputs`` are NaN or +inf, as a 0-d tensor; None without any.
+    -inf is left out: an additive attention mask holds it where a position is hidden (a batch of
+    data holding only -inf values is not told apart from a mask)."""
+    counts = [
+        (torch.isnan(t) | torch.isposinf(t)).sum()
+        for _, t in _named_tensors(inputs, "")
+        if t.is_floating_point() and t.numel()
+    ]
     if not counts:
         return None
     return torch.stack([c.to(counts[0].device) for c in counts]).sum()

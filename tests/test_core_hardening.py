@@ -446,3 +446,38 @@ def test_a_nan_input_given_to_a_child_module_is_a_bad_batch(tmp_path):
         opt.zero_grad()
     assert "bad_batch" not in [e.kind for e in mon.events] and mon.events
     mon.detach()
+
+
+def test_an_additive_minus_inf_mask_in_the_inputs_is_no_bad_input(tmp_path):
+    """A float attention mask with -inf where a position is hidden (an additive causal mask passed
+    to the model) counted as non-finite input, so an overflow inside the model was told as a bad
+    batch, skipped every time it came and never escalated (a helper's probe). A mask holds -inf
+    only; NaN and +inf in the inputs are still bad input."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask):
+            scores = self.lin(x) + mask
+            return torch.softmax(scores, -1)
+
+    torch.manual_seed(0)
+    model = Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    mask = torch.triu(torch.full((4, 4), float("-inf")), 1)
+    for i in range(4):
+        out = model(torch.randn(4, 4), mask)
+        if i == 2:
+            out = out * float("inf")  # an overflow made inside, not in the data
+        x = torch.randn(4, 4)
+        if i == 3:
+            x[0, 0] = float("nan")
+        mon.combine(out.sum() if i != 3 else model(x, mask).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    kinds = [(e.step, e.kind) for e in mon.events]
+    assert (2, "bad_batch") not in kinds and (3, "bad_batch") in kinds
+    mon.detach()

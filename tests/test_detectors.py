@@ -812,3 +812,32 @@ def test_a_plateau_event_says_what_the_reports_rule_would_do_not_what_was_done(t
     assert "would now drop the learning rate" in told[0].message and "would now stop" in told[1].message
     assert not told[0].message.endswith(": drop the learning rate") and not told[1].message.endswith(": stop")
     mon.detach()
+
+
+def test_a_raise_is_judged_against_the_loss_before_it_only_for_a_large_setback():
+    """Once a raise's first updates were accepted as the user's, a later one is judged against the
+    loss's level before the raise too (a loss that climbs over several steps, each rise within the
+    batch noise: a schedule bug). That judgement asks a quarter of the progress given back
+    (``raise_setback``): a deliberate x30 raise on a converged CNN took its loss from 0.011 to 0.085
+    (5% of the progress since its start) before recovering alone, and was undone and the LR cut
+    (a helper's probe: 12x the bare run's held-out loss)."""
+
+    def raised_run(before, after, **cfg):
+        det = D.UpdateRatioSpike(D.UpdateRatioSpikeConfig(harm_noise=0, harm_rise_max=4, **cfg))
+        base = {"update_lr/a": 1e-3, "next_lr/a": 1e-3}
+        det.check(0, {"update_ratio/a": 1e-3, **base, "loss/total": 1.5, "loss_after_update": 1.4})
+        for s in range(1, 30):
+            assert det.check(s, {"update_ratio/a": 1e-3, **base, "loss/total": 0.011, "loss_after_update": 0.011}) == []
+        up = {"update_lr/a": 3e-2, "next_lr/a": 3e-2}
+        # the raise's first update: ordinary per unit of its LR, harmless over one step: accepted
+        assert det.check(30, {"update_ratio/a": 3e-2, **up, "loss/total": 0.011, "loss_after_update": 0.015}) == []
+        # (each step's own rise under harm_rise 1.5: only the level before the raise can judge it)
+        return det.check(31, {"update_ratio/a": 3e-2, **up, "loss/total": before, "loss_after_update": after})
+
+    assert raised_run(0.07, 0.09) == []  # 8x the level before the raise, 5% of the progress: the user's
+    (f,) = raised_run(0.4, 0.5)  # a third of the progress given back: harm
+    assert f.kind == UPDATE_RATIO_SPIKE and f.data["since_raise"] and "before the raise" in f.message
+    (f,) = raised_run(0.07, 0.09, raise_setback=0.05)
+    assert f.kind == UPDATE_RATIO_SPIKE
+    with pytest.raises(ConfigError, match="raise_setback"):
+        D.UpdateRatioSpikeConfig.from_dict({"raise_setback": 2})
