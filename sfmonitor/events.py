@@ -112,6 +112,8 @@ class Finding:
     gradients: ordinary dynamic loss scaling); recorded, never acted on.
     urgent: the trouble is already here (e.g. a module produced inf): the finding enters its
     ladder at the first rung that acts, whatever the streak.
+    told: recorded, never acted on: what its ladder would do is known to change nothing (a skip
+    that would replay the same batch on the same state).
     """
 
     kind: str
@@ -123,6 +125,7 @@ class Finding:
     occurrence: int | None = None
     handled_by_scaler: bool = False
     urgent: bool = False
+    told: bool = False
 
 
 @dataclass

@@ -75,6 +75,7 @@ from .events import (
     ROLLBACK,
     SKIP_STEP,
     UNDO,
+    UPDATE_RATIO_SPIKE,
     ZERO_GRAD_MISSING,
     ZERO_GRADIENT,
     ConfigError,
@@ -581,6 +582,11 @@ class Monitor:
         self._last_update_sound = False
         self._state_from_normal_loss = False
         self._same_state_spikes = 0
+        # Full-batch training (_fixed_batch): the step it was found at; the next step's loss that
+        # would show it; the last steps' losses
+        self._fixed_batch_since: int | None = None
+        self._expect_loss: tuple[int, float] | None = None
+        self._recent_losses: dict[int, float] = {}
         self._last_landed: int | None = None  # the step of the last update that landed (nonfinite_param names it)
         self._zero_runs: dict[str, int] = {}  # group -> steps in a row its gradients were exactly zero
         self._grad_reset = GradResetProbe()  # was zero_grad() called between the steps?
@@ -1637,6 +1643,7 @@ class Monitor:
                 if new_regime is not None:
                     new_regime(step)
         self._bad_batches_on_a_sound_state(findings)
+        self._fixed_batch(step, rec, findings)
         if self._watch.attached:
             watched = self._watch.findings(step, {**rec.stats, **rec.internal})
             if any(f.kind == BAD_BATCH for f in findings):  # a NaN input is no overflow
@@ -1681,6 +1688,7 @@ class Monitor:
         # as in flight from here: whatever ends it (hook, scaler, integration, exception) closes it.
         rec.phase = Phase.DECIDED
         self._decide_and_act(step, findings, rec)
+        self._expect_replay(step, rec)
         self._bn.rebase()  # the running statistics the next forward starts from (a skip put them back)
 
     def _decide_and_act(self, step: int, findings: list[Finding], rec: StepRecord | None) -> list[Event]:
@@ -1692,7 +1700,7 @@ class Monitor:
             rec.outcomes = outcomes
         # The scaler's own skips (finite loss, overflowing scaled gradients) are ordinary dynamic
         # loss scaling: recorded as events, never acted on.
-        actionable = [f for f in findings if not f.handled_by_scaler]
+        actionable = [f for f in findings if not f.handled_by_scaler and not f.told]
         nonfinite = [f for f in actionable if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD, BAD_BATCH)]
         landed_bad = [f for f in actionable if f.kind == NONFINITE_PARAM]
         if (nonfinite or landed_bad) and self.config.strict:
@@ -2030,6 +2038,54 @@ class Monitor:
     # past this many, different batches all failing on it say the state is the trouble.
     SAME_STATE_SPIKES = 32
     SAME_STATE_NONFINITE = 8  # a non-finite loss on every batch sooner says the state makes it
+
+    def _fixed_batch(self, step: int, rec: StepRecord, findings: list[Finding]) -> None:
+        """Full-batch training (the loop feeds the same batch every step: edge-of-stability
+        studies, catapults, grokking), found where a skip or an undo put a state back and the step
+        after it measured, on that state, the very loss it had before, to the last bit. There a
+        skip replays the same batch on the same state, and an undo puts back the state that makes
+        the same update again: a loss spike is the state's, not the batch's, and an update judged
+        harmful by the loss it raised is the run's own dynamics (an edge-of-stability rise, a
+        slingshot), which such runs come back from by themselves (helpers' probes: 8 skips in a
+        row per rise, 16-32 steps lost; a grokking transformer's slingshots undone, its LR cut for
+        good, and it never grokked). From then on both are told, not acted on; the ceiling, the
+        non-finite checks and the other detectors act as before."""
+        loss = rec.stats.get(S.LOSS_TOTAL)
+        expected, self._expect_loss = self._expect_loss, None
+        if self._fixed_batch_since is None:
+            if expected is None or expected[0] != step or loss is None or not S.finite(loss) or loss != expected[1]:
+                return
+            self._fixed_batch_since = step
+        why = (
+            f"the loop feeds the same batch every step (found at step {self._fixed_batch_since}: the loss measured "
+            "on a state a skip or an undo put back equalled, to the last bit, the loss that state had before)"
+        )
+        for f in findings:
+            if f.kind == LOSS_SPIKE:
+                f.told = True
+                f.data["fixed_batch"] = self._fixed_batch_since
+                f.message += f"; told only: {why}, so a skip would replay it"
+            elif f.kind == UPDATE_RATIO_SPIKE and f.data.get("harm") is True:
+                f.told = True
+                f.data["fixed_batch"] = self._fixed_batch_since
+                f.message += f"; told only: {why}, so an undo would put back the state that makes it again"
+
+    def _expect_replay(self, step: int, rec: StepRecord) -> None:
+        """After this step's actions: the loss the next step measures where it runs on a state put
+        back with a batch fed again (see ``_fixed_batch``): a skip for a loss spike (this step's
+        state and loss), an undo (the undone update's state, and the loss measured on it)."""
+        loss = rec.stats.get(S.LOSS_TOTAL)
+        if loss is not None:
+            self._recent_losses[step] = loss
+            self._recent_losses.pop(step - 4, None)
+        for o in rec.outcomes:
+            undone = (o.results.get(UNDO) or {}) if UNDO in o.actions else {}
+            if undone.get("restored") and "fallback" not in undone:
+                before = self._recent_losses.get(int(undone.get("undone_step", -1)))
+                self._expect_loss = (step + 1, before) if before is not None else None
+                return
+        if rec.skip and any(o.finding.kind == LOSS_SPIKE and SKIP_STEP in o.actions for o in rec.outcomes):
+            self._expect_loss = (step + 1, loss) if loss is not None else None
 
     def _bad_batches_on_a_sound_state(self, findings: list[Finding]) -> None:
         spikes = [f for f in findings if f.kind == LOSS_SPIKE]

@@ -3,9 +3,13 @@ hard batches. The monitor may tell, but it must not cut, undo or cost the run it
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from _state import assert_identical, snapshot, train
+from _state import assert_identical, quiet, snapshot, train
 from torch import nn
+
+import sfmonitor
 
 
 def _classifier(seed=0):
@@ -171,3 +175,49 @@ def test_a_skipped_step_is_no_measure_of_the_runs_batch_to_batch_noise(tmp_path)
     assert len(det.loss_moves) == 38  # the updates of steps 0-38 but 35, each judged at the next step
     assert sum(m > math.log(100) for m in det.loss_moves) == 1  # 34 -> 35, not 35 -> 36
     mon.detach()
+
+
+def _full_batch_run(tmp_path, steps, monitored):
+    """Full-batch gradient descent at the edge of stability (Cohen et al. 2021, arXiv
+    2103.00065): an MLP on one fixed batch at an LR past 2/sharpness, whose loss rises and falls
+    back by itself."""
+    g = torch.Generator().manual_seed(500)
+    blur = functools.partial(nn.functional.interpolate, size=(8, 8), mode="bilinear", align_corners=False)
+    templates = blur(torch.randn(10, 3, 3, 3, generator=g))  # tiny blurred "images", 10 classes
+    labels = torch.randint(0, 10, (1000,), generator=g)
+    x = (
+        0.6 * templates[labels]
+        + blur(torch.randn(1000, 3, 4, 4, generator=g))
+        + 0.3 * torch.randn(1000, 3, 8, 8, generator=g)
+    )
+    x = ((x - x.mean()) / x.std()).flatten(1)
+    y = nn.functional.one_hot(labels, 10).float()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(192, 200), nn.Tanh(), nn.Linear(200, 200), nn.Tanh(), nn.Linear(200, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.4)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=quiet()) if monitored else None
+    for _ in range(steps):
+        loss = 0.5 * (model(x) - y).pow(2).sum(1).mean()
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    if mon is not None:
+        mon.detach()
+    return model, mon
+
+
+def test_full_batch_training_is_found_when_a_skip_replays_and_its_loss_rises_are_told(tmp_path):
+    """In full-batch training a skipped step is followed by the same batch on the same state: the
+    same loss, bit for bit, and the same skip (a helper's edge-of-stability probe: 8 skips in a
+    row per rise, then a new level, 16-32 steps lost per run, held-out up to 1.035x bare). Once
+    the loss on a state a skip put back equals that state's loss before, the loop is known to
+    feed one batch: its loss spikes, and updates judged harmful by the loss they raised (the
+    run's own edge-of-stability rises), are told, not acted on. One step is lost: the run goes on
+    one step behind the bare run, bit for bit."""
+    model, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True)
+    acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
+    assert len(acted) == 1 and acted[0][1:] == ("loss_spike", ["skip_step"])
+    told = [e for e in mon.events if e.data.get("fixed_batch") is not None]
+    assert told and told[0].step == acted[0][0] + 1 and "same batch every step" in told[0].message
+    bare, _ = _full_batch_run(tmp_path / "bare", 119, monitored=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
