@@ -461,6 +461,12 @@ def _ema_run(tmp_path, monitored, track=True, spike_at=None, omit=(), n=30):
         mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=quiet())
         if track:
             mon.track(ema)
+    return ema, _derived_loop(model, opt, mon, lambda: ema.update_parameters(model), n, omit, spike_at)
+
+
+def _derived_loop(model, opt, mon, derive, n, omit, spike_at):
+    """Train ``n`` steps (leaving out those in ``omit``; the LR spiked at ``spike_at``), calling
+    ``derive`` after every step the monitor kept; returns the acting events."""
     for i in range(n):
         if i in omit:
             continue
@@ -468,12 +474,12 @@ def _ema_run(tmp_path, monitored, track=True, spike_at=None, omit=(), n=30):
         (mon.combine(loss) if mon is not None else loss).backward()
         _step(opt, i == spike_at)
         if mon is None or not mon.last_step_skipped:
-            ema.update_parameters(model)
+            derive()
     events = []
     if mon is not None:
         events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
         mon.detach()
-    return ema, events
+    return events
 
 
 def test_an_undo_puts_back_a_tracked_ema_that_had_mixed_in_the_bad_update(tmp_path):
@@ -560,19 +566,7 @@ def _learner_run(tmp_path, monitored, spike_at=None, omit=()):
     mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=[], config=quiet()) if monitored else None
     if mon is not None:
         mon.track(model.target)
-    for i in range(30):
-        if i in omit:
-            continue
-        loss = _batch_loss(model, i)
-        (mon.combine(loss) if mon is not None else loss).backward()
-        _step(opt, i == spike_at)
-        if mon is None or not mon.last_step_skipped:
-            model.update_target()
-    events = []
-    if mon is not None:
-        events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
-        mon.detach()
-    return model, events
+    return model, _derived_loop(model, opt, mon, model.update_target, 30, omit, spike_at)
 
 
 def test_an_ema_target_inside_the_model_can_be_tracked_and_an_undo_puts_it_back(tmp_path):
