@@ -2039,6 +2039,10 @@ class Monitor:
     SAME_STATE_SPIKES = 32
     SAME_STATE_NONFINITE = 8  # a non-finite loss on every batch sooner says the state makes it
 
+    # Steps full-batch training found by a replay is assumed for (a loop may overfit one batch, then
+    # train on its data): after them, a skip or an undo acts again, and finds it again or not.
+    FIXED_BATCH_STEPS = 200
+
     def _fixed_batch(self, step: int, rec: StepRecord, findings: list[Finding]) -> None:
         """Full-batch training (the loop feeds the same batch every step: edge-of-stability
         studies, catapults, grokking), found where a skip or an undo put a state back and the step
@@ -2048,14 +2052,15 @@ class Monitor:
         harmful by the loss it raised is the run's own dynamics (an edge-of-stability rise, a
         slingshot), which such runs come back from by themselves (helpers' probes: 8 skips in a
         row per rise, 16-32 steps lost; a grokking transformer's slingshots undone, its LR cut for
-        good, and it never grokked). From then on both are told, not acted on; the ceiling, the
-        non-finite checks and the other detectors act as before."""
+        good, and it never grokked). For ``FIXED_BATCH_STEPS`` steps from then on both are told,
+        not acted on (found again, it holds longer); the ceiling, the non-finite checks and the
+        other detectors act as before."""
         loss = rec.stats.get(S.LOSS_TOTAL)
         expected, self._expect_loss = self._expect_loss, None
-        if self._fixed_batch_since is None:
-            if expected is None or expected[0] != step or loss is None or not S.finite(loss) or loss != expected[1]:
-                return
-            self._fixed_batch_since = step
+        if expected is not None and expected[0] == step and loss is not None and S.finite(loss) and loss == expected[1]:
+            self._fixed_batch_since = step  # (found again: it holds for FIXED_BATCH_STEPS more)
+        if self._fixed_batch_since is None or step - self._fixed_batch_since > self.FIXED_BATCH_STEPS:
+            return  # (a loop may feed one batch for a while, then its data: found again or not)
         why = (
             f"the loop feeds the same batch every step (found at step {self._fixed_batch_since}: the loss measured "
             "on a state a skip or an undo put back equalled, to the last bit, the loss that state had before)"

@@ -177,7 +177,7 @@ def test_a_skipped_step_is_no_measure_of_the_runs_batch_to_batch_noise(tmp_path)
     mon.detach()
 
 
-def _full_batch_run(tmp_path, steps, monitored):
+def _full_batch_run(tmp_path, steps, monitored, then=0):
     """Full-batch gradient descent at the edge of stability (Cohen et al. 2021, arXiv
     2103.00065): an MLP on one fixed batch at an LR past 2/sharpness, whose loss rises and falls
     back by itself."""
@@ -201,6 +201,13 @@ def _full_batch_run(tmp_path, steps, monitored):
         (mon.combine(loss) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
+    for i in range(then):  # then mini-batches of 100, at a lower LR, one of them with a 1e4x loss
+        opt.param_groups[0]["lr"] = 0.05
+        part = slice(100 * (i % 10), 100 * (i % 10 + 1))
+        loss = 0.5 * (model(x[part]) - y[part]).pow(2).sum(1).mean() * (1e4 if i == then - 5 else 1)
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
     if mon is not None:
         mon.detach()
     return model, mon
@@ -221,3 +228,13 @@ def test_full_batch_training_is_found_when_a_skip_replays_and_its_loss_rises_are
     assert told and told[0].step == acted[0][0] + 1 and "same batch every step" in told[0].message
     bare, _ = _full_batch_run(tmp_path / "bare", 119, monitored=False)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+
+
+def test_full_batch_training_found_once_is_not_assumed_for_good(tmp_path):
+    """The loop's batches may change after a stretch of full-batch steps (a sanity check that
+    overfits one batch, then the real data): full-batch training found by a replay is assumed for
+    ``FIXED_BATCH_STEPS`` steps after it, not for the rest of the run, so a bad batch of the
+    mini-batches that come after is skipped again."""
+    _, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True, then=260)
+    late = [e for e in mon.events if e.step == 120 + 260 - 5]
+    assert [e.actions for e in late if e.kind == "loss_spike"] == [["skip_step"]]
