@@ -585,8 +585,8 @@ class Monitor:
         # Full-batch training (_fixed_batch): the step it was found at; the next step's loss that
         # would show it; the last steps' losses
         self._fixed_batch_since: int | None = None
-        self._expect_loss: tuple[int, float] | None = None
-        self._recent_losses: dict[int, float] = {}
+        self._expect_loss: tuple[int, tuple[float, float]] | None = None
+        self._recent_losses: dict[int, tuple[float, float]] = {}  # step -> (loss, gradient norm)
         self._last_landed: int | None = None  # the step of the last update that landed (nonfinite_param names it)
         self._zero_runs: dict[str, int] = {}  # group -> steps in a row its gradients were exactly zero
         self._grad_reset = GradResetProbe()  # was zero_grad() called between the steps?
@@ -2046,7 +2046,8 @@ class Monitor:
     def _fixed_batch(self, step: int, rec: StepRecord, findings: list[Finding]) -> None:
         """Full-batch training (the loop feeds the same batch every step: edge-of-stability
         studies, catapults, grokking), found where a skip or an undo put a state back and the step
-        after it measured, on that state, the very loss it had before, to the last bit. There a
+        after it measured, on that state, the very loss and gradient norm it had before, to the last
+        bit (a gradient norm of zero says nothing: a clamped loss repeats its cap without one). There a
         skip replays the same batch on the same state, and an undo puts back the state that makes
         the same update again: a loss spike is the state's, not the batch's, and an update judged
         harmful by the loss it raised is the run's own dynamics (an edge-of-stability rise, a
@@ -2055,15 +2056,16 @@ class Monitor:
         good, and it never grokked). For ``FIXED_BATCH_STEPS`` steps from then on both are told,
         not acted on (found again, it holds longer); the ceiling, the non-finite checks and the
         other detectors act as before."""
-        loss = rec.stats.get(S.LOSS_TOTAL)
+        seen = self._loss_and_grad(rec)
         expected, self._expect_loss = self._expect_loss, None
-        if expected is not None and expected[0] == step and loss is not None and S.finite(loss) and loss == expected[1]:
+        if expected is not None and expected[0] == step and seen is not None and seen == expected[1]:
             self._fixed_batch_since = step  # (found again: it holds for FIXED_BATCH_STEPS more)
         if self._fixed_batch_since is None or step - self._fixed_batch_since > self.FIXED_BATCH_STEPS:
             return  # (a loop may feed one batch for a while, then its data: found again or not)
         why = (
             f"the loop feeds the same batch every step (found at step {self._fixed_batch_since}: the loss measured "
-            "on a state a skip or an undo put back equalled, to the last bit, the loss that state had before)"
+            "and gradient norm on a state a skip or an undo put back equalled, to the last bit, those that state "
+            "had before)"
         )
         for f in findings:
             if f.kind == LOSS_SPIKE:
@@ -2079,10 +2081,10 @@ class Monitor:
         """After this step's actions: the loss the next step measures where it runs on a state put
         back with a batch fed again (see ``_fixed_batch``): a skip for a loss spike (this step's
         state and loss), an undo (the undone update's state, and the loss measured on it)."""
-        loss = rec.stats.get(S.LOSS_TOTAL)
-        if loss is not None:
-            self._recent_losses[step] = loss
-            self._recent_losses.pop(step - 4, None)
+        seen = self._loss_and_grad(rec)
+        if seen is not None:
+            self._recent_losses[step] = seen
+        self._recent_losses.pop(step - 4, None)
         for o in rec.outcomes:
             undone = (o.results.get(UNDO) or {}) if UNDO in o.actions else {}
             if undone.get("restored") and "fallback" not in undone:
@@ -2090,7 +2092,16 @@ class Monitor:
                 self._expect_loss = (step + 1, before) if before is not None else None
                 return
         if rec.skip and any(o.finding.kind == LOSS_SPIKE and SKIP_STEP in o.actions for o in rec.outcomes):
-            self._expect_loss = (step + 1, loss) if loss is not None else None
+            self._expect_loss = (step + 1, seen) if seen is not None else None
+
+    @staticmethod
+    def _loss_and_grad(rec: StepRecord) -> tuple[float, float] | None:
+        """The step's loss and total gradient norm, where both are finite and the norm is not zero:
+        what a replay of the same batch on the same state gives again to the last bit."""
+        loss, grad = rec.stats.get(S.LOSS_TOTAL), rec.stats.get(S.GRAD_NORM_TOTAL)
+        if loss is None or grad is None or not S.finite(loss) or not S.finite(grad) or grad <= 0:
+            return None
+        return (float(loss), float(grad))
 
     def _bad_batches_on_a_sound_state(self, findings: list[Finding]) -> None:
         spikes = [f for f in findings if f.kind == LOSS_SPIKE]

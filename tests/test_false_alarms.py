@@ -238,3 +238,25 @@ def test_full_batch_training_found_once_is_not_assumed_for_good(tmp_path):
     _, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True, then=260)
     late = [e for e in mon.events if e.step == 120 + 260 - 5]
     assert [e.actions for e in late if e.kind == "loss_spike"] == [["skip_step"]]
+
+
+def test_a_clamped_loss_that_repeats_its_cap_is_no_full_batch(tmp_path):
+    """A loop that clamps its loss (``loss.clamp(max=5)``) gives every bad batch the same loss, 5.0
+    to the last bit, on the same state after a skip: the loss alone read as full-batch training, and
+    the second bad batch in a row was told, not skipped. The replay must show in the gradients too
+    (their norm, equal and not zero: a clamped loss has none)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=quiet())
+    g = torch.Generator().manual_seed(0)
+    for i in range(60):
+        x = torch.randn(32, 8, generator=g)
+        y = x.sum(1, keepdim=True).sin() * (1e3 if i in (50, 51) else 1)
+        loss = nn.functional.mse_loss(model(x), y).clamp(max=5.0)
+        mon.combine(loss).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    acted = {e.step: e.actions for e in mon.events if e.kind == "loss_spike"}
+    assert acted == {50: ["skip_step"], 51: ["skip_step"]}
