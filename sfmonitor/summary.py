@@ -159,7 +159,13 @@ class Tally:
         results = event.data.get("action_results") or {}
         # an undo without its copy (the lean profile) fell back to a rollback: counted as one
         fell_back = (results.get("undo") or {}).get("fallback") == "rollback"
-        self.actions.update("rollback" if a == "undo" and fell_back else a for a in done)
+        # the LR's climb back after a drop (its start, its end, a release) changes the LR too, but
+        # is no drop: counted apart, so one drop and its climb do not read as three drops
+        lr = results.get("lr_drop") or {}
+        climb = any(lr.get(k) for k in ("recovering", "recovered", "released"))
+        self.actions.update(
+            "rollback" if a == "undo" and fell_back else "lr_climb" if a == "lr_drop" and climb else a for a in done
+        )
         self.idle.update(a for a in event.actions if a not in done)
         if ("skip_step" in done or event.data.get("step_skipped")) and event.step != self.last_skipped:
             self.steps_skipped += 1

@@ -123,6 +123,28 @@ def test_the_summary_counts_an_undo_that_fell_back_to_a_rollback_as_a_rollback_w
     assert "1 undone, 2 rolled back (41 steps)" in format_summary({**s, "events": {}, "actions": {}})
 
 
+def test_the_summary_counts_the_lrs_climb_back_apart_from_its_drops(tmp_path):
+    """The LR's climb back after a drop (its start, its end, a release) is an event with the
+    lr_drop action, as the drop is: one drop and its climb read ``lr_drop: 3`` in the summary (a
+    helper's probe). The summary counts the climb apart (``lr_climb``); a halt that takes the LR
+    back down for good is a drop."""
+    from sfmonitor.summary import Tally
+
+    def ev(step, facts):
+        return Event(
+            step=step, kind="loss_spike", message="", actions=["lr_drop"], data={"action_results": {"lr_drop": facts}}
+        )
+
+    events = [
+        ev(10, {"factor": 0.2, "old_scale": 1.0, "new_scale": 0.2}),
+        ev(110, {"old_scale": 0.2, "new_scale": 0.21, "recovering": True, "steps": 200}),
+        ev(160, {"old_scale": 0.5, "new_scale": 0.3, "halted": True, "permanent": True}),
+        ev(400, {"old_scale": 0.9, "new_scale": 1.0, "recovered": True}),
+        ev(500, {"old_scale": 0.3, "new_scale": 1.0, "released": True}),
+    ]
+    assert Tally().merged(events).counts()["actions"] == {"lr_drop": 2, "lr_climb": 3}
+
+
 def test_a_failed_json_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     """run.json and summary.json are written to a temporary file and renamed: a rename that fails
     (a full disk) removes the temporary (a helper's probe found ``run.json.<pid>.tmp`` left)."""
