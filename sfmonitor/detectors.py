@@ -1048,7 +1048,7 @@ class UpdateRatioSpike(_Windowed):
         # An update made under the monitor's LR drop: the user's LR it read is no level the
         # schedule reached (the monitor held it down).
         held_down = stats.get(S.UPDATE_LR_SCALE, 1.0) < 1.0
-        base = _median([*self.recent_losses, loss]) if loss is not None and S.finite(loss) else None
+        now = float(loss) if loss is not None and S.finite(loss) else None  # the loss before this update
         raising_any, judged = False, False
         for key, value in stats.items():
             if not key.startswith(UPDATE_RATIO_PREFIX):
@@ -1099,8 +1099,8 @@ class UpdateRatioSpike(_Windowed):
                 if by_raise and (harm is None or not harm["harm"]):
                     self.large_runs.pop(key, None)
                     w.append(x)  # the raise is the user's
-                    if base is not None:
-                        self.raise_base.setdefault(key, base)
+                    if now is not None and key not in self.raise_base:  # (the loss's level before the raise)
+                        self.raise_base[key] = _median([*self.recent_losses, now])
                     continue
                 if by_raise and before is not None:  # (what the message says)
                     judged_lr, rel_limit, limit = before, raise_limit, raise_limit
@@ -1183,8 +1183,8 @@ class UpdateRatioSpike(_Windowed):
                 continue
             self.large_runs.pop(key, None)
             w.append(x)
-        if judged and not out and not raising_any and base is not None and loss is not None:
-            self.recent_losses.append(float(loss))  # (the loss before an update made at the usual LR)
+        if judged and not out and not raising_any and now is not None:
+            self.recent_losses.append(now)  # (the loss before an update made at the usual LR)
         return out
 
     @staticmethod

@@ -311,20 +311,14 @@ class BatchRecorder:
         self.rng_state: dict[str, Any] | None = None
         self._handle: RemovableHandle | None = None
         self._child_handles: list[RemovableHandle] = []
-        self._in_root = 0  # forwards of the root under way (its children's calls inside are not entries)
         self._entry: nn.Module | None = None  # the child the step's data came in through (no root forward)
         self._entry_nonfinite: torch.Tensor | None = None
-        self._root_ran = False  # a training forward of the root ran this step
 
     def attach(self, model: nn.Module) -> BatchRecorder:
         if self._handle is not None:
             raise RuntimeError("BatchRecorder is already attached; call detach() first")
         self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
         self._child_handles = [
-            model.register_forward_pre_hook(self._enter_root, prepend=True),
-            model.register_forward_hook(self._leave_root, always_call=True),
-        ]
-        self._child_handles += [
             child.register_forward_pre_hook(self._child_pre, with_kwargs=True)
             for child in model.children()
             if not isinstance(child, torch.jit.ScriptModule)  # (no hooks on those)
@@ -337,7 +331,7 @@ class BatchRecorder:
             self._handle = None
         for h in self._child_handles:
             h.remove()
-        self._child_handles, self._in_root = [], 0
+        self._child_handles = []
         self.clear()
 
     def clear(self) -> None:
@@ -345,24 +339,16 @@ class BatchRecorder:
         self.rng_state = None
         self.forwards = 0
         self._nonfinite = None
-        self._entry, self._entry_nonfinite, self._root_ran = None, None, False
-
-    def _enter_root(self, module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self._in_root += 1
-            self._root_ran = self._root_ran or torch.is_grad_enabled()
-
-    def _leave_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self._in_root = max(0, self._in_root - 1)
+        self._entry, self._entry_nonfinite = None, None
 
     def _child_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling() or self._in_root or self._root_ran or not torch.is_grad_enabled():
-            return  # (the step's data came in through the root: a child called apart gets its outputs)
-        if inside_func_transform():
+        # A training forward of the root ran this step (its own pre-hook counted it, before any
+        # child's): the step's data came in through the root, and a child gets its outputs.
+        # Nor inside torch.compile, torch.func or a recomputation in the backward (checkpointing).
+        if self.forwards or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return
-        if torch._C._current_graph_task_id() != -1:
-            return  # a recomputation inside the backward (activation checkpointing)
+        if inside_func_transform() or torch._C._current_graph_task_id() != -1:
+            return
         if self._entry is None:
             self._entry = module
         if module is not self._entry:

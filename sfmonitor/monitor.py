@@ -115,7 +115,7 @@ from .summary import (
     run_summary,
     write_json,
 )
-from .undo import Arena, UndoState, local, running_statistics, update_norms
+from .undo import Arena, UndoState, buffer_slots, local, running_statistics, update_norms
 from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
 
@@ -705,14 +705,8 @@ class Monitor:
         self._params = [p for _, p in ordered]
         # Walked once, not every step: the undo copy holds them. A forward may replace one (DINO's
         # `self.center = ...`): where each lives is kept, and looked up each step (_fresh_buffers).
-        seen: set[int] = set()
-        self._buffer_slots = [
-            (m, n)
-            for m in model.modules()
-            for n, b in m._buffers.items()
-            if b is not None and id(b) not in seen and not seen.add(id(b))  # type: ignore[func-returns-value]
-        ]
-        self._buffers = [b for m, n in self._buffer_slots if (b := m._buffers[n]) is not None]
+        self._buffer_slots = buffer_slots(model)
+        self._buffers = [b for m, n in self._buffer_slots if (b := m._buffers[n]) is not None]  # (all are)
         self._running_stats = running_statistics(model)  # without the undo copy, a copy holds these
         if self._ctx is not None:  # add_param_group()
             self._ctx.undo_params, self._ctx.undo_buffers = self._params, self._buffers
@@ -2069,13 +2063,14 @@ class Monitor:
         )
         for f in findings:
             if f.kind == LOSS_SPIKE:
-                f.told = True
-                f.data["fixed_batch"] = self._fixed_batch_since
-                f.message += f"; told only: {why}, so a skip would replay it"
+                moot = "a skip would replay it"
             elif f.kind == UPDATE_RATIO_SPIKE and f.data.get("harm") is True:
-                f.told = True
-                f.data["fixed_batch"] = self._fixed_batch_since
-                f.message += f"; told only: {why}, so an undo would put back the state that makes it again"
+                moot = "an undo would put back the state that makes it again"
+            else:
+                continue
+            f.told = True
+            f.data["fixed_batch"] = self._fixed_batch_since
+            f.message += f"; told only: {why}, so {moot}"
 
     def _expect_replay(self, step: int, rec: StepRecord) -> None:
         """After this step's actions: the loss the next step measures where it runs on a state put

@@ -143,6 +143,20 @@ def running_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
     return found
 
 
+def buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """Where each of the model's buffers lives, (module, name), in ``model.buffers()``'s order
+    (a buffer shared by two modules once): looked up again each step, a forward that assigns a new
+    tensor to a buffer (DINO's ``self.center = ...``) is followed."""
+    seen: set[int] = set()
+    slots = []
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                slots.append((m, name))
+    return slots
+
+
 def _fitted(held: list[torch.Tensor], live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``held`` when it can take a copy of ``live`` (the same count, shapes and dtypes: reused, no
     allocation), else new empty buffers for it."""
