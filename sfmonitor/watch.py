@@ -933,39 +933,46 @@ class ActivationWatch:
         self._attn_dtypes, self._attn_heads = {}, {}
         attn_names = [n for n in self.attention if self._wanted(n)] if every else list(self._attn)
         for name in attn_names:
-            key, arec = ATTN_LOGIT_MAX_PREFIX + name, self._attn.get(name)
-            n = arec.heads.numel() if arec is not None else 0
+            arec = self._attn.get(name)
             if every:
-                # the same number of heads on every rank: the module's own (one value where unknown)
-                known = self.attention[name].heads
-                heads = known if isinstance(known, int) and known > 1 and self._attn_cfg.per_head else 1
-                have = arec is not None and (n == heads or heads == 1)
-                out[key] = arec.heads.max() if arec is not None else absent
-                limit = -dtype_limit(arec.dtype) if arec is not None else ABSENT
-                out[ATTN_DTYPE_PREFIX + name] = torch.full((), limit, device=self._device)
-                if heads > 1:
-                    for h in range(heads):
-                        out[f"{key}/h{h}"] = arec.heads[h] if have and arec is not None else absent
-                ent = arec.entropy / arec.calls if arec is not None and arec.entropy is not None else None
-                if self._attn_cfg.entropy:
-                    one = torch.ones((), device=self._device)
-                    pair = (
-                        torch.stack([ent.float().to(one.device), one])
-                        if ent is not None
-                        else torch.zeros(2, device=one.device)
-                    )
-                    out[AT.ATTN_ENTROPY_PREFIX + name] = Vector(pair)
-                if arec is not None:
-                    self._attn_dtypes[name], self._attn_heads[name] = arec.dtype, heads if have else 1
-                continue
-            assert arec is not None
-            out[key] = arec.heads.max()
-            if arec.entropy is not None:
-                out[AT.ATTN_ENTROPY_PREFIX + name] = arec.entropy / arec.calls
-            self._attn_dtypes[name], self._attn_heads[name] = arec.dtype, n
-            if n > 1 and self._attn_cfg.per_head:
-                for h in range(n):
-                    out[f"{key}/h{h}"] = arec.heads[h]
+                out.update(self._attention_on_every_rank(name, arec))
+            elif arec is not None:
+                key, n = ATTN_LOGIT_MAX_PREFIX + name, arec.heads.numel()
+                out[key] = arec.heads.max()
+                if arec.entropy is not None:
+                    out[AT.ATTN_ENTROPY_PREFIX + name] = arec.entropy / arec.calls
+                self._attn_dtypes[name], self._attn_heads[name] = arec.dtype, n
+                if n > 1 and self._attn_cfg.per_head:
+                    for h in range(n):
+                        out[f"{key}/h{h}"] = arec.heads[h]
+        return out
+
+    def _attention_on_every_rank(self, name: str, arec: _AttnRecord | None) -> dict[str, Any]:
+        """``pending``'s values of one attention module under a process group: the same keys on
+        every rank, ``ABSENT`` where it did not run here; per head as many as the module has (one
+        value where that is unknown, or this rank's logits had another count); the dtype's limit;
+        the entropy as [mean, 1] (or [0, 0]), summed over the ranks."""
+        key, dev = ATTN_LOGIT_MAX_PREFIX + name, self._device
+        known = self.attention[name].heads
+        heads = known if isinstance(known, int) and known > 1 and self._attn_cfg.per_head else 1
+        absent = torch.full((), ABSENT, device=dev)
+        if arec is None:
+            out: dict[str, Any] = {key: absent, ATTN_DTYPE_PREFIX + name: absent}
+            per_head: list[torch.Tensor] = [absent] * heads
+            pair = torch.zeros(2, device=dev)
+        else:
+            limit = torch.full((), -dtype_limit(arec.dtype), device=dev)
+            out = {key: arec.heads.max(), ATTN_DTYPE_PREFIX + name: limit}
+            fits = arec.heads.numel() == heads
+            per_head = [arec.heads[h] if fits else absent for h in range(heads)]
+            self._attn_dtypes[name], self._attn_heads[name] = arec.dtype, heads if fits else 1
+            mean = arec.entropy / arec.calls if arec.entropy is not None else None
+            one = torch.ones((), device=dev)
+            pair = torch.stack([mean.float().to(dev), one]) if mean is not None else torch.zeros(2, device=dev)
+        if heads > 1:
+            out.update({f"{key}/h{h}": v for h, v in enumerate(per_head)})
+        if self._attn_cfg.entropy:
+            out[AT.ATTN_ENTROPY_PREFIX + name] = Vector(pair)
         return out
 
     def settle(self, values: dict[str, Any]) -> None:
