@@ -396,6 +396,10 @@ def _branches_worker(rank, world, port, out_dir, half=False):
         x, y = (x.half(), y.half()) if half else (x, y)
         with torch.no_grad():
             true["b" if rank == 0 else "c"] = (model.module.b if rank == 0 else model.module.c)(x).abs().max().item()
+            if rank == 1 and not half:  # the attention entropy rank 1 alone measures (heads' mean)
+                seq = x.reshape(x.shape[0], 2, 3).repeat(1, 1, 2)
+                w = model.module.attn(seq, seq, seq, need_weights=True, average_attn_weights=False)[1]
+                true["entropy"] = -(w * w.clamp_min(1e-30).log()).sum(-1).mean().item()
         mon.combine(nn.functional.mse_loss(model(x), y)).backward()
         opt.step()
         opt.zero_grad()
@@ -419,7 +423,9 @@ def test_watched_modules_that_run_on_some_ranks_only_are_read_alike_on_every_ran
     assert r0["stats"] == r1["stats"] and r0["events"] == r1["events"] == []
     assert r0["stats"]["act_absmax/b"] == pytest.approx(r0["true"]["b"], rel=1e-5)
     assert r0["stats"]["act_absmax/c"] == pytest.approx(r1["true"]["c"], rel=1e-5)
-    assert "attn_logit_max/attn" in r0["stats"] and "attn_entropy/attn" in r0["stats"]
+    assert "attn_logit_max/attn" in r0["stats"]
+    # the mean over the ranks that ran the module (rank 1's own), not over every rank
+    assert r0["stats"]["attn_entropy/attn"] == pytest.approx(r1["true"]["entropy"], rel=1e-4)
 
 
 def test_a_module_near_the_fp16_limit_on_one_rank_is_judged_alike_on_every_rank(tmp_path):
