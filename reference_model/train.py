@@ -85,9 +85,9 @@ class RunConfig(Config):
     """A whole reference run: model, data, train sections (configs/*.yaml)."""
 
     name: str = option("custom", "name printed in the result line")
-    model: ModelConfig = option(ModelConfig(), "model shape and stability switches")
-    data: DataConfig = option(DataConfig(), "data source")
-    train: TrainConfig = option(TrainConfig(), "optimisation recipe")
+    model: ModelConfig = option(ModelConfig, "model shape and stability switches")
+    data: DataConfig = option(DataConfig, "data source")
+    train: TrainConfig = option(TrainConfig, "optimisation recipe")
 
 
 def config_path(name: str) -> str:

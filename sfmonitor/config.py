@@ -9,6 +9,7 @@ This module imports them; nothing in the package imports it back except the moni
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -50,12 +51,12 @@ class MonitorConfig(Section):
     max_events: int = option(
         10_000, "events kept in monitor.events (the oldest go first); events.jsonl keeps every one", lo=1
     )
-    stats: StatsConfig = option(StatsConfig(), "statistics stage")
-    detectors: DetectorsConfig = option(DetectorsConfig(), "detectors stage (docs/policy.md)")
-    policy: PolicyConfig = option(PolicyConfig(), "findings -> actions: ladders, cooldowns, budget")
-    actions: ActionsConfig = option(ActionsConfig(), "settings of each rescue action")
-    watch: WatchConfig = option(WatchConfig(), "fp16 activation overflow watch (docs/forensics.md)")
-    bundle: BundleConfig = option(BundleConfig(), "anomaly bundles for `sfmonitor replay`")
+    stats: StatsConfig = option(StatsConfig, "statistics stage")
+    detectors: DetectorsConfig = option(DetectorsConfig, "detectors stage (docs/policy.md)")
+    policy: PolicyConfig = option(PolicyConfig, "findings -> actions: ladders, cooldowns, budget")
+    actions: ActionsConfig = option(ActionsConfig, "settings of each rescue action")
+    watch: WatchConfig = option(WatchConfig, "fp16 activation overflow watch (docs/forensics.md)")
+    bundle: BundleConfig = option(BundleConfig, "anomaly bundles for `sfmonitor replay`")
 
     @classmethod
     def from_any(cls, config: MonitorConfig | dict | str | os.PathLike | None) -> MonitorConfig:
@@ -92,5 +93,40 @@ class MonitorConfig(Section):
 
 
 def describe(section: type[Section] = MonitorConfig, prefix: str = "") -> list[tuple[str, Any, str]]:
-    """(key, default, doc) for every field, recursively; used by the docs table."""
+    """(key, default, doc) for every field, recursively; ``reference()`` writes them as a page."""
     return _describe(section, prefix)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # (a table cell)
+
+
+def reference() -> str:
+    """docs/config.md: every config key with its default and its doc, one table per section
+    (``tests/test_config.py`` checks the page is this text; regenerate it with
+    ``python -c "import sfmonitor.config as c; print(c.reference(), end='')" > docs/config.md``)."""
+
+    def shown(v: Any) -> str:
+        if isinstance(v, dict) and v and all(isinstance(x, Section) for x in v.values()):
+            return "every event kind's default ladder ([Policy](policy.md))"
+        text = json.dumps(v) if isinstance(v, (list, dict, type(None), bool)) else repr(v)
+        return "`" + _cell(text) + "`"
+
+    out = [
+        "# Configuration reference",
+        "",
+        "Every key `Monitor(config=...)` takes (a `MonitorConfig`, a dict, or a YAML file of the same",
+        "shape), with its default and what it does. Unknown keys and values out of range raise",
+        "`sfmonitor.ConfigError` naming the key and the allowed range. Detectors and actions registered",
+        "by your code add their own sections (`detectors.<name>`, `actions.<name>`). This page is",
+        "generated from the code (`sfmonitor.config.reference()`).",
+    ]
+    section = None
+    for key, default, doc in describe():
+        head = key.rsplit(".", 1)[0] if "." in key else "top level"
+        if head != section:
+            section = head
+            out += ["", f"## `{head}`" if head != "top level" else "## Top level", ""]
+            out += ["| key | default | meaning |", "|---|---|---|"]
+        out.append(f"| `{key}` | {shown(default)} | {_cell(doc).replace('<', '&lt;')} |")
+    return "\n".join(out) + "\n"

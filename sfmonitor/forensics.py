@@ -284,11 +284,14 @@ class BatchRecorder:
     ``clear()`` at each step start. The RNG state is captured at the step's first forward
     (``capture_rng``), so a replay draws the same dropout masks.
 
+    Each recorded forward's inputs are tallied as they come (``nonfinite_inputs``,
+    ``fingerprint``: 0-d / 2-element tensors, no host read).
+
     A loop that feeds its data to a child of the root, not to the root (a LightningModule's
     ``training_step`` calling ``self.net(x)``), never runs the root's forward: the first direct
-    child a step calls outside the root's forward is where its data comes in, and the floating
-    inputs of that child's calls (outside the root) are counted as non-finite inputs too. Nothing of
-    theirs is kept for a bundle (a replay runs the root).
+    child a step calls outside the root's forward is where its data comes in, and the inputs of
+    that child's calls (outside the root) are tallied too. Nothing of theirs is kept for a bundle
+    (a replay runs the root).
     """
 
     def __init__(
@@ -302,17 +305,17 @@ class BatchRecorder:
         self.capture_rng = capture_rng
         self.max_batches = max_batches
         self.on_full = on_full
-        # keep False: no input is held (no anomaly bundle needs them); their non-finite values
-        # are counted as they come, and every input is freed as without the monitor
+        # keep False: no input is held (no anomaly bundle needs them), and every input is freed
+        # as without the monitor
         self.keep = keep
         self.forwards = 0
         self._nonfinite: torch.Tensor | None = None
+        self.fingerprint: torch.Tensor | None = None  # see _fingerprint
         self.batches: list[dict[str, Any]] = []
         self.rng_state: dict[str, Any] | None = None
         self._handle: RemovableHandle | None = None
         self._child_handles: list[RemovableHandle] = []
         self._entry: nn.Module | None = None  # the child the step's data came in through (no root forward)
-        self._entry_nonfinite: torch.Tensor | None = None
 
     def attach(self, model: nn.Module) -> BatchRecorder:
         if self._handle is not None:
@@ -338,8 +341,8 @@ class BatchRecorder:
         self.batches = []
         self.rng_state = None
         self.forwards = 0
-        self._nonfinite = None
-        self._entry, self._entry_nonfinite = None, None
+        self._nonfinite = self.fingerprint = None
+        self._entry = None
 
     def _child_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         # A training forward of the root ran this step (its own pre-hook counted it, before any
@@ -353,24 +356,18 @@ class BatchRecorder:
             self._entry = module
         if module is not self._entry:
             return  # (an intermediate passed on to another child: an overflow in the first is no bad input)
-        n = _count_nonfinite([[args, kwargs]])
-        if n is not None:
-            held = self._entry_nonfinite
-            self._entry_nonfinite = n if held is None else held + n.to(held.device)
+        self._tally(args, kwargs)
+
+    def _tally(self, args: Any, kwargs: Any) -> None:
+        inputs = [args, kwargs]
+        self._nonfinite = _add(self._nonfinite, _count_nonfinite(inputs))
+        self.fingerprint = _add(self.fingerprint, _fingerprint(inputs))
 
     def nonfinite_inputs(self) -> torch.Tensor | None:
         """How many floating input values of this step's micro-batches are NaN or inf, as a 0-d
         tensor (no host read); None when no floating input was recorded. A NaN that arrives with
         the data is a bad batch, not an overflow inside the model."""
-        root = (
-            self._nonfinite
-            if not self.keep
-            else _count_nonfinite([[b.get("args", ()), b.get("kwargs", {})] for b in self.batches])
-        )
-        entry = self._entry_nonfinite
-        if root is None or entry is None:
-            return root if entry is None else entry
-        return root + entry.to(root.device)
+        return self._nonfinite
 
     def _pre(self, module, args, kwargs):
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or inside_func_transform():
@@ -381,10 +378,8 @@ class BatchRecorder:
                 on_full()
             return None
         self.forwards += 1
+        self._tally(args, kwargs)
         if not self.keep:
-            n = _count_nonfinite([[args, kwargs]])
-            if n is not None:
-                self._nonfinite = n if self._nonfinite is None else self._nonfinite + n.to(self._nonfinite.device)
             return None
         if not self.batches and self.capture_rng:
             self.rng_state = forward_rng_state()
@@ -408,6 +403,33 @@ def _count_nonfinite(inputs: list[Any]) -> torch.Tensor | None:
     if not counts:
         return None
     return torch.stack([c.to(counts[0].device) for c in counts]).sum()
+
+
+def _fingerprint(inputs: list[Any]) -> torch.Tensor | None:
+    """Two numbers that stand for a batch: the sum and the norm of each input tensor, weighted by
+    the tensor's place, as a 2-element float32 tensor (no copy of a floating input); None without
+    any tensor. Equal, to the last bit, step after step: the loop feeds the same batch (full-batch
+    training)."""
+    rows = [
+        torch.stack([t.sum(dtype=torch.float32), _norm32(t)]) * (i + 1)
+        for i, (_, t) in enumerate(_named_tensors(inputs, ""))
+        if t.numel() and not t.is_complex()
+    ]
+    if not rows:
+        return None
+    return torch.stack([r.to(rows[0].device) for r in rows]).sum(0)
+
+
+def _norm32(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():  # (fp16/bf16 summed in float32, float64 as it is)
+        return torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).float()
+    return torch.linalg.vector_norm(t.float())  # token ids, masks: small
+
+
+def _add(held: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
+    if held is None or more is None:
+        return more if held is None else held
+    return held + more.to(held.device)
 
 
 def _dtype_str(d: torch.dtype) -> str:

@@ -41,6 +41,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -445,6 +446,24 @@ _SCALER_PATCHES: weakref.WeakKeyDictionary[Any, _ScalerPatch] = weakref.WeakKeyD
 _ATTACHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
 
 
+# The code of the wrapper torch puts around each optimizer class's step() (it calls the step hooks)
+_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+
+
+def _steps_in_flight(optimizer: torch.optim.Optimizer) -> int:
+    """How many of torch's step wrappers for ``optimizer`` are running (on the call stack). torch
+    wraps each class's step() the first time an instance of that class is made, so a subclass
+    whose step() calls ``super().step()`` runs two once its parent class has an instance too: the
+    step hooks fire twice in one ``optimizer.step()``."""
+    n = 0
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _STEP_WRAPPER and frame.f_locals.get("self") is optimizer:
+            n += 1
+        frame = frame.f_back
+    return n
+
+
 def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]:
     """``optimizer.step``'s arguments (as its pre-hook sees them: ``args[0]`` is the optimizer)
     with ``closure`` in place of the one given, by keyword or by position."""
@@ -582,15 +601,19 @@ class Monitor:
         self._last_update_sound = False
         self._state_from_normal_loss = False
         self._same_state_spikes = 0
-        # Full-batch training (_fixed_batch): the step it was found at; the next step's loss that
-        # would show it; the last steps' losses
+        # Full-batch training (_fixed_batch): the step it was found at; the last step's input
+        # fingerprint and how many steps in a row it repeated; the next step's loss that would
+        # show it by a replay; the last steps' losses
         self._fixed_batch_since: int | None = None
+        self._last_inputs: list[float] | None = None
+        self._same_inputs = 0
         self._expect_loss: tuple[int, tuple[float, float]] | None = None
         self._recent_losses: dict[int, tuple[float, float]] = {}  # step -> (loss, gradient norm)
         self._last_landed: int | None = None  # the step of the last update that landed (nonfinite_param names it)
         self._zero_runs: dict[str, int] = {}  # group -> steps in a row its gradients were exactly zero
         self._grad_reset = GradResetProbe()  # was zero_grad() called between the steps?
         self._told_not_reset = False  # zero_grad_missing told, and no reset seen since
+        self._nested_steps = 0  # step() calls running inside the step in flight (_steps_in_flight)
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: Arena | None = None  # reused copy of the parameters (no undo copy)
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
@@ -1453,8 +1476,12 @@ class Monitor:
     # same two entry points, before_update() and after_update().
     # ------------------------------------------------------------------------------------------
     def _on_optimizer_pre_step(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
-        if self._record.stepped:  # the last optimizer.step raised before its post-hook
-            self._close(aborted=True)
+        if self._record.stepped:
+            if _steps_in_flight(optimizer) > 1:  # a step() calling its parent's: the step begun
+                self._nested_steps += 1
+                return None
+            self._close(aborted=True)  # the last optimizer.step raised before its post-hook
+        self._nested_steps = 0
         # With a scaler the pipeline already ran inside scaler.step; driven externally, the
         # framework calls before_update() where its gradients are ready.
         changed: tuple[tuple, dict] | None = None
@@ -1487,6 +1514,9 @@ class Monitor:
         return changed
 
     def _on_optimizer_post_step(self, optimizer, args, kwargs) -> None:
+        if self._nested_steps:  # the end of a nested step() (see _steps_in_flight): not yet the step's
+            self._nested_steps -= 1
+            return
         self.after_update()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         # The gradients a step(closure) leaves (a skip's put back): the next step's are its own
@@ -1535,9 +1565,15 @@ class Monitor:
     def before_update(self) -> None:
         """Entry point 1: run the pipeline for the step in flight, where the unscaled gradients are
         ready and the update has not landed. A no-op when it already ran for this step. An
-        exception inside closes the step as ABORTED (everything put back) and propagates."""
+        exception inside closes the step as ABORTED (everything put back) and propagates. A step
+        whose ``optimizer.step()`` began and raised (no step of it running now) is closed as
+        ABORTED first."""
+        if self.model is None:
+            return
         rec = self._record
-        if self.model is None or rec.phase is not Phase.OPEN:
+        if rec.phase is Phase.DECIDED and rec.stepped and not _steps_in_flight(self._live().optimizer):
+            rec = self._open_record()
+        if rec.phase is not Phase.OPEN:
             return
         self._write_unwritten()  # the last step's actions that finished after its update
         ctx = self._live()
@@ -1997,6 +2033,8 @@ class Monitor:
         bad_inputs = self._recorder.nonfinite_inputs()
         if bad_inputs is not None:
             out[S.INPUT_NONFINITE] = bad_inputs
+        if self._recorder.fingerprint is not None:
+            out[S.INPUT_FINGERPRINT] = S.Vector(self._recorder.fingerprint)
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         every = self.config.stats.update_ratio_every
@@ -2033,34 +2071,53 @@ class Monitor:
     SAME_STATE_SPIKES = 32
     SAME_STATE_NONFINITE = 8  # a non-finite loss on every batch sooner says the state makes it
 
+    # Steps in a row whose inputs equal the step's before, to the last bit, that show full-batch
+    # training (a loop may feed each batch a few steps: data echoing)
+    FIXED_BATCH_INPUTS = 8
     # Steps full-batch training found by a replay is assumed for (a loop may overfit one batch, then
     # train on its data): after them, a skip or an undo acts again, and finds it again or not.
     FIXED_BATCH_STEPS = 200
 
     def _fixed_batch(self, step: int, rec: StepRecord, findings: list[Finding]) -> None:
         """Full-batch training (the loop feeds the same batch every step: edge-of-stability
-        studies, catapults, grokking), found where a skip or an undo put a state back and the step
-        after it measured, on that state, the very loss and gradient norm it had before, to the last
-        bit (a gradient norm of zero says nothing: a clamped loss repeats its cap without one). There a
-        skip replays the same batch on the same state, and an undo puts back the state that makes
-        the same update again: a loss spike is the state's, not the batch's, and an update judged
-        harmful by the loss it raised is the run's own dynamics (an edge-of-stability rise, a
-        slingshot), which such runs come back from by themselves (helpers' probes: 8 skips in a
-        row per rise, 16-32 steps lost; a grokking transformer's slingshots undone, its LR cut for
-        good, and it never grokked). For ``FIXED_BATCH_STEPS`` steps from then on both are told,
-        not acted on (found again, it holds longer); the ceiling, the non-finite checks and the
-        other detectors act as before."""
-        seen = self._loss_and_grad(rec)
+        studies, catapults, grokking). There a skip replays the same batch on the same state, and
+        an undo puts back the state that makes the same update again: a loss spike is the state's,
+        not the batch's, and an update judged harmful by the loss it raised is the run's own
+        dynamics (an edge-of-stability rise, a slingshot), which such runs come back from by
+        themselves (helpers' probes: 8 skips in a row per rise, 16-32 steps lost; a grokking
+        transformer's slingshots undone, its LR cut for good, and it never grokked). While it holds
+        both are told, not acted on; the ceiling, the non-finite checks and the other detectors act
+        as before.
+
+        Found where the step's inputs (``forensics._fingerprint``) equal, to the last bit, those of
+        the ``FIXED_BATCH_INPUTS`` steps before; it holds until they change. Where the monitor sees
+        no input tensor (a model that holds its data), found where a skip or an undo put a state
+        back and the step after it measured, on that state, the very loss and gradient norm it had
+        before (a gradient norm of zero says nothing: a clamped loss repeats its cap without one);
+        it holds for ``FIXED_BATCH_STEPS`` steps (found again, longer)."""
         expected, self._expect_loss = self._expect_loss, None
-        if expected is not None and expected[0] == step and seen is not None and seen == expected[1]:
-            self._fixed_batch_since = step  # (found again: it holds for FIXED_BATCH_STEPS more)
-        if self._fixed_batch_since is None or step - self._fixed_batch_since > self.FIXED_BATCH_STEPS:
-            return  # (a loop may feed one batch for a while, then its data: found again or not)
-        why = (
-            f"the loop feeds the same batch every step (found at step {self._fixed_batch_since}: the loss measured "
-            "and gradient norm on a state a skip or an undo put back equalled, to the last bit, those that state "
-            "had before)"
-        )
+        fingerprint = rec.internal.get(S.INPUT_FINGERPRINT)
+        if isinstance(fingerprint, list):  # the inputs show whether the batch is the step's before
+            same = fingerprint == self._last_inputs and all(S.finite(v) for v in fingerprint)
+            self._last_inputs = fingerprint
+            self._same_inputs = self._same_inputs + 1 if same else 0
+            found = self._same_inputs >= self.FIXED_BATCH_INPUTS
+            self._fixed_batch_since = step - self._same_inputs if found else None
+            how = f"its inputs equal, to the last bit, those of the {self._same_inputs} steps before"
+        else:
+            self._last_inputs, self._same_inputs = None, 0
+            seen = self._loss_and_grad(rec)
+            if expected is not None and expected[0] == step and seen is not None and seen == expected[1]:
+                self._fixed_batch_since = step  # (found again: it holds for FIXED_BATCH_STEPS more)
+            if self._fixed_batch_since is not None and step - self._fixed_batch_since > self.FIXED_BATCH_STEPS:
+                self._fixed_batch_since = None  # (a loop may feed one batch for a while, then its data)
+            how = (
+                f"found at step {self._fixed_batch_since}: the loss and gradient norm measured on a state a skip "
+                "or an undo put back equalled, to the last bit, those that state had before"
+            )
+        if self._fixed_batch_since is None:
+            return
+        why = f"the loop feeds the same batch every step ({how})"
         for f in findings:
             if f.kind == LOSS_SPIKE:
                 moot = "a skip would replay it"

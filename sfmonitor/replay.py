@@ -203,11 +203,17 @@ def replay_bundle(
         trusted = trusted_factories()
         if not isinstance(named, str) or named not in trusted:
             listed = ", ".join(sorted(trusted)) or "none installed"
+            if named is None:
+                raise BundleError(
+                    f"{path}: the bundle names no model factory (the run never called "
+                    "monitor.set_model_factory('module:function')): pass --model module:function, a "
+                    "function that builds the model (and --loss module:function if its forward "
+                    "does not return the loss)"
+                )
             raise BundleError(
                 f"{path}: the bundle names model factory {named!r}; only the factories "
                 f"installed packages register under {FACTORY_GROUP!r} ({listed}) are "
-                f"trusted from a file -- pass --model {named or 'module:function'} "
-                f"to use it"
+                f"trusted from a file -- pass --model {named} to use it"
             )
         factory = named
     build = resolve_factory(factory)

@@ -41,9 +41,14 @@ def option(
     ``choices``: the allowed values (of each item, for a list-valued option), or a callable
     returning them (names from a registry, read when a config is checked). ``allow_inf``: a float
     option takes +-inf (within [lo, hi]); without it every float option must be finite. NaN is
-    never allowed. Mutable defaults (lists, dicts, sections) are copied per instance.
+    never allowed. Mutable defaults (lists, dicts, sections) are copied per instance. A nested
+    section is given as its class (``option(PolicyConfig, ...)``) and built anew for each config:
+    its defaults then include what was registered after import (an action's cooldown, a
+    detector's section), which a copy of an instance built at import would not.
     """
     meta = {"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open, "choices": choices, "allow_inf": allow_inf}
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return field(default_factory=default, metadata=meta)
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         import copy
 

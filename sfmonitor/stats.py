@@ -29,6 +29,14 @@ key                            meaning
 ``bn_var_ratio/<group>``       the largest, over the group's BatchNorm layers, of the step's batch
                                variance over the running variance it was averaged into (the
                                geometric mean over the layer's channels)
+``update_stale/<group>``       of the group's bf16/fp16 parameters: the share of the gradient's
+                               mass on elements the update left unchanged (rounded away);
+                               ``update_stale/total`` over all of them
+``adam_eps/<group>``           of an Adam-family group, weighed by ``|m|``: the share of elements
+                               whose bias-corrected ``sqrt(v)`` is under ``eps`` (sampled)
+``grad_clip/user``             1.0 where the step's statistics were taken before the user's own
+                               ``clip_grad_norm_`` (``userclip.py``)
+``grad_clip/coef``             that clip's coefficient: norm after it over norm before it
 =============================  ==============================================================
 
 Sharded parameters (FSDP2 ``fully_shard``: DTensor parameters and gradients) are measured on each
@@ -115,9 +123,10 @@ PARAM_NONFINITE_COUNT = "internal/param_nonfinite_count"
 PARAM_FIRST_NONFINITE = "internal/param_first_nonfinite"
 AMP_FOUND_INF = "internal/amp_found_inf"  # the GradScaler's found-inf, summed
 ACT_FIRST_NONFINITE = "internal/act_first_nonfinite"
-INPUT_NONFINITE = (
-    "internal/input_nonfinite"  # NaN/inf values in the step's floating inputs  # watch: first module with inf/NaN
-)
+INPUT_NONFINITE = "internal/input_nonfinite"  # NaN/+inf values in the step's floating inputs
+# [sum, sum of squares] of the step's input tensors (forensics._fingerprint): equal step after step
+# where the loop feeds one batch (full-batch training); summed over ranks
+INPUT_FINGERPRINT = "internal/input_fingerprint"
 # Whether this step's gradients were accumulated onto the last step's (1), reset (0), not seen (-1)
 GRADS_NOT_RESET = "internal/grads_not_reset"
 # The BatchNorm layer (index in BatchVarRatio's list) with the largest bn_var_ratio this step
@@ -136,6 +145,7 @@ INTERNAL = frozenset(
         ACT_FIRST_NONFINITE,
         NONFINITE_BY_RANK,
         INPUT_NONFINITE,
+        INPUT_FINGERPRINT,
         GRADS_NOT_RESET,
         BN_VAR_WORST,
     }
@@ -171,6 +181,7 @@ REDUCTIONS: dict[str, Reduce] = {
     ACT_FIRST_NONFINITE: Reduce.FIRST,
     NONFINITE_BY_RANK: Reduce.SUM,
     INPUT_NONFINITE: Reduce.SUM,  # a bad batch on one rank is a bad step for all
+    INPUT_FINGERPRINT: Reduce.SUM,  # every rank's batch the same as the step before, or not
     GRADS_NOT_RESET: Reduce.MAX,  # one rank's loop forgot: told on every rank
     BN_VAR_RATIO.format(""): Reduce.MAX,  # one rank's bad batch
     BN_VAR_WORST: Reduce.FIRST,

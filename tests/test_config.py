@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 import sfmonitor
@@ -250,3 +252,20 @@ def test_any_values_for_the_real_keys_give_a_config_or_a_config_error(tmp_path, 
     cfg = _config_or_config_error(str(path))
     if cfg is not None:  # what loads is finite and round-trips
         assert MonitorConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_the_configuration_page_lists_every_key_as_the_code_has_it():
+    """docs/config.md is ``sfmonitor.config.reference()``: every key with its default and doc, so
+    a key added, renamed or given a new default shows there (a newcomer's audit found keys no page
+    named)."""
+    from sfmonitor.config import describe, reference
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    page = open(os.path.join(root, "docs", "config.md"), encoding="utf-8").read()
+    assert page == reference(), (
+        "docs/config.md is stale: python -c \"import sfmonitor.config as c; print(c.reference(), end='')\" "
+        "> docs/config.md"
+    )
+    keys = [k for k, _, _ in describe()]
+    assert len(keys) > 100 and all(f"| `{k}` |" in page for k in keys)
+    assert "| `policy.budget` | `10` |" in page and "| `actions.lr_drop.min_lr` | `0.0` |" in page

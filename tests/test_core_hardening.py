@@ -481,3 +481,76 @@ def test_an_additive_minus_inf_mask_in_the_inputs_is_no_bad_input(tmp_path):
     kinds = [(e.step, e.kind) for e in mon.events]
     assert (2, "bad_batch") not in kinds and (3, "bad_batch") in kinds
     mon.detach()
+
+
+class _LoggingNAdam(torch.optim.NAdam):
+    """A user's optimizer that adds to its parent's step and calls ``super().step()``."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def test_an_optimizer_whose_step_calls_its_parents_is_one_step(tmp_path):
+    """torch wraps each optimizer class's ``step`` with its hook caller the first time an instance
+    of that class is made: once the parent class has an instance somewhere in the process (a
+    second optimizer, an lr finder), a subclass whose ``step`` calls ``super().step()`` fires the
+    step hooks twice per ``optimizer.step()`` (a newcomer's audit: ``monitor.step`` counted 0, 2,
+    4, and one NaN batch gave two events). The nested call is part of the step the outer one began."""
+    torch.optim.NAdam([nn.Parameter(torch.zeros(1))])  # the parent class's step is hooked too
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = _LoggingNAdam(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False})
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        x = torch.randn(16, 4, generator=g)
+        if i == 3:
+            x[0, 0] = float("nan")
+            before = [p.detach().clone() for p in model.parameters()]
+        mon.combine(nn.functional.mse_loss(model(x), x[:, :1])).backward()
+        opt.step()
+        opt.zero_grad()
+        assert mon.step == i + 1
+        if i == 3:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    mon.detach()
+    assert [(e.step, e.kind, e.actions) for e in mon.events] == [(3, "bad_batch", ["skip_step"])]
+
+
+def test_a_step_whose_optimizer_raised_is_closed_by_the_next_before_update(tmp_path):
+    """Driven externally (an integration calls ``before_update()`` / ``after_update()``), a step
+    whose ``optimizer.step()`` raised left its record decided: the next ``before_update()`` did
+    nothing, the next step's pre-hook closed the record and began a new one already marked as
+    stepped, and a NaN batch two steps later was told as skipped while its update landed (a
+    newcomer's audit). The next ``before_update()`` closes the step the exception ended."""
+
+    class Flaky(torch.optim.Adagrad):
+        calls = 0
+
+        def step(self, closure=None):
+            Flaky.calls += 1
+            if Flaky.calls == 3:
+                raise RuntimeError("optimizer failed")
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = Flaky(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=quiet()).drive_externally()
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        x = torch.randn(16, 4, generator=g)
+        if i == 4:
+            x[0, 0] = float("nan")
+        nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        mon.before_update()
+        try:
+            opt.step()
+            mon.after_update()
+        except RuntimeError:
+            assert i == 2
+        opt.zero_grad()
+        assert all(torch.isfinite(p).all() for p in model.parameters()), i
+        assert mon.step == i + (i != 2), i  # the step that raised is closed by the next one
+    mon.detach()
+    assert [(e.step, e.kind, e.actions) for e in mon.events] == [(4, "bad_batch", ["skip_step"])]

@@ -178,3 +178,37 @@ def test_detector_state_saved_as_a_list_by_an_older_version_is_ignored_with_a_wa
         "run": {},
         "signed": [],
     }
+
+
+def test_a_registered_actions_budget_and_cooldown_hold_whatever_config_is_given(clean_registry):
+    """``register_action(..., budgeted=True, cooldown=N)`` holds in every monitor built after it,
+    whatever config it is given (a newcomer's audit: the policy section's defaults were copied
+    from one built at import, so without a ``policy`` key in the config the action was neither
+    budgeted nor cooled down: it ran every step, spending nothing)."""
+    calls = []
+    sfmonitor.register_action(
+        "tag_step", lambda ctx, d: calls.append(ctx.step) or {}, order=46, budgeted=True, cooldown=5
+    )
+
+    class Always(sfmonitor.Detector):
+        kind = "always_seen"
+
+        def check(self, step, stats):
+            return [sfmonitor.Finding(self.kind, "always")]
+
+    sfmonitor.register_detector("always", Always, kinds={"always_seen": [(1, ["tag_step"])]})
+    for config in (None, {}, {"console": False}, {"console": False, "policy": {}}):
+        cfg = sfmonitor.MonitorConfig.from_any(config)
+        assert "tag_step" in cfg.policy.budget_actions and cfg.policy.cooldowns["tag_step"] == 5, config
+    calls.clear()
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.Monitor(config={"console": False}, sinks=[])
+    mon.attach(model, opt)
+    for _ in range(12):
+        mon.combine(model(torch.randn(4, 3)).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    assert calls[0] == 0 and 2 <= len(calls) <= 3 and calls == [0, 5, 10][: len(calls)]
+    assert mon._policy.rescues_used == len(calls)

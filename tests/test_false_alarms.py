@@ -177,10 +177,23 @@ def test_a_skipped_step_is_no_measure_of_the_runs_batch_to_batch_noise(tmp_path)
     mon.detach()
 
 
-def _full_batch_run(tmp_path, steps, monitored, then=0):
+class _HeldBatch(nn.Module):
+    """A model that holds its data and takes none as input (``forward(rows=None)``: the rows of
+    it to use, a slice): its inputs show nothing of the batch."""
+
+    def __init__(self, net, x):
+        super().__init__()
+        self.net, self.x = net, x
+
+    def forward(self, rows=None):
+        return self.net(self.x if rows is None else self.x[rows])
+
+
+def _full_batch_run(tmp_path, steps, monitored, then=0, held=False):
     """Full-batch gradient descent at the edge of stability (Cohen et al. 2021, arXiv
     2103.00065): an MLP on one fixed batch at an LR past 2/sharpness, whose loss rises and falls
-    back by itself."""
+    back by itself. ``held``: the batch is held by the model (``_HeldBatch``), so only a replay
+    can show the loop feeds the same batch."""
     g = torch.Generator().manual_seed(500)
     blur = functools.partial(nn.functional.interpolate, size=(8, 8), mode="bilinear", align_corners=False)
     templates = blur(torch.randn(10, 3, 3, 3, generator=g))  # tiny blurred "images", 10 classes
@@ -195,16 +208,18 @@ def _full_batch_run(tmp_path, steps, monitored, then=0):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(192, 200), nn.Tanh(), nn.Linear(200, 200), nn.Tanh(), nn.Linear(200, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.4)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=quiet()) if monitored else None
+    root = _HeldBatch(model, x) if held else model
+    mon = sfmonitor.attach(root, opt, run_dir=tmp_path, sinks=[], config=quiet()) if monitored else None
     for _ in range(steps):
-        loss = 0.5 * (model(x) - y).pow(2).sum(1).mean()
+        loss = 0.5 * ((root() if held else model(x)) - y).pow(2).sum(1).mean()
         (mon.combine(loss) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
     for i in range(then):  # then mini-batches of 100, at a lower LR, one of them with a 1e4x loss
         opt.param_groups[0]["lr"] = 0.05
         part = slice(100 * (i % 10), 100 * (i % 10 + 1))
-        loss = 0.5 * (model(x[part]) - y[part]).pow(2).sum(1).mean() * (1e4 if i == then - 5 else 1)
+        out = root(part) if held else model(x[part])
+        loss = 0.5 * (out - y[part]).pow(2).sum(1).mean() * (1e4 if i == then - 5 else 1)
         (mon.combine(loss) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
@@ -221,7 +236,7 @@ def test_full_batch_training_is_found_when_a_skip_replays_and_its_loss_rises_are
     feed one batch: its loss spikes, and updates judged harmful by the loss they raised (the
     run's own edge-of-stability rises), are told, not acted on. One step is lost: the run goes on
     one step behind the bare run, bit for bit."""
-    model, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True)
+    model, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True, held=True)
     acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
     assert len(acted) == 1 and acted[0][1:] == ("loss_spike", ["skip_step"])
     told = [e for e in mon.events if e.data.get("fixed_batch") is not None]
@@ -230,12 +245,66 @@ def test_full_batch_training_is_found_when_a_skip_replays_and_its_loss_rises_are
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
 
 
+def test_full_batch_training_is_known_from_its_inputs_before_any_skip(tmp_path):
+    """A loop that feeds one batch every step (``model(x)`` on one fixed batch, the usual
+    full-batch loop) says so in its inputs: after ``FIXED_BATCH_INPUTS`` steps in a row whose
+    inputs are equal, to the last bit, the edge-of-stability rise is told, not skipped, and the
+    run ends bit-identical to the bare run, with no action (found by a replay, it cost one skipped
+    step)."""
+    model, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True)
+    assert [(e.step, e.kind, e.actions) for e in mon.events if e.actions] == []
+    told = [e for e in mon.events if e.data.get("fixed_batch") is not None]
+    assert told and "its inputs equal" in told[0].message
+    bare, _ = _full_batch_run(tmp_path / "bare", 120, monitored=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+
+
+def _repeated_batch_run(tmp_path, repeats, refill=False):
+    """Mini-batches each fed ``repeats`` steps in a row (data echoing), the batch of steps 60-60+repeats
+    with a 1e4x loss; ``refill``: every batch is copied into one preallocated tensor (the same
+    object every step, changed in place)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=quiet())
+    g = torch.Generator().manual_seed(0)
+    buf = torch.empty(32, 8)
+    for i in range(90):
+        if i % repeats == 0:
+            x = torch.randn(32, 8, generator=g)
+            if refill:
+                buf.copy_(x)
+                x = buf
+            y = x.sum(1, keepdim=True).sin() * (1e2 if 60 <= i < 60 + repeats else 1)
+        loss = nn.functional.mse_loss(model(x), y)
+        mon.combine(loss).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    return mon
+
+
+def test_a_batch_fed_a_few_steps_or_a_buffer_refilled_in_place_is_no_full_batch(tmp_path):
+    """The inputs tell full-batch training only after ``FIXED_BATCH_INPUTS`` steps in a row with
+    equal inputs: a loop that feeds each batch a few steps in a row (data echoing) has its bad
+    batch skipped each time it comes (a skip, then the same batch on the same state, is no full
+    batch where the inputs show they change); so has a loop that copies each batch into one
+    preallocated tensor."""
+    mon = _repeated_batch_run(tmp_path / "echo", 3)
+    spikes = {e.step: e.actions for e in mon.events if e.kind == "loss_spike"}
+    assert spikes == {60: ["skip_step"], 61: ["skip_step"], 62: ["skip_step"]}
+    assert not [e for e in mon.events if e.data.get("fixed_batch") is not None]
+    mon = _repeated_batch_run(tmp_path / "refill", 1, refill=True)
+    assert [e.actions for e in mon.events if e.step == 60 and e.kind == "loss_spike"] == [["skip_step"]]
+    assert not [e for e in mon.events if e.data.get("fixed_batch") is not None]
+
+
 def test_full_batch_training_found_once_is_not_assumed_for_good(tmp_path):
     """The loop's batches may change after a stretch of full-batch steps (a sanity check that
     overfits one batch, then the real data): full-batch training found by a replay is assumed for
     ``FIXED_BATCH_STEPS`` steps after it, not for the rest of the run, so a bad batch of the
     mini-batches that come after is skipped again."""
-    _, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True, then=260)
+    _, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True, then=260, held=True)
     late = [e for e in mon.events if e.step == 120 + 260 - 5]
     assert [e.actions for e in late if e.kind == "loss_spike"] == [["skip_step"]]
 
