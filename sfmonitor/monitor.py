@@ -614,6 +614,7 @@ class Monitor:
         self._grad_reset = GradResetProbe()  # was zero_grad() called between the steps?
         self._told_not_reset = False  # zero_grad_missing told, and no reset seen since
         self._nested_steps = 0  # step() calls running inside the step in flight (_steps_in_flight)
+        self._warned_join = False  # DDP's Join seen on (its uneven inputs meet the step's reduction)
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: Arena | None = None  # reused copy of the parameters (no undo copy)
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
@@ -1611,6 +1612,17 @@ class Monitor:
         if sum(len(pg["params"]) for pg in optimizer.param_groups) != self._n_opt_params:
             self._index_params()  # add_param_group() since the last step
         self._fresh_buffers()
+        if not self._warned_join and getattr(getattr(self.model, "_join_config", None), "enable", False):
+            self._warned_join = True
+            warnings.warn(
+                "sfmonitor: DDP's Join (uneven inputs) is on. A rank that runs out of batches shadows "
+                "DDP's all-reduce but no longer steps, so the monitor's per-step reduction on the "
+                "other ranks meets Join's and the job aborts (gloo: a collective mismatch). Give every "
+                "rank the same number of batches (DistributedSampler(drop_last=True)) while the "
+                "monitor is attached",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
         # 1. stats: every number of this step as a tensor, then ONE host read. The previous
         #    step's update ratios (measured after its update landed) ride along in the same read.

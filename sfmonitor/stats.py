@@ -736,9 +736,11 @@ def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
         for vec, decode in vectors:
             got.update(decode(vec.tolist()))  # the host synchronisation, once per device
         return {k: got[k] for k in named}
+    # Laid out by key, not by the order this rank's dicts hold them in (rank 1 may pass combine()
+    # its components in another order): the reduction is by position.
     by_device: dict[torch.device, list[str]] = {}
-    for k, v in named.items():
-        by_device.setdefault(_device_of(v), []).append(k)
+    for k in sorted(named):
+        by_device.setdefault(_device_of(named[k]), []).append(k)
     out: dict[str, Any] = {}
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
