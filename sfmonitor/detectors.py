@@ -22,6 +22,7 @@ Statistic keys read (listed in stats.py): ``loss/total``, ``loss/<c>``, ``grad_n
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -570,6 +571,19 @@ def _gives_back(value: float, now: float, start: float, share: float) -> bool:
     return start <= now or value - now >= share * (start - now)
 
 
+def _rose(after: float, before: float, factor: float, start: float | None = None, signed: bool = False) -> bool:
+    """Whether a loss went from ``before`` to over ``factor`` times it. A positive loss: by the
+    ratio. A ``signed`` one, seen at or below zero (a Gaussian or flow negative log-likelihood, a
+    loss with a negative constant), has no multiplicative scale: ``factor * before`` lies *below* a
+    negative ``before``, and a small positive one near zero makes any move a large ratio (a Gaussian
+    NLL from 0.07 to 0.30 read as 4.4x; with +10 added to the loss, 1.02x). Its rise must pass
+    ``factor - 1`` times the progress it made down from ``start``, or, without a start, its size."""
+    if before > 0 and not signed:
+        return after > factor * before
+    scale = start - before if start is not None and start > before else abs(before)
+    return after - before > (factor - 1) * scale
+
+
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
@@ -704,9 +718,12 @@ class LossSpike(_Windowed):
     or swings) never form a level; the policy's ladder goes on judging them.
 
     Watches ``loss/total`` (kind ``loss_spike``) and, with ``components``, every ``loss/<c>``
-    (kind ``loss_component_spike``). Losses <= 0 are ignored (their log is undefined); a component
-    seen at or below zero is no longer judged (it has no multiplicative scale). One finding per key
-    that spikes or shifts.
+    (kind ``loss_component_spike``). A total loss seen at or below zero (a Gaussian or flow negative
+    log-likelihood, a loss with a negative constant) has no multiplicative scale: from then on it
+    is judged on its own scale (``raw``: the values themselves, the sigma floors times the progress
+    the loss made), its window carried over; before, only its positive values entered a log window,
+    and a batch with targets x20 (a loss of thousands against -0.7) was not judged. A component
+    seen at or below zero is no longer judged. One finding per key that spikes or shifts.
     """
 
     kind = LOSS_SPIKE
@@ -717,11 +734,20 @@ class LossSpike(_Windowed):
         self.start: dict[str, float] = {}  # key -> log of the loss at its start (the largest first value)
         self.run: dict[str, list[float]] = {}  # key -> logs of its spikes in a row, and the expected value
         self.signed: set[str] = set()  # components seen at or below zero: no log scale, not judged
+        self.raw: set[str] = set()  # the total loss seen at or below zero: judged on its own scale
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         keys = _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
         for key in keys:
             value = stats[key]
+            if key == LOSS_TOTAL and key not in self.raw and S.finite(value) and value <= 0:
+                self.raw.add(key)  # from logs to the values themselves, the window carried over
+                if key in self.windows:
+                    self.windows[key] = collections.deque(map(math.exp, self.windows[key]), maxlen=self.config.window)
+                if key in self.start:
+                    self.start[key] = math.exp(self.start[key])
+                self.errors.pop(key, None)
+                self.run.pop(key, None)
             if key != LOSS_TOTAL and key not in self.signed and S.finite(value) and value <= 0:
                 # A component that takes values at or below zero (a policy-gradient loss, a
                 # negative log-likelihood under a learnt variance) has no multiplicative scale: its
@@ -731,15 +757,29 @@ class LossSpike(_Windowed):
                     table.pop(key, None)
         return [k for k in keys if k not in self.signed]
 
+    def _scaled(self, stats: Mapping[str, float], keys: list[str]):
+        """(key, value, value on the scale it is judged on): the log of a positive value, a ``raw``
+        key's value itself; a NaN or an inf never enters a window (the core's business)."""
+        for key in keys:
+            value = stats[key]
+            if key in self.raw and S.finite(value):
+                yield key, value, value
+            elif S.finite(value) and value > 0:
+                yield key, value, math.log(value)
+
+    def _unscaled(self, key: str, x: float) -> float:
+        return x if key in self.raw else math.exp(x)
+
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
-        for key, value, x in _positive_logs(stats, self._keys(stats)):
+        for key, value, x in self._scaled(stats, self._keys(stats)):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             if len(w) < cfg.prior_after:
                 top = max(w, default=math.inf)
-                if x - top > math.log(cfg.early_factor):  # kept out of the window: not a start
-                    out.append(self._finding(key, value, step, top, top, top + math.log(cfg.early_factor)))
+                early = (cfg.early_factor - 1) * abs(top) if key in self.raw else math.log(cfg.early_factor)
+                if x - top > early:  # kept out of the window: not a start
+                    out.append(self._finding(key, value, step, top, top, top + early))
                 else:
                     w.append(x)
                 continue
@@ -749,7 +789,10 @@ class LossSpike(_Windowed):
             level = _median(list(w)[-cfg.recent :])
             bias, mad = _median_mad(list(errors)) if len(errors) >= 2 else (0.0, 0.0)
             expected = level + bias
-            sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma)
+            # The sigma floors are shares of a log (relative moves); on a raw key, shares of the
+            # loss's scale: the progress it made from its start, or its size.
+            unit = max(self.start[key] - level, abs(level)) if key in self.raw else 1.0
+            sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma * unit)
             if len(errors) < cfg.warmup:
                 # The prior, until the errors' tail can judge (below; the errors start prior_after
                 # values after the window, so a prior ending with the window's warm-up left steps
@@ -760,7 +803,7 @@ class LossSpike(_Windowed):
                 # 2x at 3 values, 1.1x at 24). A MAD of a handful of errors can be near zero; half
                 # the swing, unwidened, skipped ~3% of healthy batch-16 regressions in warm-up.
                 swing = max(abs(v - level) for v in w) * (1 + 2 / (len(w) - 1))
-                sigma = max(sigma, cfg.prior_sigma, swing)
+                sigma = max(sigma, cfg.prior_sigma * unit, swing)
             if len(errors) >= cfg.warmup:
                 # Batch losses have heavy tails (a model's hard batches): sigma is also read from
                 # the tail, the 95th percentile of |error| / 1.96 (the same sigma for a normal
@@ -794,24 +837,25 @@ class LossSpike(_Windowed):
         """A spike of ``key`` (logs of the level, the expected value and the limit; ``sigma`` 0:
         the early test, before the prior judges, by ``early_factor``)."""
         cfg = self.config
-        if sigma:
-            z = (math.log(value) - expected) / sigma
-            why = f"is {z:.1f} sigma above its expected {_fmt(math.exp(expected))} (threshold {cfg.z:g} sigma"
+        raw, out = key in self.raw, functools.partial(self._unscaled, key)
+        z = ((value if raw else math.log(value)) - expected) / sigma if sigma else None
+        if z is not None:
+            why = f"is {z:.1f} sigma above its expected {_fmt(out(expected))} (threshold {cfg.z:g} sigma"
         else:
-            why = f"is over {cfg.early_factor:g}x the largest loss so far {_fmt(math.exp(level))} (threshold"
+            why = f"is over {cfg.early_factor:g}x the largest loss so far {_fmt(out(level))} (threshold"
         return Finding(
             kind=self.kind if key == LOSS_TOTAL else LOSS_COMPONENT_SPIKE,
             where=key[len(LOSS_PREFIX) :],
-            message=f"{key} = {_fmt(value)} {why} = {_fmt(math.exp(limit))})",
+            message=f"{key} = {_fmt(value)} {why} = {_fmt(out(limit))})",
             data={
                 "key": key,
                 "value": value,
-                "median": math.exp(level),
-                "expected": math.exp(expected),
-                "threshold_value": math.exp(limit),
-                "z": (math.log(value) - expected) / sigma if sigma else None,
+                "median": out(level),
+                "expected": out(expected),
+                "threshold_value": out(limit),
+                "z": z,
                 "z_threshold": cfg.z if sigma else None,
-                "sigma_log": sigma,
+                "sigma" if raw else "sigma_log": sigma,
                 "step": step,
             },
         )
@@ -838,21 +882,23 @@ class LossSpike(_Windowed):
         self.windows[key] = collections.deque(values, maxlen=cfg.window)
         self.start[key] = max(values)
         skipped = len(values) - 1
+        out = functools.partial(self._unscaled, key)
+        within = f"{_fmt(spread)}" if key in self.raw else f"{math.exp(spread):.3g}x"
         return Finding(
             kind=LOSS_LEVEL_SHIFT,
             where=key[len(LOSS_PREFIX) :],
             message=(
-                f"{key} has stayed near {_fmt(math.exp(level))} (expected {_fmt(math.exp(before))} before it "
-                f"jumped) for {len(values)} steps, within {math.exp(spread):.3g}x of each other: a new level "
+                f"{key} has stayed near {_fmt(out(level))} (expected {_fmt(out(before))} before it "
+                f"jumped) for {len(values)} steps, within {within} of each other: a new level "
                 f"(the data or the task changed), not a spike. The detector follows it from here "
                 f"({skipped} jumps before it were judged as spikes)"
             ),
             data={
                 "key": key,
-                "value": math.exp(values[-1]),
-                "level": math.exp(level),
-                "expected_before": math.exp(before),
-                "spread_factor": math.exp(spread),
+                "value": out(values[-1]),
+                "level": out(level),
+                "expected_before": out(before),
+                "spread" if key in self.raw else "spread_factor": spread if key in self.raw else math.exp(spread),
                 "steps": len(values),
                 "skipped": skipped,
                 "step": step,
@@ -862,7 +908,8 @@ class LossSpike(_Windowed):
     def _small_setback(self, key: str, value: float, expected: float) -> bool:
         """The jump gives back less than ``min_setback`` of the progress since the start (a loss
         that never fell below its start makes no progress to give back: False)."""
-        return not _gives_back(value, math.exp(expected), math.exp(self.start[key]), self.config.min_setback)
+        out = functools.partial(self._unscaled, key)
+        return not _gives_back(value, out(expected), out(self.start[key]), self.config.min_setback)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -871,11 +918,13 @@ class LossSpike(_Windowed):
             "start": dict(self.start),
             "run": {k: list(r) for k, r in self.run.items()},
             "signed": sorted(self.signed),
+            "raw": sorted(self.raw),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.signed = {str(k) for k in state.get("signed", [])}
+        self.raw = {str(k) for k in state.get("raw", [])}
         self.errors = {
             k: collections.deque((float(v) for v in e), maxlen=self.config.window)
             for k, e in state.get("errors", {}).items()
@@ -1026,6 +1075,7 @@ class UpdateRatioSpike(_Windowed):
         # step (the loss climbs over several, each rise within the batch-to-batch noise).
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=5)
         self.raise_base: dict[str, float] = {}
+        self.signed = False  # the loss was seen at or below zero: its rises are judged by _rose
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         out = self._check(step, stats)
@@ -1041,6 +1091,8 @@ class UpdateRatioSpike(_Windowed):
         loss = stats.get(LOSS_TOTAL)
         if loss is not None and S.finite(loss) and len(self.losses_seen) < 3:
             self.losses_seen.append(float(loss))
+        if loss is not None and S.finite(loss) and loss <= 0:
+            self.signed = True  # a loss with no multiplicative scale (see _rose)
         # The median LR of each group's last updates (before this one), and how far every group's
         # next LR is above it: once a step, for the raise's test and an LR drop's size.
         befores = {k: _median(list(lrs)) for k, lrs in self.lrs.items() if lrs}
@@ -1252,10 +1304,11 @@ class UpdateRatioSpike(_Windowed):
             # median: a bad batch next to a sound update makes a move too, and must not widen it)
             noise = math.exp(cfg.harm_noise * _median(list(self.loss_moves)))
             rise = max(rise, min(noise, cfg.harm_rise_max))
-        harm = not S.finite(after) or (after > rise * before and material)
-        if not harm and since is not None and S.finite(since) and since > 0:
+        signed = self.signed
+        harm = not S.finite(after) or (_rose(after, before, rise, start, signed) and material)
+        if not harm and since is not None and S.finite(since):
             share = cfg.raise_setback or cfg.harm_setback
-            if after > rise * since and _gives_back(after, since, start, share):
+            if _rose(after, since, rise, start, signed) and _gives_back(after, since, start, share):
                 return {
                     "loss_before": since,
                     "loss_after": after,
@@ -1292,6 +1345,7 @@ class UpdateRatioSpike(_Windowed):
             "recent_losses": list(self.recent_losses),
             "raise_base": dict(self.raise_base),
             "large_runs": {k: list(v) for k, v in self.large_runs.items()},
+            "signed": self.signed,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -1311,6 +1365,7 @@ class UpdateRatioSpike(_Windowed):
         self.recent_losses = collections.deque((float(v) for v in state.get("recent_losses", [])), maxlen=5)
         self.raise_base = {str(k): float(v) for k, v in state.get("raise_base", {}).items()}
         self.large_runs = {str(k): [float(x) for x in v] for k, v in state.get("large_runs", {}).items()}
+        self.signed = bool(state.get("signed", False))
 
 
 class _RatioImbalance(Detector):
@@ -1494,7 +1549,7 @@ class AccuracyCollapse(Detector):
             and S.finite(acc)
             and now is not None
             and then is not None
-            and now < cfg.train_loss_rise * then
+            and not _rose(now, then, cfg.train_loss_rise, signed=min(self.losses) <= 0)
         ):
             if self.told:
                 return []

@@ -177,6 +177,7 @@ def test_detector_state_saved_as_a_list_by_an_older_version_is_ignored_with_a_wa
         "start": {},
         "run": {},
         "signed": [],
+        "raw": [],
     }
 
 
