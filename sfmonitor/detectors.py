@@ -573,7 +573,7 @@ def _gives_back(value: float, now: float, start: float, share: float) -> bool:
 
 def _rose(after: float, before: float, factor: float, start: float | None = None, signed: bool = False) -> bool:
     """Whether a loss went from ``before`` to over ``factor`` times it. A positive loss: by the
-    ratio. A ``signed`` one, seen at or below zero (a Gaussian or flow negative log-likelihood, a
+    ratio. A ``signed`` one, seen below zero (a Gaussian or flow negative log-likelihood, a
     loss with a negative constant), has no multiplicative scale: ``factor * before`` lies *below* a
     negative ``before``, and a small positive one near zero makes any move a large ratio (a Gaussian
     NLL from 0.07 to 0.30 read as 4.4x; with +10 added to the loss, 1.02x). Its rise must pass
@@ -718,8 +718,9 @@ class LossSpike(_Windowed):
     or swings) never form a level; the policy's ladder goes on judging them.
 
     Watches ``loss/total`` (kind ``loss_spike``) and, with ``components``, every ``loss/<c>``
-    (kind ``loss_component_spike``). A total loss seen at or below zero (a Gaussian or flow negative
-    log-likelihood, a loss with a negative constant) has no multiplicative scale: from then on it
+    (kind ``loss_component_spike``). A total loss seen below zero (a Gaussian or flow negative
+    log-likelihood, a loss with a negative constant; a cross-entropy of exactly 0 is no such loss)
+    has no multiplicative scale: from then on it
     is judged on its own scale (``raw``: the values themselves, the sigma floors times the progress
     the loss made), its window carried over; before, only its positive values entered a log window,
     and a batch with targets x20 (a loss of thousands against -0.7) was not judged. A component
@@ -734,13 +735,13 @@ class LossSpike(_Windowed):
         self.start: dict[str, float] = {}  # key -> log of the loss at its start (the largest first value)
         self.run: dict[str, list[float]] = {}  # key -> logs of its spikes in a row, and the expected value
         self.signed: set[str] = set()  # components seen at or below zero: no log scale, not judged
-        self.raw: set[str] = set()  # the total loss seen at or below zero: judged on its own scale
+        self.raw: set[str] = set()  # the total loss seen below zero: judged on its own scale
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         keys = _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
         for key in keys:
             value = stats[key]
-            if key == LOSS_TOTAL and key not in self.raw and S.finite(value) and value <= 0:
+            if key == LOSS_TOTAL and key not in self.raw and S.finite(value) and value < 0:
                 self.raw.add(key)  # from logs to the values themselves, the window carried over
                 if key in self.windows:
                     self.windows[key] = collections.deque(map(math.exp, self.windows[key]), maxlen=self.config.window)
@@ -1075,7 +1076,7 @@ class UpdateRatioSpike(_Windowed):
         # step (the loss climbs over several, each rise within the batch-to-batch noise).
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=5)
         self.raise_base: dict[str, float] = {}
-        self.signed = False  # the loss was seen at or below zero: its rises are judged by _rose
+        self.signed = False  # the loss was seen below zero: its rises are judged by _rose
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         out = self._check(step, stats)
@@ -1091,7 +1092,7 @@ class UpdateRatioSpike(_Windowed):
         loss = stats.get(LOSS_TOTAL)
         if loss is not None and S.finite(loss) and len(self.losses_seen) < 3:
             self.losses_seen.append(float(loss))
-        if loss is not None and S.finite(loss) and loss <= 0:
+        if loss is not None and S.finite(loss) and loss < 0:
             self.signed = True  # a loss with no multiplicative scale (see _rose)
         # The median LR of each group's last updates (before this one), and how far every group's
         # next LR is above it: once a step, for the raise's test and an LR drop's size.
@@ -1549,7 +1550,7 @@ class AccuracyCollapse(Detector):
             and S.finite(acc)
             and now is not None
             and then is not None
-            and not _rose(now, then, cfg.train_loss_rise, signed=min(self.losses) <= 0)
+            and not _rose(now, then, cfg.train_loss_rise, signed=min(self.losses) < 0)
         ):
             if self.told:
                 return []
