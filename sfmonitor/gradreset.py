@@ -73,6 +73,24 @@ class GradResetProbe:
         self._seen = onto_last and self._seen is not False  # one reset since the step is enough
         self._last = (weakref.ref(grad), grad._version)
 
+    def mark(self) -> tuple[weakref.ref[torch.Tensor] | None, int] | None:
+        """The probed gradient as it is now (None: nothing probed), for ``reset_since``."""
+        p = self._param() if self._param is not None else None
+        if p is None or self._last is None:
+            return None
+        grad = p.grad
+        return (None, 0) if grad is None else (weakref.ref(grad), grad._version)
+
+    def reset_since(self, mark: tuple[weakref.ref[torch.Tensor] | None, int] | None) -> bool:
+        """Whether the gradients were reset (``zero_grad()``) since ``mark`` was taken: the probed
+        gradient is neither as it was then nor as the last accumulation (or the step) left it.
+        Accumulations alone (the backward of the forward that took the mark) are no reset. False
+        when nothing is probed (before the first step)."""
+        now = self.mark()
+        if mark is None or now is None or self._last is None:
+            return False
+        return not _same(now, mark) and not _same(now, self._last)
+
     def take(self) -> bool | None:
         """Whether every accumulation since the last step added onto its gradients (then forgotten)."""
         seen, self._seen = self._seen, None
@@ -82,3 +100,12 @@ class GradResetProbe:
         if self._hook is not None:
             self._hook.remove()
         self._hook, self._param, self._last, self._seen, self.index = None, None, None, None, -1
+
+
+def _same(a: tuple[weakref.ref[torch.Tensor] | None, int], b: tuple[weakref.ref[torch.Tensor] | None, int]) -> bool:
+    """Whether two notes of a gradient (a weak reference and a version; None: no gradient) are of
+    the same tensor at the same version (a tensor since freed matches nothing)."""
+    if a[0] is None or b[0] is None:
+        return a[0] is None and b[0] is None
+    t = a[0]()
+    return t is not None and t is b[0]() and a[1] == b[1]

@@ -116,7 +116,7 @@ from .summary import (
     run_summary,
     write_json,
 )
-from .undo import Arena, UndoState, buffer_slots, local, running_statistics, update_norms
+from .undo import Arena, UndoState, buffer_slots, local, running_statistics_by_layer, update_norms
 from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
 
@@ -634,7 +634,9 @@ class Monitor:
         self._policy = Policy(self.config.policy)
         self._watch = ActivationWatch(self.config.watch)
         self._recorder = BatchRecorder(on_full=self._warn_never_stepped, keep=self.config.bundle.enabled)
-        self._first_buffers: Any = None  # the one-shot hook of _arm_first_buffers
+        self._first_buffers: Any = None  # the forward pre-hook of _arm_first_buffers
+        # (step, the gradients as they were) at the forward taken for the step's first (_before_forward)
+        self._forward_mark: tuple[int, Any] | None = None
         self._unwritten: list[Event] = []  # events whose actions finish after the update (_emit)
         self._group_pgs: dict[str, list[int]] = {}  # group -> optimizer param groups (_group_lrs)
         self._group_pgs_key: tuple[int, ...] | None = None
@@ -731,7 +733,10 @@ class Monitor:
         # `self.center = ...`): where each lives is kept, and looked up each step (_fresh_buffers).
         self._buffer_slots = buffer_slots(model)
         self._buffers = [b for m, n in self._buffer_slots if (b := m._buffers[n]) is not None]  # (all are)
-        self._running_stats = running_statistics(model)  # without the undo copy, a copy holds these
+        self._buffer_owners = [id(m) for m, _ in self._buffer_slots]  # which module each is of
+        by_layer = running_statistics_by_layer(model)
+        self._running_stats = [b for _, b in by_layer]  # without the undo copy, a copy holds these
+        self._stats_owners = [id(m) for m, _ in by_layer]
         if self._ctx is not None:  # add_param_group()
             self._ctx.undo_params, self._ctx.undo_buffers = self._params, self._buffers
             if self._ctx.stats_copy is not None and list(map(id, self._ctx.stats_buffers)) != list(
@@ -2577,25 +2582,50 @@ class Monitor:
                 self._buffers[:] = fresh
 
     def _arm_first_buffers(self) -> None:
-        """The undo copy holds the model's buffers as they were before the step's forward from the
-        second step on (the capture of the step before). For the first step of a run, or of a
-        resume, they are copied at the first forward that computes gradients, once (a one-shot
-        hook): a NaN batch at that step leaves no NaN BatchNorm statistics behind either."""
-        ctx = self._ctx
+        """The copy a skip puts the buffers back from (``ActionContext.buffer_copy``) holds them as
+        they were before the step's forward: from the second step on, the capture of the step
+        before, and what a forward between the two steps wrote since (``UndoState.mark_forward``,
+        at the step's first forward); for the first step of a run, or of a resume, they are copied
+        at its first forward that computes gradients: a NaN batch at that step leaves no NaN
+        BatchNorm statistics behind either. One forward pre-hook on the model does both."""
         self._disarm_first_buffers()
+        ctx = self._ctx
         held = ctx.buffer_copy() if ctx is not None else None
         if held is None or not held[1] or self.model is None:
             return
+        self._forward_mark = None
+        self._first_buffers = self.model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """A forward of the model before the step's pipeline: is it the step's first? The first
+        that computes gradients is taken for it, and a later one in its place when the gradients
+        were reset (``zero_grad()``) since: the forward before the reset was one between the
+        steps (a GAN's generator loss through the discriminator, whose gradients the reset
+        throws away). A forward under ``no_grad`` is never the step's. Then the buffers written
+        since the copy (by the forwards between the steps) are copied, and only those."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or self._record.phase is not Phase.OPEN:
+            return
+        if torch._C._current_graph_task_id() != -1:  # a recomputation in the backward (checkpointing)
+            return
+        ctx = self._ctx
+        held = ctx.buffer_copy() if ctx is not None else None
+        if ctx is None or held is None or not held[1]:
+            return
         copy, buffers = held
-
-        def copy_buffers(module: nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-                return
-            self._disarm_first_buffers()
-            if copy.label is None:  # no capture yet
-                copy.start(self.step - 1, buffers)
-
-        self._first_buffers = self.model.register_forward_pre_hook(copy_buffers)
+        mark = self._forward_mark
+        if copy.label is None:  # no capture yet: the first step
+            copy.start(self.step - 1, buffers)
+        elif copy.label != self.step - 1:
+            return  # (no copy of the step before: none a skip would put back)
+        elif mark is None or mark[0] != self.step or self._grad_reset.reset_since(mark[1]):
+            if copy is ctx.undo:
+                self._fresh_buffers()  # (a buffer replaced by `self.center = ...` since)
+                copy.mark_forward(buffers, self._buffer_owners)
+            else:
+                copy.mark_forward(buffers, self._stats_owners)
+        else:
+            return  # a later forward of the step (a micro-batch)
+        self._forward_mark = (self.step, self._grad_reset.mark())
 
     def _disarm_first_buffers(self) -> None:
         if self._first_buffers is not None:

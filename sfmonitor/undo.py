@@ -134,12 +134,17 @@ def running_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
     InstanceNorm with ``track_running_stats``): the buffers a training forward writes from its
     batch. What the lean profile's copy holds, so that a skip puts them back without an undo copy;
     a few floats per channel."""
-    found: list[torch.Tensor] = []
+    return [b for _, b in running_statistics_by_layer(model)]
+
+
+def running_statistics_by_layer(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+    """``running_statistics``, each with the layer it belongs to."""
+    found: list[tuple[torch.nn.Module, torch.Tensor]] = []
     for m in model.modules():
         if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
             for b in (m.running_mean, m.running_var, m.num_batches_tracked):
                 if isinstance(b, torch.Tensor) and not isinstance(b, torch.nn.parameter.UninitializedBuffer):
-                    found.append(b)
+                    found.append((m, b))
     return found
 
 
@@ -155,6 +160,11 @@ def buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
                 seen.add(id(b))
                 slots.append((m, name))
     return slots
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (a DTensor's: its local shard's), which each in-place write moves."""
+    return (t if type(t) is torch.Tensor else local(t))._version
 
 
 def _fitted(held: list[torch.Tensor], live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -176,6 +186,18 @@ class UndoState:
         # An undo of that step's update puts these back, so its batch leaves no trace in them.
         self.prev_buffers: list[torch.Tensor] = []
         self.prev_label: int | None = None
+        # A forward between the steps (outside them: a GAN's generator loss through the
+        # discriminator, an evaluation in training mode) writes the buffers after the capture and
+        # before the next step's forward; a skip of that step must keep what it wrote. The buffers
+        # as the capture saw them (the tensors, and their version counters, which every in-place
+        # write moves), and, from the next step's first forward (mark_forward), a copy of those
+        # written since then, by position: what a skip of that step puts back over the capture's.
+        # `prev_changed`: the same for the capture before (an undo's "before the forward").
+        self.seen: list[torch.Tensor] = []
+        self.seen_versions: list[int] = []
+        self.changed: dict[int, torch.Tensor] = {}
+        self.prev_changed: dict[int, torch.Tensor] = {}
+        self._spare: dict[int, torch.Tensor] = {}  # copies to reuse (no allocation every step)
         # A GradScaler's scale and growth tracker at the capture: after an undo the scaler is put
         # back too (its next update would otherwise count the undone step's overflow).
         self.scaler_state: list[torch.Tensor] = []
@@ -199,6 +221,7 @@ class UndoState:
             self.params
             + self.buffers
             + self.prev_buffers
+            + [*self.changed.values(), *self.prev_changed.values()]
             + self.tracked
             + [v for owner in self._state for st in owner if st for v in st.values() if isinstance(v, torch.Tensor)]
         )
@@ -222,6 +245,7 @@ class UndoState:
         live_buffers = [local(b) for b in buffers]
         # two sets of buffers, alternating: this capture's, and the one before (reused, no allocation)
         self.buffers, self.prev_buffers, self.prev_label = self.prev_buffers, self.buffers, self.label
+        self._spare, self.prev_changed, self.changed = self.prev_changed, self.changed, {}
         self.buffers = _fitted(self.buffers, live_buffers)
         if len(self.prev_buffers) != len(self.buffers):
             self.prev_label = None
@@ -269,8 +293,43 @@ class UndoState:
         src += live_tracked
         if dst:
             torch._foreach_copy_(dst, src)
+        self._note(buffers)
         self.label = label
         self.owner_ids = [id(o) for o in owners]
+
+    def _note(self, buffers: Sequence[torch.Tensor]) -> None:
+        """The buffers as the copy holds them now: which tensors, at which versions."""
+        self.seen = list(buffers)
+        self.seen_versions = [_version(b) for b in buffers]
+
+    @torch.no_grad()
+    def mark_forward(self, buffers: Sequence[torch.Tensor], owners: Sequence[int]) -> int:
+        """At the first forward of the step after the capture: copy the buffers written since the
+        capture (a forward between the steps), so that a skip of this step puts them back as they
+        are now, not as the capture saw them. A buffer counts as written when its version counter
+        moved or another tensor took its place (``self.center = ...``); and with it every buffer
+        of the same module (``owners``: one key per module): BatchNorm writes its running mean and
+        variance in a kernel that moves no version counter, and its ``num_batches_tracked`` with
+        an in-place add that does. Nothing is copied when nothing was written (a loop without
+        forwards between its steps). Called again (a later forward turned out to be the step's
+        first), it starts over. Returns how many buffers it copied."""
+        self._spare.update(self.changed)
+        self.changed = {}
+        if not self.buffers or len(buffers) != len(self.seen) or len(buffers) != len(self.buffers):
+            return 0
+        moved = {
+            o for b, s, v, o in zip(buffers, self.seen, self.seen_versions, owners) if b is not s or _version(b) != v
+        }
+        if not moved:
+            return 0
+        idx = [i for i, o in enumerate(owners) if o in moved]
+        live = [local(buffers[i]) for i in idx]
+        for i, t in zip(idx, live):
+            kept = self._spare.pop(i, None)
+            fits = kept is not None and (kept.shape, kept.dtype, kept.device) == (t.shape, t.dtype, t.device)
+            self.changed[i] = kept if fits and kept is not None else torch.empty_like(t)
+        torch._foreach_copy_([self.changed[i] for i in idx], live)
+        return len(idx)
 
     def loaded_since(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the optimizer's state was replaced since the capture (``load_state_dict``: the
@@ -286,6 +345,7 @@ class UndoState:
         No parameters are held: no undo can target this label."""
         self.clear()
         self.buffers = [local(b).clone() for b in buffers]
+        self._note(buffers)
         self.label = label
 
     @torch.no_grad()
@@ -294,13 +354,21 @@ class UndoState:
         optimizer's closure inside its step)."""
         if self.buffers and len(self.buffers) == len(buffers):
             torch._foreach_copy_(self.buffers, [local(b) for b in buffers])
+            self._spare.update(self.changed)
+            self.changed = {}
+            self._note(buffers)
 
     @torch.no_grad()
     def restore_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Put the model's buffers back as they were at the capture (a skipped step's forward
-        moved BatchNorm's running statistics; a NaN batch made them NaN)."""
+        """Put the model's buffers back as they were just before the step after the capture ran
+        its first forward: as the capture saw them, but for those a forward between the steps
+        wrote (``mark_forward``), which keep what it wrote (a skipped step's forward moved
+        BatchNorm's running statistics; a NaN batch made them NaN)."""
         if self.buffers and len(self.buffers) == len(buffers):
-            torch._foreach_copy_([local(b) for b in buffers], self.buffers)
+            src = [self.changed.get(i, b) for i, b in enumerate(self.buffers)]
+            torch._foreach_copy_([local(b) for b in buffers], src)
+            if not self.changed:  # as the capture holds them: no write since (none to copy at a forward)
+                self._note(buffers)
 
     @torch.no_grad()
     def restore(
@@ -313,10 +381,12 @@ class UndoState:
     ) -> None:
         """Put the copy back: parameters, optimizer state, buffers and tracked tensors
         bit-identical to the capture.
-        ``before_forward``: the buffers as they were before the captured step's forward (when the
-        capture before it is held), so the undone step's batch is as if never seen."""
+        ``before_forward``: the buffers as they were just before the captured step's first forward
+        (when the capture before it is held: with what a forward between the two steps wrote), so
+        the undone step's batch is as if never seen."""
         if before_forward and self.label is not None and self.prev_label == self.label - 1 and buffers:
-            torch._foreach_copy_([local(b) for b in buffers], self.prev_buffers)
+            src = [self.prev_changed.get(i, b) for i, b in enumerate(self.prev_buffers)]
+            torch._foreach_copy_([local(b) for b in buffers], src)
         else:
             self.restore_buffers(buffers)
         # Only what this optimizer updates goes back: a parameter another optimizer steps (a
@@ -349,6 +419,7 @@ class UndoState:
         self._param_arena, self._state_arena = Arena(), Arena()
         self.prev_label, self.prev_buffers, self.scaler_state = None, [], []
         self.owner_ids, self.tracked = [], []
+        self.seen, self.seen_versions, self.changed, self.prev_changed, self._spare = [], [], {}, {}, {}
 
 
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once

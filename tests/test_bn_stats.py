@@ -247,3 +247,170 @@ def test_the_lean_profile_puts_the_running_statistics_back_on_a_skip(tmp_path, f
     held = mon.memory["running_stats_device_bytes"]  # reported, and small: the running statistics only
     assert 0 < held <= 2 * sum(b.numel() * b.element_size() for b in net.buffers())
     assert "running statistics' copy" in sfmonitor.summary.format_memory(mon.memory)
+
+
+class Centered(nn.Module):
+    """Subtracts a running center that each training forward replaces (DINO's ``self.center = ...``)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.register_buffer("center", torch.zeros(n))
+
+    def forward(self, x):
+        if self.training:
+            self.center = 0.9 * self.center + 0.1 * x.detach().mean(0)
+        return x - self.center
+
+
+def between_forwards(
+    run_dir=None, *, config=None, mode="no_grad", fault=None, drop=(), lr=None, peek=None, split=None, center=False
+):
+    """A BatchNorm MLP under Adam, 40 steps, whose forward runs once more in training mode after
+    each step, outside it (a GAN's generator loss through the discriminator): under ``no_grad``,
+    with gradients on and no backward, or with a backward (``backward``: gradients the next
+    step's ``zero_grad()`` throws away). ``fault``: the step whose batch holds a NaN; ``drop``:
+    steps never run (the twin); ``lr``: (step, factor) for one step's LR; ``peek(i, phase, net)``
+    sees the net before ("forward") and after ("stepped") each step. ``split``: each step's batch
+    in two halves, a backward each (``accumulate``) or one backward of both (``views``);
+    ``center``: a buffer each forward replaces, after the first layer."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)]
+    net = nn.Sequential(*(layers[:1] + [Centered(8)] + layers[1:] if center else layers))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    mon = None
+    if run_dir is not None:
+        mon = sfmonitor.attach(net, opt, run_dir=run_dir, sinks=[], config={"console": False, **(config or {})})
+    for i in range(40):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        if i == fault:
+            x[-1, 0] = float("nan")
+        if i not in drop:
+            opt.zero_grad()
+            if peek is not None:
+                peek(i, "forward", net)
+            if split == "accumulate":
+                for h in (slice(0, 8), slice(8, 16)):
+                    nn.functional.mse_loss(net(x[h]), y[h]).backward()
+            elif split == "views":
+                (nn.functional.mse_loss(net(x[:8]), y[:8]) + nn.functional.mse_loss(net(x[8:]), y[8:])).backward()
+            else:
+                nn.functional.mse_loss(net(x), y).backward()
+            if lr is not None and i == lr[0]:
+                opt.param_groups[0]["lr"] *= lr[1]
+            opt.step()
+            opt.param_groups[0]["lr"] = 1e-3
+            if peek is not None:
+                peek(i, "stepped", net)
+        z = torch.randn(16, 4, generator=g) + 2.0
+        if mode == "no_grad":
+            with torch.no_grad():
+                net(z)
+        elif mode == "grad":
+            net(z).sum()
+        else:
+            net(z).square().mean().backward()
+    if mon is not None:
+        mon.detach()
+    return net, opt, mon
+
+
+def identical(a, b):
+    """Every parameter, buffer and optimizer state tensor of two (net, opt) runs equal, bit for bit."""
+    (net_a, opt_a), (net_b, opt_b) = a, b
+    assert same(net_a, net_b)
+    for pa, pb in zip(net_a.parameters(), net_b.parameters()):
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), k
+    return True
+
+
+@pytest.mark.parametrize("profile", ["defaults", "lean"])
+@pytest.mark.parametrize("mode", ["no_grad", "grad", "backward"])
+def test_a_skip_keeps_what_a_forward_between_the_steps_wrote_into_the_running_statistics(tmp_path, profile, mode):
+    """A skipped batch's step puts the buffers back as they were just before that step's first
+    forward, not as the step before left them: a forward the loop runs between the steps (a GAN's
+    generator loss through the discriminator, under ``no_grad`` or not) wrote into BatchNorm's
+    running statistics legitimately, and the twin that never saw the batch kept that (a probe:
+    ``running_mean`` 1.4e-3 off its twin's, ``num_batches_tracked`` 78 against 79)."""
+    config = LEAN if profile == "lean" else None
+    net, opt, mon = between_forwards(tmp_path, config=config, mode=mode, fault=20)
+    assert [(e.step, e.kind, e.actions) for e in mon.events if e.actions] == [(20, "bad_batch", ["skip_step"])]
+    twin, twin_opt, _ = between_forwards(mode=mode, drop={20})
+    assert int(net[1].num_batches_tracked) == int(twin[1].num_batches_tracked) == 79
+    assert identical((net, opt), (twin, twin_opt))
+
+
+@pytest.mark.parametrize("profile", ["defaults", "lean"])
+@pytest.mark.parametrize("split", ["accumulate", "views"])
+@pytest.mark.parametrize("mode", ["no_grad", "backward"])
+def test_the_skipped_steps_first_forward_is_its_first_micro_batchs(tmp_path, profile, split, mode):
+    """A step of two forwards (micro-batches with a backward each, or two halves with one
+    backward): a skip puts the buffers back as they were before the first, with what the forward
+    between the steps wrote (the NaN is in the second half)."""
+    config = LEAN if profile == "lean" else None
+    net, opt, mon = between_forwards(tmp_path, config=config, mode=mode, fault=20, split=split)
+    assert [(e.step, e.kind, e.actions) for e in mon.events if e.actions] == [(20, "bad_batch", ["skip_step"])]
+    twin, twin_opt, _ = between_forwards(mode=mode, drop={20}, split=split)
+    assert identical((net, opt), (twin, twin_opt))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "grad"])
+def test_a_buffer_a_forward_between_the_steps_replaced_is_kept_by_a_skip(tmp_path, mode):
+    """A buffer the forward replaces (``self.center = ...``), not written in place: a new tensor
+    is a write too."""
+    net, opt, mon = between_forwards(tmp_path, mode=mode, fault=20, center=True)
+    assert [(e.step, e.kind, e.actions) for e in mon.events if e.actions] == [(20, "bad_batch", ["skip_step"])]
+    twin, twin_opt, _ = between_forwards(mode=mode, drop={20}, center=True)
+    assert identical((net, opt), (twin, twin_opt))
+
+
+@pytest.mark.parametrize("profile", ["defaults", "lean"])
+@pytest.mark.parametrize("mode", ["no_grad", "grad"])
+def test_forwards_between_the_steps_of_a_healthy_run_change_nothing(tmp_path, profile, mode):
+    net, opt, mon = between_forwards(tmp_path, config=LEAN if profile == "lean" else None, mode=mode)
+    assert not [e for e in mon.events if e.actions]
+    bare, bare_opt, _ = between_forwards(mode=mode)
+    assert identical((net, opt), (bare, bare_opt))
+
+
+@pytest.mark.parametrize("profile", ["defaults", "lean"])
+def test_without_forwards_between_the_steps_no_buffer_is_copied_at_a_forward(tmp_path, profile):
+    """What this costs a loop without forwards between its steps: nothing. Each buffer's version
+    counter is read when the copy is taken and again at the next step's first forward; only a
+    buffer written in between is copied then."""
+    data = batches(12)
+    net, opt = make()
+    mon = sfmonitor.attach(net, opt, run_dir=tmp_path, sinks=[], config={"console": False, **LEAN})
+    if profile == "defaults":
+        mon.detach()
+        net, opt = make()
+        mon = sfmonitor.attach(net, opt, run_dir=tmp_path / "d", sinks=[], config={"console": False})
+    held = mon._ctx.buffer_copy()[0]
+    seen = []
+    net.register_forward_hook(lambda m, a, o: seen.append(len(held.changed)))
+    for i in range(len(data)):
+        x, y = data[i]
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    assert seen == [0] * len(data)
+
+
+def test_an_undo_puts_the_buffers_back_as_they_were_just_before_the_undone_steps_forward(tmp_path):
+    """An undo of step k's update (found at step k+1) puts the buffers back as they were just
+    before step k's first forward: what the forward between steps k-1 and k wrote stays."""
+    before, after = {}, {}
+
+    def peek(i, phase, net):
+        (before if phase == "forward" else after)[i] = [b.clone() for b in net.buffers()]
+
+    net, opt, mon = between_forwards(tmp_path, lr=(30, 1e4), peek=peek)
+    (undo,) = [e.data["action_results"]["undo"] for e in mon.events if e.actions]
+    assert (undo["undone_step"], undo["skipped_step"]) == (30, 31)
+    assert not all(torch.equal(a, b) for a, b in zip(after[29], before[30]))  # the forward between wrote
+    for a, b in zip(after[31], before[30]):
+        assert torch.equal(a, b)
