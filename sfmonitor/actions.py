@@ -41,6 +41,8 @@ from .checkpoint import (
     DEFAULT_SNAPSHOT_EVERY,
     DEFAULT_SNAPSHOT_KEEP,
     EXTRA,
+    INNER,
+    OPTIMIZER,
     TRACKED,
     SnapshotRing,
     capture_state,
@@ -48,6 +50,7 @@ from .checkpoint import (
     params_of,
     restore_state,
     save_checkpoint,
+    state_dict_needs_every_rank,
 )
 from .events import (
     ACCURACY_COLLAPSE,
@@ -70,7 +73,7 @@ from .events import (
     Decision,
     StopTraining,
 )
-from .integrations.distributed import rank
+from .integrations.distributed import rank, world_size
 from .registry import ACTIONS, register_action
 from .schema import Section, SectionTable, option
 from .undo import UndoState
@@ -402,6 +405,10 @@ class ActionContext:
     tracked: list[tuple[str, nn.Module]] = field(default_factory=list)
     last_checkpoint: str | None = None
     last_checkpoint_step: int | None = None
+    # The step in which every rank consolidated ZeroRedundancyOptimizer's state on rank 0: once a
+    # step, as stop's checkpoint after the checkpoint action's runs again on the ranks that do not
+    # write (their last_checkpoint_step stays behind) and a collective must not
+    consolidated_at: int | None = None
     _noise_gen: torch.Generator | None = None
 
     def with_outside_params(self, extra: Mapping[str, Any], tracked: bool = True) -> dict[str, Any]:
@@ -1071,14 +1078,29 @@ def _last_good_snapshot(ctx: ActionContext, cause: Any) -> tuple[int, dict[str, 
 def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """Emergency checkpoint of the last good state: the live state when the finding is about an
     update not yet applied, or an undo or a rollback of this step put it back; otherwise the
-    newest snapshot from before the offending update."""
+    newest snapshot from before the offending update.
+
+    ZeroRedundancyOptimizer: its whole state exists only gathered on rank 0 by a collective
+    (``consolidate_state_dict``), which every rank runs here, before rank 0 alone goes on to
+    write: every rank runs this action in the same step (the ranks' decisions agree). A snapshot
+    holds each rank's own shard only, so a checkpoint from one holds no optimizer state."""
+    cause = decision.cause
+    snap = _last_good_snapshot(ctx, cause)
+    omitted = None  # why the file holds no optimizer state
+    zero = state_dict_needs_every_rank(ctx.optimizer)
+    if zero and snap is not None:
+        omitted = "a snapshot holds each rank's own shard of ZeroRedundancyOptimizer's state, not the whole"
+    elif zero and world_size() != ctx.optimizer.world_size:  # type: ignore[attr-defined]
+        omitted = "the monitor is alone on its rank (distributed: false): ZeRO's state needs every rank"
+    elif zero and ctx.consolidated_at != ctx.step:
+        ctx.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+        ctx.consolidated_at = ctx.step
     folder = _checkpoint_dir(ctx)
     if folder is None:
         r = rank()
         if r:  # DDP: rank 0 writes the run's files, this checkpoint too
             return {"saved": False, "reason": f"rank {r} does not write: rank 0 saves the emergency checkpoint"}
         return {"saved": False, "reason": "no run_dir: the monitor has nowhere to write"}
-    cause = decision.cause
     extra = {
         "step": ctx.step,
         "epoch": ctx.epoch,
@@ -1090,7 +1112,6 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if ctx.monitor_state is not None:
         extra["monitor"] = ctx.monitor_state()
     source = "live"
-    snap = _last_good_snapshot(ctx, cause)
     # Imported here: importing the package must not import sfmonitor.dcp, which also runs as
     # `python -m sfmonitor.dcp` (runpy warns when the module is already in sys.modules).
     from . import dcp as sharded_checkpoint
@@ -1106,6 +1127,10 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         source = f"snapshot@{label}"
     else:
         state = capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params(extra))
+        if zero and omitted is None:
+            state[OPTIMIZER] = ctx.optimizer.state_dict()  # the whole state, consolidated above
+    if zero:
+        state.pop(INNER, None)  # rank 0's shard alone: in the whole state, or of no use without the rest
     path = folder / f"{EMERGENCY_PREFIX}{ctx.step:08d}.pt"
     try:
         save_checkpoint(path, state)
@@ -1118,7 +1143,10 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         return {"saved": False, "path": str(path), "error": f"{type(e).__name__}: {e}"}
     ctx.last_checkpoint, ctx.last_checkpoint_step = str(path), ctx.step
     removed = _prune(folder, ctx.config.checkpoint.keep)
-    return {"saved": True, "path": str(path), "bytes": path.stat().st_size, "source": source, "removed": removed}
+    out = {"saved": True, "path": str(path), "bytes": path.stat().st_size, "source": source, "removed": removed}
+    if omitted is not None:
+        out["optimizer_state"] = f"omitted: {omitted}"
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ __all__ = [
     "remove_stale_temporaries",
     "restore_state",
     "save_checkpoint",
+    "state_dict_needs_every_rank",
     "tree_nbytes",
 ]
 
@@ -307,6 +308,18 @@ def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def state_dict_needs_every_rank(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.state_dict()`` is refused until every rank took part in a collective:
+    ZeroRedundancyOptimizer's, until each rank called ``consolidate_state_dict``. One rank cannot
+    ask for it alone (a snapshot, a bundle); its state is each rank's shard, held by its inner
+    optimizer (``optim``), which a snapshot copies under ``INNER``."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # (imports RPC parts: not at startup)
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
 def _own_state_inners(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     """The inner optimizers whose ``state`` is not the wrapper's own (that one is in its state_dict)."""
     return [o for o in inner_optimizers(optimizer) if o.state is not optimizer.state]
@@ -343,11 +356,13 @@ def capture_state(
 ) -> dict[str, Any]:
     """CPU copies of everything needed to resume bit-exactly: model (parameters and buffers),
     optimizer (state and param groups; a wrapper optimizer's inner optimizers' state under
-    ``INNER``), GradScaler, RNG states, and ``extra`` (plain data only).
+    ``INNER``), GradScaler, RNG states, and ``extra`` (plain data only). Of an optimizer whose
+    ``state_dict()`` needs every rank (ZeroRedundancyOptimizer), only ``INNER``: this rank's shard.
     """
     state: dict[str, Any] = {MODEL: copy_tree(model.state_dict(), "cpu")}
     if optimizer is not None:
-        state[OPTIMIZER] = copy_tree(optimizer.state_dict(), "cpu")
+        if not state_dict_needs_every_rank(optimizer):
+            state[OPTIMIZER] = copy_tree(optimizer.state_dict(), "cpu")
         inner = _inner_state(optimizer)
         if inner:
             state[INNER] = inner
@@ -392,7 +407,9 @@ def restore_state(
     The snapshot is never aliased: tensors are cloned before the optimizer takes them, so a later
     restore of the same snapshot is still exact. With ``keep_hyperparams`` (default) the optimizer's
     current param-group hyperparameters (lr, weight decay, ...) are kept: the run's step counter and
-    the user's LR scheduler do not go back in time, only weights and optimizer state do.
+    the user's LR scheduler do not go back in time, only weights and optimizer state do. A state
+    without an ``OPTIMIZER`` entry (ZeroRedundancyOptimizer: ``INNER`` alone) keeps the live
+    param groups whatever ``keep_hyperparams`` says.
     """
     model.load_state_dict(rebuild(state[MODEL]))  # local shards back into their DTensors
     if optimizer is not None and OPTIMIZER in state:
@@ -408,8 +425,8 @@ def restore_state(
         optimizer.param_groups = live
         for inner in sharing:
             inner.param_groups = live
-        if state.get(INNER):
-            _restore_inner_state(optimizer, state[INNER])
+    if optimizer is not None and state.get(INNER):  # (without OPTIMIZER: ZeRO's shard alone)
+        _restore_inner_state(optimizer, state[INNER])
     if scaler is not None and state.get(SCALER):
         scaler.load_state_dict(state[SCALER])
     if rng and RNG in state:

@@ -27,7 +27,7 @@ import os
 import pickle
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -505,6 +505,7 @@ def write_bundle(
     loss_weights: dict[str, float] | None = None,
     max_bytes: int | None = 64 * 2**20,
     dir_name: str = "bundles",
+    omitted: Mapping[str, str] | None = None,
 ) -> str:
     """Write ``run_dir/<dir_name>/<step>-<kind>/`` atomically; return its path.
 
@@ -514,7 +515,8 @@ def write_bundle(
     (``batch_dropped``/``batch_dropped_reason`` for the batch). A batch holding anything but tensors
     and plain values is left out too (it could not be loaded with weights_only=True).
     ``model_factory`` ("module:function") and ``model_kwargs`` (JSON values) let replay rebuild the
-    model; ``loss_weights`` are the weights ``combine`` used at that step.
+    model; ``loss_weights`` are the weights ``combine`` used at that step. ``omitted``: the pieces
+    the caller could not give (name: why), listed with the dropped ones.
     """
     if not isinstance(kind, str) or not kind or "/" in kind or kind.startswith("."):
         raise ValueError(f"write_bundle: kind must be a plain name, got {kind!r}")
@@ -544,7 +546,7 @@ def write_bundle(
             "loss_weights": {str(k): float(v) for k, v in (loss_weights or {}).items()},
             "max_bytes": max_bytes,
             "files": {},
-            "dropped": {},
+            "dropped": dict(omitted or {}),
             "batch_dropped": False,
             "batch_dropped_reason": None,
             "autocast": next((b.get("autocast") for b in (batch or []) if b.get("autocast")), None),

@@ -53,7 +53,7 @@ from . import actions as A
 from . import sharding
 from . import stats as S
 from .attention import QK_CLIP
-from .checkpoint import SnapshotRing
+from .checkpoint import SnapshotRing, state_dict_needs_every_rank
 from .config import MonitorConfig
 from .detectors import Detector, build_detectors
 from .events import (
@@ -1956,12 +1956,17 @@ class Monitor:
     def _write_bundle(self, step: int, kind: str, event: dict[str, Any]) -> str:
         factory, kwargs = self._model_factory or (None, None)
         cfg = self.config.bundle
+        optimizer = self._live().optimizer
+        # ZeroRedundancyOptimizer: only a collective of every rank gathers its state, and rank 0
+        # writes the bundle alone
+        whole = not state_dict_needs_every_rank(optimizer)
         return write_bundle(
             self._ensure_run_dir(),
             step,
             kind,
             model_state=self._live().model.state_dict(),
-            optimizer_state=self._live().optimizer.state_dict(),
+            optimizer_state=optimizer.state_dict() if whole else None,
+            omitted=None if whole else {"optimizer": "ZeroRedundancyOptimizer's state is sharded over the ranks"},
             batch=self._recorder.batches,
             stats=self._stats,
             event=event,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import params_of, state_dict_needs_every_rank
 from .events import Event, jsonable
 from .sharding import local
 
@@ -82,17 +83,20 @@ def memory_plan(
     step's forward, and the one before) and the rollback snapshots (host memory, bounded by the
     budget).
     The optimizer's state is measured when it exists, else estimated from its class (``None``
-    when unknown)."""
+    when unknown). Under ZeroRedundancyOptimizer, that of this rank's shard: its inner optimizer's,
+    the state this rank's undo copy and snapshots hold."""
     params, buffers = list(params), list(buffers)
     p_bytes = sum(p.numel() * p.element_size() for p in params)
     b_bytes = sum(b.numel() * b.element_size() for b in buffers)
-    live = [local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    holder = optimizer.optim if state_dict_needs_every_rank(optimizer) else optimizer  # type: ignore[attr-defined]
+    live = [local(v) for st in holder.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     if live:
         s_bytes: int | None = sum(t.numel() * t.element_size() for t in live)
         estimated = False
     else:
-        copies = _state_copies(optimizer)
-        s_bytes = None if copies is None else int(copies * p_bytes)
+        copies = _state_copies(holder)
+        held = p_bytes if holder is optimizer else sum(p.numel() * p.element_size() for p in params_of(holder))
+        s_bytes = None if copies is None else int(copies * held)
         estimated = True
     one = p_bytes + b_bytes + (s_bytes or 0)
     return {

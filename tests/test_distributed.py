@@ -436,3 +436,237 @@ def test_a_module_near_the_fp16_limit_on_one_rank_is_judged_alike_on_every_rank(
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
     assert r0["events"] == r1["events"] and r0["events"]
     assert {module for *_, module in r0["events"]} == {"c"}
+
+
+# --------------------------------------------------------------------------------------------
+# ZeroRedundancyOptimizer (ZeRO-1): each rank holds its shard of the optimizer state in its inner
+# optimizer (opt.optim); opt.state_dict() is refused until every rank called consolidate_state_dict
+# --------------------------------------------------------------------------------------------
+
+ZERO_BAD = 2  # the step with a NaN loss on rank 1 in the rollback and checkpoint runs
+
+
+def _zero_run():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)))
+    return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+
+
+def _zero_step(model, opt, mon, i, rank, nan_loss=False, nan_input=False, lr_scale=1.0):
+    g = torch.Generator().manual_seed(1000 * rank + i)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    if nan_input:
+        x[0, 0] = float("nan")
+    loss = nn.functional.mse_loss(model(x), y)
+    if nan_loss:
+        loss = loss * torch.tensor(float("nan"))
+    (mon.combine(loss) if mon is not None else loss).backward()
+    opt.param_groups[0]["lr"] *= lr_scale
+    opt.step()
+    opt.param_groups[0]["lr"] /= lr_scale
+    opt.zero_grad()
+
+
+def _zero_state(model, opt):
+    """This rank's parameters (all of them: DDP) and its shard of the optimizer state, by position."""
+    from sfmonitor.checkpoint import params_of
+
+    params = [p.detach().clone() for p in model.parameters()]
+    inner = opt.optim.state
+    return params, [{k: v.clone() for k, v in inner[p].items()} for p in params_of(opt.optim) if p in inner]
+
+
+def _same_state(a, b):
+    (pa, sa), (pb, sb) = a, b
+    return (
+        len(pa) == len(pb)
+        and all(torch.equal(x, y) for x, y in zip(pa, pb))
+        and len(sa) == len(sb)
+        and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(sa, sb))
+    )
+
+
+def _zero_twin_worker(rank, world, port, out_dir, n, nan_at, spike_at):
+    """The monitored run (a NaN input on rank 1 at ``nan_at``, an update at 1e4 x the LR at
+    ``spike_at``), then its bare twin that never saw those two steps."""
+    from sfmonitor.checkpoint import INNER, OPTIMIZER, params_of
+
+    _join(rank, world, port)
+    model, opt = _zero_run()
+    cfg = {"console": False, "actions": {"rollback": {"snapshot_every": 10}}}
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config=cfg)
+    shard_bytes = sum(p.numel() * p.element_size() for p in params_of(opt.optim))
+    estimate = (mon.memory["optimizer_state_bytes"], 2 * shard_bytes)  # AdamW's two moments of the shard
+    spiked = False
+    for i in mon.batches(range(n)):  # (the batch of the step an undo skipped comes again)
+        spike, spiked = i == spike_at and not spiked, spiked or i == spike_at
+        _zero_step(model, opt, mon, i, rank, nan_input=i == nan_at and rank == 1, lr_scale=1e4 if spike else 1)
+    snaps = mon._live().snapshots
+    _, snap = snaps.latest_before(n)
+    held = {"kept": len(snaps), "optimizer": OPTIMIZER in snap, "inner": [len(s) for s in snap.get(INNER, [])]}
+    events = [(e.step, e.kind, e.actions) for e in mon.events]
+    mon.detach()
+    state = _zero_state(model, opt)
+    twin, twin_opt = _zero_run()
+    for i in range(n):
+        if i not in (nan_at, spike_at):
+            _zero_step(twin, twin_opt, None, i, rank)
+    torch.save(
+        {
+            "events": events,
+            "held": held,
+            "estimate": estimate,
+            "shard": len(params_of(opt.optim)),
+            "same": _same_state(state, _zero_state(twin, twin_opt)),
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+    _leave()
+
+
+def _zero_twin(tmp_path, n, nan_at=None, spike_at=None):
+    mp.spawn(_zero_twin_worker, args=(2, _free_port(), str(tmp_path), n, nan_at, spike_at), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+
+
+def test_a_healthy_zero_run_is_bit_identical_to_the_bare_run_on_every_rank(tmp_path):
+    """Under ZeroRedundancyOptimizer the first snapshot called its state_dict(), which is refused
+    until every rank consolidated: the run stopped at its first step. A snapshot holds this rank's
+    shard of the optimizer state (its inner optimizer's), not the wrapper's state_dict."""
+    r0, r1 = _zero_twin(tmp_path, 60)
+    assert r0["events"] == r1["events"] and not [e for e in r0["events"] if e[2]], r0["events"]
+    for r in (r0, r1):
+        assert r["same"]
+        assert r["held"] == {"kept": 3, "optimizer": False, "inner": [r["shard"]]}
+        assert r["estimate"][0] == r["estimate"][1] > 0  # the attach-time estimate: this rank's shard (was "?")
+    assert r0["shard"] + r1["shard"] == 4  # each rank its own part of the 4 parameters
+
+
+def test_a_zero_run_skips_a_nan_batch_and_undoes_a_bad_update_like_its_twin(tmp_path):
+    r0, r1 = _zero_twin(tmp_path, 30, nan_at=7, spike_at=15)
+    assert r0["events"] == r1["events"]
+    acted = {s: a for s, _, a in r0["events"] if a}
+    assert "skip_step" in acted[7] and "undo" in acted[15], r0["events"]
+    assert r0["same"] and r1["same"]  # bit-identical to the twin that never saw steps 7 and 15
+
+
+def _zero_rollback_worker(rank, world, port, out_dir):
+    from sfmonitor.checkpoint import params_of
+
+    _join(rank, world, port)
+    model, opt = _zero_run()
+    cfg = {
+        "console": False,
+        "actions": {"rollback": {"snapshot_every": 1, "skip_batches": 0}},
+        "policy": {"ladders": {"nonfinite_loss": {"rungs": [{"after": 1, "actions": ["rollback"]}]}}},
+    }
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config=cfg)
+    starts = []
+    for i in range(4):
+        starts.append(_zero_state(model, opt))
+        _zero_step(model, opt, mon, i, rank, nan_loss=i == ZERO_BAD and rank == 1)
+        if i == ZERO_BAD:
+            after = _zero_state(model, opt)
+    events = [(e.step, e.kind, e.actions, e.data["action_results"].get("rollback")) for e in mon.events if e.actions]
+    mon.detach()
+    torch.save(
+        {
+            "events": events,
+            "back": _same_state(after, starts[ZERO_BAD - 1]),
+            "moved": not _same_state(starts[ZERO_BAD], starts[ZERO_BAD - 1]),
+            "shard": [tuple(p.shape) for p in params_of(opt.optim)],
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+    _leave()
+
+
+def test_a_zero_rollback_restores_every_ranks_shard_of_the_optimizer_state(tmp_path):
+    mp.spawn(_zero_rollback_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["events"] == r1["events"]
+    [(step, kind, actions, result)] = r0["events"]
+    assert (step, kind, actions) == (ZERO_BAD, "nonfinite_loss", ["rollback"])
+    assert result["restored"] is True and result["restored_from"] == ZERO_BAD - 1
+    for r in (r0, r1):
+        assert r["moved"] and r["back"]  # the state step 1 started from, this rank's shard included
+    assert r0["shard"] != r1["shard"]  # each rank restored its own shard, not a copy of one
+
+
+def _zero_checkpoint_worker(rank, world, port, out_dir):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from sfmonitor import actions as A
+    from sfmonitor.events import UPDATE_RATIO_SPIKE, Decision, Finding
+    from sfmonitor.forensics import load_manifest
+
+    _join(rank, world, port)
+    model, opt = _zero_run()
+    cfg = {
+        "console": False,
+        "actions": {"rollback": {"snapshot_every": 1}},
+        "policy": {
+            "ladders": {"nonfinite_loss": {"rungs": [{"after": 1, "actions": ["checkpoint", "skip_step"]}]}},
+            "cooldowns": {"checkpoint": 0},
+        },
+    }
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, "run"), sinks=[], config=cfg)  # rank 0 writes
+    for i in range(4):
+        if i == ZERO_BAD:
+            start = _zero_state(model, opt)
+        _zero_step(model, opt, mon, i, rank, nan_loss=i == ZERO_BAD and rank == 1)
+    [event] = [e for e in mon.events if e.actions]
+    # from a snapshot (a landed update): each rank's snapshot holds its own shard, no rank the whole
+    ctx = mon._live()
+    ctx.step = mon.step
+    landed = Finding(UPDATE_RATIO_SPIKE, "a landed update", step=mon.step - 1, before_update=False)
+    from_snapshot = A.checkpoint(ctx, Decision("checkpoint", landed))
+    # a checkpoint, then stop in the same step: rank 1 (it wrote none) runs stop's checkpoint too,
+    # rank 0 not; the consolidation, a collective, must run once on both (it waited forever)
+    ctx.step += 1
+    seen = Finding("nonfinite_loss", "a loss")
+    A.checkpoint(ctx, Decision("checkpoint", seen))
+    with pytest.raises(sfmonitor.StopTraining):
+        A.stop(ctx, Decision("stop", seen))
+    mon.detach()
+    live = [event.data["action_results"]["checkpoint"]]
+    dist.broadcast_object_list(live)  # where rank 0 wrote
+    sd = torch.load(live[0]["path"], weights_only=True)
+    fresh, _ = _zero_run()
+    fresh.module.load_state_dict(sd["model"])
+    fresh_opt = ZeroRedundancyOptimizer(fresh.parameters(), optimizer_class=torch.optim.AdamW, lr=1.0)
+    fresh_opt.load_state_dict(sd["optimizer"])
+    out = {
+        "actions": event.actions,
+        "result": event.data["action_results"]["checkpoint"],
+        "loaded": _same_state(_zero_state(fresh, fresh_opt), start),
+        "lr": fresh_opt.param_groups[0]["lr"],
+        "from_snapshot": from_snapshot,
+    }
+    if rank == 0:
+        out["snapshot_file"] = sorted(torch.load(from_snapshot["path"], weights_only=True))
+        manifest = load_manifest(event.data["bundle"]) if "bundle" in event.data else {}
+        out["bundle"] = (event.data.get("bundle_error"), sorted(manifest.get("files", {})), manifest.get("dropped"))
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_a_zero_emergency_checkpoint_holds_every_ranks_shard_and_loads_into_a_fresh_zero(tmp_path):
+    """Rank 0 saves the consolidated optimizer state (every rank consolidates first, in the same
+    step); each rank's fresh ZeroRedundancyOptimizer loads its shard back from the one file. A
+    checkpoint from a snapshot has no consolidated state: it holds the model and says so."""
+    mp.spawn(_zero_checkpoint_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["actions"] == r1["actions"] == ["skip_step", "checkpoint"]
+    assert r0["result"]["saved"] and r0["result"]["source"] == "live" and "optimizer_state" not in r0["result"]
+    assert r1["result"]["saved"] is False
+    for r in (r0, r1):
+        assert r["loaded"] and r["lr"] == 1e-2  # the file's state, this rank's shard of it
+    snap = r0["from_snapshot"]
+    assert snap["saved"] and snap["source"].startswith("snapshot@")
+    assert snap["optimizer_state"].startswith("omitted: ")
+    assert r0["snapshot_file"] == ["extra", "model", "rng"]
+    error, files, dropped = r0["bundle"]  # the anomaly bundle: the model, without the optimizer state
+    assert error is None and "model" in files and "optimizer" not in files and "optimizer" in dropped
