@@ -1088,13 +1088,17 @@ def checkpoint(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     snap = _last_good_snapshot(ctx, cause)
     omitted = None  # why the file holds no optimizer state
     zero = state_dict_needs_every_rank(ctx.optimizer)
-    if zero and snap is not None:
-        omitted = "a snapshot holds each rank's own shard of ZeroRedundancyOptimizer's state, not the whole"
-    elif zero and world_size() != ctx.optimizer.world_size:  # type: ignore[attr-defined]
-        omitted = "the monitor is alone on its rank (distributed: false): ZeRO's state needs every rank"
-    elif zero and ctx.consolidated_at != ctx.step:
+    alone = zero and world_size() != ctx.optimizer.world_size  # type: ignore[attr-defined]
+    if zero and not alone and ctx.consolidated_at != ctx.step:
+        # Every rank, whatever snapshot it holds: the ranks' snapshot rings may differ (ZeRO's
+        # shards differ in size, so one rank's fits actions.rollback.max_host_mb and another's
+        # not), and a collective that only some ranks run hangs the job (a probe).
         ctx.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
         ctx.consolidated_at = ctx.step
+    if zero and snap is not None:
+        omitted = "a snapshot holds each rank's own shard of ZeroRedundancyOptimizer's state, not the whole"
+    elif alone:
+        omitted = "the monitor is alone on its rank (distributed: false): ZeRO's state needs every rank"
     folder = _checkpoint_dir(ctx)
     if folder is None:
         r = rank()

@@ -398,7 +398,7 @@ def _count_nonfinite(inputs: list[Any]) -> torch.Tensor | None:
     counts = [
         (torch.isnan(t) | torch.isposinf(t)).sum()
         for _, t in _named_tensors(inputs, "")
-        if t.is_floating_point() and t.numel()
+        if t.is_floating_point() and _plain(t)
     ]
     if not counts:
         return None
@@ -413,11 +413,19 @@ def _fingerprint(inputs: list[Any]) -> torch.Tensor | None:
     rows = [
         torch.stack([t.sum(dtype=torch.float32), _norm32(t)]) * (i + 1)
         for i, (_, t) in enumerate(_named_tensors(inputs, ""))
-        if t.numel() and not t.is_complex()
+        if _plain(t) and not t.is_complex()
     ]
     if not rows:
         return None
     return torch.stack([r.to(rows[0].device) for r in rows]).sum(0)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense, non-empty tensor whose values reductions read (not a nested, sparse or meta-less
+    layout, nor a float8 one, which have no sum of their own): the inputs tallied."""
+    if t.layout is not torch.strided or t.is_nested or not t.numel():
+        return False
+    return not (t.is_floating_point() and t.element_size() == 1)
 
 
 def _norm32(t: torch.Tensor) -> torch.Tensor:

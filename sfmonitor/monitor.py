@@ -2052,11 +2052,15 @@ class Monitor:
         bad_param = ~torch.isfinite(param_norms)
         out[S.PARAM_FIRST_NONFINITE] = S.first_true(bad_param)
         out[S.PARAM_NONFINITE_COUNT] = bad_param.sum()
+        # The inputs' values, sent whatever this step's forwards saw (under a process group every
+        # rank sends the same keys: a rank whose forward took no tensor, or an empty batch, sends
+        # none found and no tally, NaN, which makes the sum over the ranks none too)
         bad_inputs = self._recorder.nonfinite_inputs()
-        if bad_inputs is not None:
-            out[S.INPUT_NONFINITE] = bad_inputs
-        if self._recorder.fingerprint is not None:
-            out[S.INPUT_FINGERPRINT] = S.Vector(self._recorder.fingerprint)
+        out[S.INPUT_NONFINITE] = bad_inputs if bad_inputs is not None else torch.zeros((), device=bad_grad.device)
+        tally = self._recorder.fingerprint
+        out[S.INPUT_FINGERPRINT] = S.Vector(
+            tally if tally is not None else torch.full((2,), math.nan, device=bad_grad.device)
+        )
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         every = self.config.stats.update_ratio_every
@@ -2119,8 +2123,9 @@ class Monitor:
         it holds for ``FIXED_BATCH_STEPS`` steps (found again, longer)."""
         expected, self._expect_loss = self._expect_loss, None
         fingerprint = rec.internal.get(S.INPUT_FINGERPRINT)
-        if isinstance(fingerprint, list):  # the inputs show whether the batch is the step's before
-            same = fingerprint == self._last_inputs and all(S.finite(v) for v in fingerprint)
+        if isinstance(fingerprint, list) and all(S.finite(v) for v in fingerprint):
+            # the inputs show whether the batch is the step's before (NaN: no input tensor seen)
+            same = fingerprint == self._last_inputs
             self._last_inputs = fingerprint
             self._same_inputs = self._same_inputs + 1 if same else 0
             found = self._same_inputs >= self.FIXED_BATCH_INPUTS

@@ -81,3 +81,98 @@ def test_ddp_join_is_warned_about_before_a_rank_runs_out_of_batches(tmp_path):
     for r in (0, 1):
         told = [m for m in torch.load(tmp_path / f"rank{r}.pt") if "Join" in m]
         assert len(told) == 1 and "same number of batches" in told[0]
+
+
+class _HeldOrFed(nn.Module):
+    """Token ids given, or (none given) ids the model holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.register_buffer("held", torch.arange(30).view(6, 5), persistent=False)
+
+    def forward(self, ids=None):
+        return self.emb(self.held if ids is None else ids).mean((1, 2))
+
+
+def _inputs_worker(rank, world, port, out_dir):
+    _join(rank, world, port)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(_HeldOrFed())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config={"console": False})
+    g = torch.Generator().manual_seed(0)
+    for step in range(5):
+        ids = torch.randint(0, 50, (6, 5), generator=g)
+        if rank == 0:
+            out = model(ids[:0] if step == 3 else ids)  # (an empty batch at step 3)
+        else:
+            out = model(ids.float().requires_grad_()[:, :0].long() if step == 4 else None)
+        mon.combine(out.pow(2).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(mon.step, os.path.join(out_dir, f"rank{rank}.pt"))
+    mon.detach()
+    _leave()
+
+
+def test_ranks_whose_forwards_see_different_input_tensors_read_alike(tmp_path):
+    """A probe under torchrun: rank 0 fed token ids, rank 1 called the model without a tensor (it
+    holds its data), or one rank's batch was empty: the input tally was sent only by a rank whose
+    forward saw a tensor, so the vectors differed in length and gloo aborted the job at the step's
+    reduction. Every rank sends the input values; one without stands aside (NaN: no tally)."""
+    mp.spawn(_inputs_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)] == [5, 5]
+
+
+def _zero_budget_worker(rank, world, port, out_dir):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    _join(rank, world, port)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 1000), nn.Tanh(), nn.Linear(1000, 2)))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adagrad, lr=1e-2)
+    cfg = {
+        "console": False,
+        # a budget one rank's shard fits and the other's does not
+        "actions": {"rollback": {"snapshot_every": 1, "max_host_mb": 0.0545}},
+        "policy": {"ladders": {"update_ratio_spike": {"rungs": [{"after": 1, "actions": ["checkpoint"]}]}}},
+    }
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, "run"), sinks=[], config=cfg)
+    held = []
+    for i in range(7):
+        g = torch.Generator().manual_seed(1000 * rank + i)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        scale = 1e4 if i == 5 else 1.0  # a bad update lands at step 5: judged at step 6
+        opt.param_groups[0]["lr"] *= scale
+        opt.step()
+        opt.param_groups[0]["lr"] /= scale
+        opt.zero_grad()
+        held.append(len(mon._live().snapshots.labels))
+    torch.save(
+        {"held": held, "events": [(e.step, e.actions) for e in mon.events if e.actions]},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+    mon.detach()
+    _leave()
+
+
+def test_zero_ranks_holding_different_snapshots_take_the_checkpoint_together(tmp_path):
+    """ZeroRedundancyOptimizer's shards differ in size, so one rank's snapshot fits
+    ``max_host_mb`` and the other's does not: the emergency checkpoint of a landed bad update then
+    consolidated ZeRO's state (a collective) on the rank without a snapshot only, and the job hung
+    (a probe). Every rank consolidates, whatever it holds."""
+    ctx = mp.spawn(_zero_budget_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
+    done = False
+    for _ in range(12):
+        if ctx.join(10):
+            done = True
+            break
+    if not done:
+        for p in ctx.processes:
+            p.kill()
+    assert done, "the ranks hung"
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["held"] != r1["held"]  # (the premise: the ranks' snapshot rings differ)
+    assert r0["events"] == r1["events"] and ["checkpoint"] in [a for _, a in r0["events"]]

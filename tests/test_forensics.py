@@ -303,3 +303,32 @@ def test_bundle_config_validation():
         BundleConfig.from_dict({"dir": "../up"}, prefix="bundle.")
     with pytest.raises(ConfigError, match="max_mb"):
         BundleConfig(max_mb=-1)
+
+
+def test_a_nested_or_sparse_input_is_left_out_of_the_input_checks(tmp_path):
+    """The input tally (a sum and a norm per tensor) raised NotImplementedError on a nested
+    (jagged) input, in the model's forward (a probe); nested, sparse and float8 inputs are left
+    out of the input checks, as an input that is no tensor is."""
+    import sfmonitor
+
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(x.values() if x.is_nested else x.to_dense()).mean()
+
+    model = Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config={"console": False})
+    for make in (
+        lambda: torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged),
+        lambda: torch.randn(4, 3).to_sparse(),
+    ):
+        for _ in range(2):
+            mon.combine(model(make())).backward()
+            opt.step()
+            opt.zero_grad()
+    mon.detach()
+    assert mon.step == 4 and not [e for e in mon.events if e.actions]
