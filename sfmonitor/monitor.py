@@ -2097,11 +2097,12 @@ class Monitor:
     SAME_STATE_SPIKES = 32
     SAME_STATE_NONFINITE = 8  # a non-finite loss on every batch sooner says the state makes it
 
-    # Steps in a row whose inputs equal the step's before, to the last bit, that show full-batch
-    # training (a loop may feed each batch a few steps: data echoing)
+    # Steps in a row the inputs must have been equal, to the last bit, for a replay to show
+    # full-batch training (a loop may feed each batch a few steps: data echoing)
     FIXED_BATCH_INPUTS = 8
-    # Steps full-batch training found by a replay is assumed for (a loop may overfit one batch, then
-    # train on its data): after them, a skip or an undo acts again, and finds it again or not.
+    # Steps full-batch training found by a replay is assumed for where the monitor sees no input
+    # tensor (a loop may overfit one batch, then train on its data): after them, a skip or an
+    # undo acts again, and finds it again or not.
     FIXED_BATCH_STEPS = 200
 
     def _fixed_batch(self, step: int, rec: StepRecord, findings: list[Finding]) -> None:
@@ -2115,33 +2116,39 @@ class Monitor:
         both are told, not acted on; the ceiling, the non-finite checks and the other detectors act
         as before.
 
-        Found where the step's inputs (``forensics._fingerprint``) equal, to the last bit, those of
-        the ``FIXED_BATCH_INPUTS`` steps before; it holds until they change. Where the monitor sees
-        no input tensor (a model that holds its data), found where a skip or an undo put a state
-        back and the step after it measured, on that state, the very loss and gradient norm it had
-        before (a gradient norm of zero says nothing: a clamped loss repeats its cap without one);
-        it holds for ``FIXED_BATCH_STEPS`` steps (found again, longer)."""
+        Found where a skip or an undo put a state back and the step after it measured, on that
+        state, the very loss and gradient norm it had before (a gradient norm of zero says
+        nothing: a clamped loss repeats its cap without one), and the step's inputs
+        (``forensics._fingerprint``) equalled, to the last bit, those of the ``FIXED_BATCH_INPUTS``
+        steps before: a batch fed a few steps in a row (data echoing) is no full batch. Equal
+        inputs alone are not enough: a loop may feed a constant input (a grid of coordinates, a
+        prompt, one-hot rows whose sums never change) while its targets, which the model never
+        sees, change every step (a probe: such a loop's bad batch landed). It holds until the
+        inputs change; where the monitor sees no input tensor (a model that holds its data), for
+        ``FIXED_BATCH_STEPS`` steps (found again, longer)."""
         expected, self._expect_loss = self._expect_loss, None
         fingerprint = rec.internal.get(S.INPUT_FINGERPRINT)
-        if isinstance(fingerprint, list) and all(S.finite(v) for v in fingerprint):
-            # the inputs show whether the batch is the step's before (NaN: no input tensor seen)
+        inputs = isinstance(fingerprint, list) and all(S.finite(v) for v in fingerprint)  # (NaN: none seen)
+        if inputs:
             same = fingerprint == self._last_inputs
             self._last_inputs = fingerprint
             self._same_inputs = self._same_inputs + 1 if same else 0
-            found = self._same_inputs >= self.FIXED_BATCH_INPUTS
-            self._fixed_batch_since = step - self._same_inputs if found else None
-            how = f"its inputs equal, to the last bit, those of the {self._same_inputs} steps before"
+            if not same:
+                self._fixed_batch_since = None  # the batch changed: whatever was found is over
         else:
             self._last_inputs, self._same_inputs = None, 0
-            seen = self._loss_and_grad(rec)
-            if expected is not None and expected[0] == step and seen is not None and seen == expected[1]:
-                self._fixed_batch_since = step  # (found again: it holds for FIXED_BATCH_STEPS more)
-            if self._fixed_batch_since is not None and step - self._fixed_batch_since > self.FIXED_BATCH_STEPS:
-                self._fixed_batch_since = None  # (a loop may feed one batch for a while, then its data)
-            how = (
-                f"found at step {self._fixed_batch_since}: the loss and gradient norm measured on a state a skip "
-                "or an undo put back equalled, to the last bit, those that state had before"
-            )
+        seen = self._loss_and_grad(rec)
+        replayed = expected is not None and expected[0] == step and seen is not None and seen == expected[1]
+        if replayed and (not inputs or self._same_inputs >= self.FIXED_BATCH_INPUTS):
+            self._fixed_batch_since = step  # (found again: it holds longer)
+        since = self._fixed_batch_since
+        if since is not None and not inputs and step - since > self.FIXED_BATCH_STEPS:
+            self._fixed_batch_since = since = None  # (a loop may feed one batch for a while, then its data)
+        how = (
+            f"found at step {since}: the loss and gradient norm measured on a state a skip or an undo put back "
+            "equalled, to the last bit, those that state had before"
+            + (", on inputs equal to those of the steps before" if inputs else "")
+        )
         if self._fixed_batch_since is None:
             return
         why = f"the loop feeds the same batch every step ({how})"

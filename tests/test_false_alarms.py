@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from _state import assert_identical, quiet, snapshot, train
 from torch import nn
@@ -228,35 +229,62 @@ def _full_batch_run(tmp_path, steps, monitored, then=0, held=False):
     return model, mon
 
 
-def test_full_batch_training_is_found_when_a_skip_replays_and_its_loss_rises_are_told(tmp_path):
+@pytest.mark.parametrize("held", [False, True])
+def test_full_batch_training_is_found_when_a_skip_replays_and_its_loss_rises_are_told(tmp_path, held):
     """In full-batch training a skipped step is followed by the same batch on the same state: the
     same loss, bit for bit, and the same skip (a helper's edge-of-stability probe: 8 skips in a
     row per rise, then a new level, 16-32 steps lost per run, held-out up to 1.035x bare). Once
-    the loss on a state a skip put back equals that state's loss before, the loop is known to
-    feed one batch: its loss spikes, and updates judged harmful by the loss they raised (the
-    run's own edge-of-stability rises), are told, not acted on. One step is lost: the run goes on
-    one step behind the bare run, bit for bit."""
-    model, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True, held=True)
+    the loss on a state a skip put back equals that state's loss before (on inputs equal to the
+    steps' before, where the model takes any: ``held`` False), the loop is known to feed one
+    batch: its loss spikes, and updates judged harmful by the loss they raised (the run's own
+    edge-of-stability rises), are told, not acted on. One step is lost: the run goes on one step
+    behind the bare run, bit for bit."""
+    model, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True, held=held)
     acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions]
     assert len(acted) == 1 and acted[0][1:] == ("loss_spike", ["skip_step"])
     told = [e for e in mon.events if e.data.get("fixed_batch") is not None]
     assert told and told[0].step == acted[0][0] + 1 and "same batch every step" in told[0].message
+    assert ("on inputs equal" in told[0].message) is not held
     bare, _ = _full_batch_run(tmp_path / "bare", 119, monitored=False)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
 
 
-def test_full_batch_training_is_known_from_its_inputs_before_any_skip(tmp_path):
-    """A loop that feeds one batch every step (``model(x)`` on one fixed batch, the usual
-    full-batch loop) says so in its inputs: after ``FIXED_BATCH_INPUTS`` steps in a row whose
-    inputs are equal, to the last bit, the edge-of-stability rise is told, not skipped, and the
-    run ends bit-identical to the bare run, with no action (found by a replay, it cost one skipped
-    step)."""
-    model, mon = _full_batch_run(tmp_path / "mon", 120, monitored=True)
-    assert [(e.step, e.kind, e.actions) for e in mon.events if e.actions] == []
-    told = [e for e in mon.events if e.data.get("fixed_batch") is not None]
-    assert told and "its inputs equal" in told[0].message
-    bare, _ = _full_batch_run(tmp_path / "bare", 120, monitored=False)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
+def _fixed_input_run(tmp_path, fault):
+    """A coordinate-based regression (a NeRF-like fit): the model's input is one fixed grid of
+    coordinates every step, its targets a new noisy sample each step, which the model never sees.
+    ``fault``: "targets" (x4 at step 60) or "lr" (x30 for step 60)."""
+    torch.manual_seed(0)
+    grid = torch.stack(torch.meshgrid(torch.linspace(-1, 1, 16), torch.linspace(-1, 1, 16), indexing="ij"), -1)
+    grid = grid.reshape(-1, 2)
+    clean = torch.sin(3 * grid[:, :1]) * torch.cos(2 * grid[:, 1:])
+    model = nn.Sequential(nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=quiet())
+    g = torch.Generator().manual_seed(1)
+    for i in range(90):
+        y = clean + 0.1 * torch.randn(clean.shape, generator=g)
+        if fault == "targets" and i == 60:
+            y = y * 4
+        opt.param_groups[0]["lr"] = 3e-3 * (30 if fault == "lr" and i == 60 else 1)
+        mon.combine(nn.functional.mse_loss(model(grid), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    return mon
+
+
+def test_a_constant_input_with_targets_that_change_is_no_full_batch(tmp_path):
+    """Equal inputs are not the same batch: a loop that feeds one fixed input (a grid of
+    coordinates, a prompt, one-hot rows whose sums never change) while its targets change every
+    step. Taken for full-batch training from its inputs alone (a probe of this session's first
+    version), a batch with targets x4 landed and an update at 30x the LR was only told; a replay on
+    a state put back shows it is not: the bad batch is skipped and the update undone."""
+    mon = _fixed_input_run(tmp_path / "t", "targets")
+    assert [e.actions for e in mon.events if e.step == 60 and e.kind == "loss_spike"] == [["skip_step"]]
+    assert not [e for e in mon.events if e.data.get("fixed_batch") is not None]
+    mon = _fixed_input_run(tmp_path / "l", "lr")
+    assert any("undo" in e.actions for e in mon.events if e.kind == "update_ratio_spike")
+    assert not [e for e in mon.events if e.data.get("fixed_batch") is not None]
 
 
 def _repeated_batch_run(tmp_path, repeats, refill=False):
