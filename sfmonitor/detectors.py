@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -543,12 +543,15 @@ def _watched_keys(stats: Mapping[str, float], total: str, prefix: str, each: boo
     return [k for k in stats if k.startswith(prefix)]
 
 
-def _positive_logs(stats: Mapping[str, float], keys: list[str]):
+def _positive_logs(stats: Mapping[str, float], keys: list[str], raw: Collection[str] = ()):
     """(key, value, log value) of the finite, positive values: a NaN, an inf or a value <= 0 never
-    enters a window (non-finite losses and gradients are the core's business)."""
+    enters a window (non-finite losses and gradients are the core's business). A ``raw`` key's
+    finite values come as they are, any sign (a loss with no multiplicative scale)."""
     for key in keys:
         value = stats[key]
-        if S.finite(value) and value > 0:
+        if key in raw and S.finite(value):
+            yield key, value, value
+        elif S.finite(value) and value > 0:
             yield key, value, math.log(value)
 
 
@@ -758,23 +761,13 @@ class LossSpike(_Windowed):
                     table.pop(key, None)
         return [k for k in keys if k not in self.signed]
 
-    def _scaled(self, stats: Mapping[str, float], keys: list[str]):
-        """(key, value, value on the scale it is judged on): the log of a positive value, a ``raw``
-        key's value itself; a NaN or an inf never enters a window (the core's business)."""
-        for key in keys:
-            value = stats[key]
-            if key in self.raw and S.finite(value):
-                yield key, value, value
-            elif S.finite(value) and value > 0:
-                yield key, value, math.log(value)
-
     def _unscaled(self, key: str, x: float) -> float:
         return x if key in self.raw else math.exp(x)
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
-        for key, value, x in self._scaled(stats, self._keys(stats)):
+        for key, value, x in _positive_logs(stats, self._keys(stats), self.raw):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             if len(w) < cfg.prior_after:
                 top = max(w, default=math.inf)

@@ -615,6 +615,7 @@ class Monitor:
         self._told_not_reset = False  # zero_grad_missing told, and no reset seen since
         self._nested_steps = 0  # step() calls running inside the step in flight (_steps_in_flight)
         self._warned_join = False  # DDP's Join seen on (its uneven inputs meet the step's reduction)
+        self._no_input_values: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (_no_inputs)
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: Arena | None = None  # reused copy of the parameters (no undo copy)
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
@@ -2055,12 +2056,13 @@ class Monitor:
         # The inputs' values, sent whatever this step's forwards saw (under a process group every
         # rank sends the same keys: a rank whose forward took no tensor, or an empty batch, sends
         # none found and no tally, NaN, which makes the sum over the ranks none too)
-        bad_inputs = self._recorder.nonfinite_inputs()
-        out[S.INPUT_NONFINITE] = bad_inputs if bad_inputs is not None else torch.zeros((), device=bad_grad.device)
-        tally = self._recorder.fingerprint
-        out[S.INPUT_FINGERPRINT] = S.Vector(
-            tally if tally is not None else torch.full((2,), math.nan, device=bad_grad.device)
-        )
+        bad_inputs, tally = self._recorder.nonfinite_inputs(), self._recorder.fingerprint
+        if bad_inputs is None or tally is None:
+            none_found, no_tally = self._no_inputs(bad_grad.device)
+            bad_inputs = none_found if bad_inputs is None else bad_inputs
+            tally = no_tally if tally is None else tally
+        out[S.INPUT_NONFINITE] = bad_inputs
+        out[S.INPUT_FINGERPRINT] = S.Vector(tally)
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         every = self.config.stats.update_ratio_every
@@ -2144,14 +2146,13 @@ class Monitor:
         since = self._fixed_batch_since
         if since is not None and not inputs and step - since > self.FIXED_BATCH_STEPS:
             self._fixed_batch_since = since = None  # (a loop may feed one batch for a while, then its data)
-        how = (
-            f"found at step {since}: the loss and gradient norm measured on a state a skip or an undo put back "
-            "equalled, to the last bit, those that state had before"
-            + (", on inputs equal to those of the steps before" if inputs else "")
-        )
-        if self._fixed_batch_since is None:
+        if since is None:
             return
-        why = f"the loop feeds the same batch every step ({how})"
+        why = (
+            f"the loop feeds the same batch every step (found at step {since}: the loss and gradient norm "
+            "measured on a state a skip or an undo put back equalled, to the last bit, those that state had "
+            "before" + (", on inputs equal to those of the steps before)" if inputs else ")")
+        )
         for f in findings:
             if f.kind == LOSS_SPIKE:
                 moot = "a skip would replay it"
@@ -2160,7 +2161,7 @@ class Monitor:
             else:
                 continue
             f.told = True
-            f.data["fixed_batch"] = self._fixed_batch_since
+            f.data["fixed_batch"] = since
             f.message += f"; told only: {why}, so {moot}"
 
     def _expect_replay(self, step: int, rec: StepRecord) -> None:
@@ -2588,6 +2589,17 @@ class Monitor:
             if js and all(A.lr_not_a_step_size(optimizer, groups[j]) is None for j in js)
         }
 
+    def _no_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's input checks where its forwards saw no input tensor: no non-finite value,
+        and no tally (NaN); made once per device (only read), not every step."""
+        held = self._no_input_values.get(device)
+        if held is None:
+            held = self._no_input_values[device] = (
+                torch.zeros((), device=device),
+                torch.full((2,), math.nan, device=device),
+            )
+        return held
+
     def _fresh_buffers(self) -> None:
         """The model's buffers as they are registered now: a forward that assigns a new tensor to a
         buffer (not in place) leaves the held list pointing at the old one, and a skip or an undo
@@ -2624,24 +2636,23 @@ class Monitor:
             return
         if torch._C._current_graph_task_id() != -1:  # a recomputation in the backward (checkpointing)
             return
+        mark = self._forward_mark
+        if mark is not None and mark[0] == self.step and not self._grad_reset.reset_since(mark[1]):
+            return  # a later forward of the step (a micro-batch)
         ctx = self._ctx
         held = ctx.buffer_copy() if ctx is not None else None
         if ctx is None or held is None or not held[1]:
             return
         copy, buffers = held
-        mark = self._forward_mark
         if copy.label is None:  # no capture yet: the first step
             copy.start(self.step - 1, buffers)
         elif copy.label != self.step - 1:
             return  # (no copy of the step before: none a skip would put back)
-        elif mark is None or mark[0] != self.step or self._grad_reset.reset_since(mark[1]):
-            if copy is ctx.undo:
-                self._fresh_buffers()  # (a buffer replaced by `self.center = ...` since)
-                copy.mark_forward(buffers, self._buffer_owners)
-            else:
-                copy.mark_forward(buffers, self._stats_owners)
+        elif copy is ctx.undo:
+            self._fresh_buffers()  # (a buffer replaced by `self.center = ...` since)
+            copy.mark_forward(buffers, self._buffer_owners)
         else:
-            return  # a later forward of the step (a micro-batch)
+            copy.mark_forward(buffers, self._stats_owners)
         self._forward_mark = (self.step, self._grad_reset.mark())
 
     def _disarm_first_buffers(self) -> None:

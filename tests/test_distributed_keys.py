@@ -12,12 +12,26 @@ from torch import nn
 import sfmonitor
 
 
-def _components_worker(rank, world, port, out_dir):
+def _ddp_monitored(rank, world, port, out_dir, net, make_opt):
+    """This rank in the group, ``net`` (seeded) under DDP, ``make_opt(parameters)`` and a quiet
+    monitor writing to ``out_dir/<rank>``."""
     _join(rank, world, port)
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model = nn.parallel.DistributedDataParallel(net())
+    opt = make_opt(model.parameters())
     mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config={"console": False})
+    return model, opt, mon
+
+
+def _components_worker(rank, world, port, out_dir):
+    model, opt, mon = _ddp_monitored(
+        rank,
+        world,
+        port,
+        out_dir,
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    )
     g = torch.Generator().manual_seed(100 + rank)
     seen = []
     for _ in range(3):
@@ -52,11 +66,14 @@ def _join_worker(rank, world, port, out_dir):
 
     from torch.distributed.algorithms.join import Join
 
-    _join(rank, world, port)
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config={"console": False})
+    model, opt, mon = _ddp_monitored(
+        rank,
+        world,
+        port,
+        out_dir,
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+        lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    )
     g = torch.Generator().manual_seed(100 + rank)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -96,11 +113,7 @@ class _HeldOrFed(nn.Module):
 
 
 def _inputs_worker(rank, world, port, out_dir):
-    _join(rank, world, port)
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(_HeldOrFed())
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config={"console": False})
+    model, opt, mon = _ddp_monitored(rank, world, port, out_dir, _HeldOrFed, lambda ps: torch.optim.SGD(ps, lr=1e-2))
     g = torch.Generator().manual_seed(0)
     for step in range(5):
         ids = torch.randint(0, 50, (6, 5), generator=g)
