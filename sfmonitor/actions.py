@@ -228,7 +228,8 @@ class LRDropConfig(Section):
         "while the LR climbs back, a median loss of the last halt_window steps this many times its lowest "
         "since the climb began (the last halt_window steps before it included) halts the climb: the LR "
         "goes back to the scale of that lowest median and the cut is permanent (the trouble came back "
-        "with the LR); 0: never halted",
+        "with the LR; a loss seen below zero: a rise of halt_rise - 1 times the progress made from its "
+        "start); 0: never halted",
         lo=0,
     )
     halt_window: int = option(20, "steps whose median loss the climb's halt compares", lo=2)
@@ -381,11 +382,15 @@ class ActionContext:
     restored_at: int | None = None  # step in which an undo or a rollback put the state back
     lr_drop_kind: str = ""  # the kind that caused it
     lr_permanent: bool = False  # the trouble came back while the LR was still lowered
-    # The losses (logs) and LR scales of the last halt_window steps, from halt_window steps before
-    # the LR starts to climb back; and the lowest median of those losses so far with the lowest
-    # scale of its window: what the climb is judged against (relax_lr).
+    # The losses (logs; the values themselves once the loss was seen below zero) and LR scales of
+    # the last halt_window steps, from halt_window steps before the LR starts to climb back; and
+    # the lowest median of those losses so far with the lowest scale of its window: what the climb
+    # is judged against (relax_lr). The run's first losses (the largest is its start) and whether
+    # one was below zero: a signed loss's rise is measured against the progress made from there.
     lr_climb: list[tuple[float, float]] = field(default_factory=list)
     lr_climb_best: tuple[float, float] | None = None
+    losses_seen: list[float] = field(default_factory=list)
+    loss_signed: bool = False
     # The LR per param group that the drop (or a halt of the climb) set, the level it holds the LR
     # at or below (None: no such level; an entry None: a group without a step-size LR)
     lr_ceiling: list[float | None] | None = None
@@ -936,6 +941,12 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     holds the LR at the level it set, and is released when the user's LR falls there
     (``_hold_ceiling``)."""
     cfg = ctx.config.lr_drop
+    if loss is not None and math.isfinite(loss):
+        if len(ctx.losses_seen) < 3:
+            ctx.losses_seen.append(float(loss))
+        if loss < 0 and not ctx.loss_signed:
+            # (a loss with no ratio to rise by, see S.rose: the window's logs no longer compare)
+            ctx.loss_signed, ctx.lr_climb, ctx.lr_climb_best = True, [], None
     released = _hold_ceiling(ctx)
     if released:
         return released
@@ -944,23 +955,33 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     if idle or since < cfg.recover_after - cfg.halt_window:  # (a new drop restarts the count)
         ctx.lr_climb, ctx.lr_climb_best = [], None
         return {}
-    if cfg.halt_rise and loss is not None and math.isfinite(loss) and loss > 0:
-        ctx.lr_climb = [*ctx.lr_climb[-(cfg.halt_window - 1) :], (math.log(loss), ctx.lr_scale)]
+    signed = ctx.loss_signed
+    if cfg.halt_rise and loss is not None and math.isfinite(loss) and (loss > 0 or signed):
+        value = loss if signed else math.log(loss)
+        ctx.lr_climb = [*ctx.lr_climb[-(cfg.halt_window - 1) :], (value, ctx.lr_scale)]
         if len(ctx.lr_climb) == cfg.halt_window:
             median = statistics.median(x for x, _ in ctx.lr_climb)
             best = ctx.lr_climb_best
-            if since > cfg.recover_after and best is not None and median - best[0] > math.log(cfg.halt_rise):
+            if signed:
+                start = max(ctx.losses_seen, default=None)
+                rose = best is not None and S.rose(median, best[0], cfg.halt_rise, start, signed=True)
+            else:
+                rose = best is not None and median - best[0] > math.log(cfg.halt_rise)
+            if since > cfg.recover_after and best is not None and rose:
                 old = ctx.lr_scale
                 ctx.lr_scale, ctx.lr_permanent = min(best[1], old), True
                 ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
+                unlog = (lambda x: x) if signed else math.exp
                 return {
                     "halted": True,
                     "old_scale": old,
                     "new_scale": ctx.lr_scale,
                     "permanent": True,
-                    "loss_median": math.exp(median),
-                    "lowest_loss_median": math.exp(best[0]),
-                    "rise": math.exp(median - best[0]),
+                    "loss_median": unlog(median),
+                    "lowest_loss_median": unlog(best[0]),
+                    # a ratio; a loss below zero has none: the rise itself (S.rose)
+                    "rise": median - best[0] if signed else math.exp(median - best[0]),
+                    "signed": signed,
                 }
             if best is None or median < best[0]:
                 ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb))

@@ -574,19 +574,6 @@ def _gives_back(value: float, now: float, start: float, share: float) -> bool:
     return start <= now or value - now >= share * (start - now)
 
 
-def _rose(after: float, before: float, factor: float, start: float | None = None, signed: bool = False) -> bool:
-    """Whether a loss went from ``before`` to over ``factor`` times it. A positive loss: by the
-    ratio. A ``signed`` one, seen below zero (a Gaussian or flow negative log-likelihood, a
-    loss with a negative constant), has no multiplicative scale: ``factor * before`` lies *below* a
-    negative ``before``, and a small positive one near zero makes any move a large ratio (a Gaussian
-    NLL from 0.07 to 0.30 read as 4.4x; with +10 added to the loss, 1.02x). Its rise must pass
-    ``factor - 1`` times the progress it made down from ``start``, or, without a start, its size."""
-    if before > 0 and not signed:
-        return after > factor * before
-    scale = start - before if start is not None and start > before else abs(before)
-    return after - before > (factor - 1) * scale
-
-
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
@@ -1069,7 +1056,7 @@ class UpdateRatioSpike(_Windowed):
         # step (the loss climbs over several, each rise within the batch-to-batch noise).
         self.recent_losses: collections.deque[float] = collections.deque(maxlen=5)
         self.raise_base: dict[str, float] = {}
-        self.signed = False  # the loss was seen below zero: its rises are judged by _rose
+        self.signed = False  # the loss was seen below zero: its rises are judged by S.rose
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         out = self._check(step, stats)
@@ -1086,7 +1073,7 @@ class UpdateRatioSpike(_Windowed):
         if loss is not None and S.finite(loss) and len(self.losses_seen) < 3:
             self.losses_seen.append(float(loss))
         if loss is not None and S.finite(loss) and loss < 0:
-            self.signed = True  # a loss with no multiplicative scale (see _rose)
+            self.signed = True  # a loss with no multiplicative scale (see S.rose)
         # The median LR of each group's last updates (before this one), and how far every group's
         # next LR is above it: once a step, for the raise's test and an LR drop's size.
         befores = {k: _median(list(lrs)) for k, lrs in self.lrs.items() if lrs}
@@ -1299,10 +1286,10 @@ class UpdateRatioSpike(_Windowed):
             noise = math.exp(cfg.harm_noise * _median(list(self.loss_moves)))
             rise = max(rise, min(noise, cfg.harm_rise_max))
         signed = self.signed
-        harm = not S.finite(after) or (_rose(after, before, rise, start, signed) and material)
+        harm = not S.finite(after) or (S.rose(after, before, rise, start, signed) and material)
         if not harm and since is not None and S.finite(since):
             share = cfg.raise_setback or cfg.harm_setback
-            if _rose(after, since, rise, start, signed) and _gives_back(after, since, start, share):
+            if S.rose(after, since, rise, start, signed) and _gives_back(after, since, start, share):
                 return {
                     "loss_before": since,
                     "loss_after": after,
@@ -1543,7 +1530,7 @@ class AccuracyCollapse(Detector):
             and S.finite(acc)
             and now is not None
             and then is not None
-            and not _rose(now, then, cfg.train_loss_rise, signed=min(self.losses) < 0)
+            and not S.rose(now, then, cfg.train_loss_rise, signed=min(self.losses) < 0)
         ):
             if self.told:
                 return []

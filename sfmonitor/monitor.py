@@ -1858,8 +1858,9 @@ class Monitor:
                 # where the loss rises with it (an event too).
                 recovered = A.relax_lr(ctx, self._stats.get(S.LOSS_TOTAL))
                 if recovered.get("halted"):
+                    rise = f"by {recovered['rise']:.3g}" if recovered["signed"] else f"{recovered['rise']:.3g}x"
                     message = (
-                        f"the loss rose {recovered['rise']:.3g}x (median of the last "
+                        f"the loss rose {rise} (median of the last "
                         f"{self.config.actions.lr_drop.halt_window} steps) while the LR climbed back: "
                         f"the trouble came back with it; the LR stays at {recovered['new_scale']:.3g}x "
                         "the user's schedule, where the loss was lowest"
@@ -2562,6 +2563,8 @@ class Monitor:
                     "permanent": ctx.lr_permanent,
                     "climb": [list(v) for v in ctx.lr_climb],
                     "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
+                    "losses_seen": list(ctx.losses_seen),
+                    "signed": ctx.loss_signed,
                     "ceiling": list(ctx.lr_ceiling) if ctx.lr_ceiling is not None else None,
                 }
                 if ctx
@@ -2723,6 +2726,8 @@ class Monitor:
             ctx.lr_climb = [(float(x), float(scale)) for x, scale in recovery.get("climb", [])]
             best = recovery.get("climb_best")
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
+            ctx.losses_seen = [float(x) for x in recovery.get("losses_seen", [])]
+            ctx.loss_signed = bool(recovery.get("signed", False))
             ceiling = recovery.get("ceiling")
             ctx.lr_ceiling = None if ceiling is None else [None if c is None else float(c) for c in ceiling]
             for name in sd.get("fp32_modules", []):

@@ -806,6 +806,19 @@ def finite(x: Any) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def rose(after: float, before: float, factor: float, start: float | None = None, signed: bool = False) -> bool:
+    """Whether a loss went from ``before`` to over ``factor`` times it. A positive loss: by the
+    ratio. A ``signed`` one, seen below zero (a Gaussian or flow negative log-likelihood, a
+    loss with a negative constant), has no multiplicative scale: ``factor * before`` lies *below* a
+    negative ``before``, and a small positive one near zero makes any move a large ratio (a Gaussian
+    NLL from 0.07 to 0.30 read as 4.4x; with +10 added to the loss, 1.02x). Its rise must pass
+    ``factor - 1`` times the progress it made down from ``start``, or, without a start, its size."""
+    if before > 0 and not signed:
+        return after > factor * before
+    scale = start - before if start is not None and start > before else abs(before)
+    return after - before > (factor - 1) * scale
+
+
 def pair_keys(components: Iterable[str], pairs: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
     """The configured pairs, or every pair (a, b), a before b in the order components came."""
     comps = list(components)

@@ -245,6 +245,24 @@ def test_the_lr_climbs_back_while_the_loss_holds_and_halts_for_good_where_it_ris
         A.ActionsConfig.from_dict({"lr_drop": {"halt_rise": 1.0}})
 
 
+def test_a_climb_halts_on_a_loss_below_zero_by_the_progress_it_gives_back():
+    """A loss seen below zero (a Gaussian NLL) has no ratio to rise by: while the LR climbs back,
+    its median must rise past ``halt_rise - 1`` times the progress made from its start. A constant
+    added to such a loss changes no gradient, so it must not change the halt either."""
+    # start 1.0, lowest -1.0: 2.0 of progress; a rise to 0.5 gives back 1.5 (> 0.5 x 2.0): halted
+    rising = lambda step, scale: 1.0 if step < 3 else (0.5 if scale > 0.5 else -1.0)
+    ctx, told = _climb(rising)
+    step, halt, scale = told[-1]
+    assert halt.get("halted") and halt["permanent"] and 20 < step < 40 and scale == pytest.approx(0.2)
+    assert halt["loss_median"] == pytest.approx(0.5) and halt["lowest_loss_median"] == pytest.approx(-1.0)
+    # the same climb shifted by -5 (every loss below zero): the same halt, at the same step
+    shifted = [(s, f) for s, f, _ in _climb(lambda step, scale: rising(step, scale) - 5.0)[1]]
+    assert [s for s, _ in shifted] == [s for s, _, _ in told] and shifted[-1][1].get("halted")
+    # a rise within the progress's noise (to -0.5: gives back a quarter) is not halted
+    ctx, told = _climb(lambda step, scale: 1.0 if step < 3 else (-0.5 if scale > 0.5 else -1.0))
+    assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
+
+
 def test_lr_scale_cooperates_with_a_scheduler():
     m = nn.Linear(2, 1)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
@@ -473,19 +491,25 @@ def test_a_rank_that_does_not_write_says_so_in_its_checkpoint_facts(monkeypatch)
     assert facts["saved"] is False and facts["reason"].startswith("rank 1 does not write")
 
 
-def test_the_lr_climbs_watch_survives_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("signed", [False, True])
+def test_the_lr_climbs_watch_survives_a_checkpoint(tmp_path, signed):
     """Mid-climb, the monitor's state holds the losses and scales the halt compares, and the
-    lowest median: a monitor that loads it halts where the uninterrupted one would."""
+    lowest median (and, for a loss below zero, its start): a monitor that loads it halts where the
+    uninterrupted one would."""
     import sfmonitor
 
-    rising = lambda step, scale: 3.0 if scale > 0.5 else 1.0
+    if signed:
+        rising = lambda step, scale: 1.0 if step < 3 else (0.5 if scale > 0.5 else -1.0)
+    else:
+        rising = lambda step, scale: 3.0 if scale > 0.5 else 1.0
     ctx, told = _climb(rising, steps=30)  # stopped mid-climb: not halted yet
     assert not any(f.get("halted") for _, f, _ in told) and ctx.lr_climb and ctx.lr_climb_best
     model = nn.Linear(2, 1)
     cfg = {"console": False}
     mon = sfmonitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=str(tmp_path / "a"), config=cfg)
     live = mon._live()
-    for name in ("lr_scale", "lr_dropped_at", "lr_drop_kind", "lr_climb", "lr_climb_best"):
+    names = ("lr_scale", "lr_dropped_at", "lr_drop_kind", "lr_climb", "lr_climb_best", "losses_seen", "loss_signed")
+    for name in names:
         setattr(live, name, getattr(ctx, name))
     state = mon.state_dict()
     mon.detach()
@@ -494,7 +518,8 @@ def test_the_lr_climbs_watch_survives_a_checkpoint(tmp_path):
     )
     other.load_state_dict(state)
     again = other._live()
-    assert again.lr_climb == ctx.lr_climb and again.lr_climb_best == ctx.lr_climb_best
+    assert all(getattr(again, name) == getattr(ctx, name) for name in names[3:])
+    assert again.loss_signed is signed
     again.config.lr_drop.recover_after, again.config.lr_drop.recover_steps = 20, 20
     again.config.lr_drop.halt_window = ctx.config.lr_drop.halt_window
     halted = []
