@@ -45,6 +45,8 @@ __all__ = [
     "optimizer_state_by_name",
     "rebuild",
     "scale_slice_",
+    "split_coordinates",
+    "split_sizes",
     "square_share",
 ]
 
@@ -96,9 +98,21 @@ def square_share(t: Any, world: int | None = None) -> float:
         return 1.0
     if not is_sharded(t):
         return 1.0 / world
-    mesh = t.device_mesh
-    split = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())
-    return split / world
+    return math.prod(split_sizes(t)) / world
+
+
+def split_sizes(t: Any) -> list[int]:
+    """The sizes of the mesh dimensions that split DTensor ``t`` (each rank holds a part): every
+    placement but ``Replicate`` and ``Partial``. FSDP2 over a tensor-parallel ``Shard(0)`` places
+    ``_StridedShard(0)`` on the data-parallel dimension, which splits too but is no ``Shard``."""
+    return [t.device_mesh.size(i) for i, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())]
+
+
+def split_coordinates(t: Any) -> list[int]:
+    """This rank's coordinates on the mesh dimensions that split DTensor ``t`` (``split_sizes``):
+    ranks with the same coordinates hold the same part of it."""
+    coords = t.device_mesh.get_coordinate() or []
+    return [coords[i] for i, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())]
 
 
 def clean_name(name: str) -> str:
@@ -279,21 +293,22 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 def gaussian_noise(tensors: Sequence[torch.Tensor], generator: torch.Generator) -> tuple[list[Any], list[Any]]:
     """(local parts of ``tensors``, standard normal noise shaped like each), drawn on the host from
-    ``generator`` (the same on every rank). A tensor every rank holds alike gets the same noise on
-    every rank; a shard gets its own rank's noise (from a generator seeded by one shared draw and
-    the rank), else every shard would repeat one pattern. Nothing sharded: exactly the draws of
+    ``generator`` (the same on every rank). A tensor every rank holds alike (a plain tensor, a
+    ``Replicate`` DTensor) gets the same noise on every rank. A DTensor's part gets the noise of
+    that part, from a generator seeded by one shared draw, the tensor and the rank's coordinates
+    on the mesh dimensions that split it: ranks that hold the same part (the replicas of HSDP, the
+    ranks of a tensor-parallel group for what data parallelism splits) draw alike, and different
+    parts differ (else every shard would repeat one pattern). Nothing sharded: exactly the draws of
     ``torch.randn(shape, generator=generator)`` in order, as in a single process."""
     parts = [local(t) for t in tensors]
-    own = None
-    if any(is_sharded(t) for t in tensors):
-        base = int(torch.randint(2**62, (1,), generator=generator))
-        own = torch.Generator().manual_seed(base + torch.distributed.get_rank() + 1)
-    noise = [
-        torch.randn(part.shape, generator=own if own is not None and is_sharded(t) else generator).to(
-            device=part.device, dtype=part.dtype
-        )
-        for t, part in zip(tensors, parts)
-    ]
+    base = int(torch.randint(2**62, (1,), generator=generator)) if any(is_sharded(t) for t in tensors) else 0
+    noise = []
+    for i, (t, part) in enumerate(zip(tensors, parts)):
+        coords = split_coordinates(t) if is_sharded(t) else []
+        draw = generator
+        if coords:
+            draw = torch.Generator().manual_seed((base + hash((i, *coords))) % 2**63)
+        noise.append(torch.randn(part.shape, generator=draw).to(device=part.device, dtype=part.dtype))
     return parts, noise
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -714,6 +715,17 @@ def _device_of(v: Value) -> torch.device:
     return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
 
 
+# Layouts (length, crc of the keys) of the step's reduction every rank was seen to share.
+_AGREED_LAYOUTS: set[tuple[int, int]] = set()
+_LAYOUT_ERROR = (
+    "the ranks' monitors measured different statistics (different parameter groups, watched modules "
+    "or loss components), and the step's statistics are reduced across ranks by position: attach the "
+    "monitor to the same model on every rank and pass combine() the same component names. A model "
+    "split into a different module on each rank (pipeline-parallel stages) is not supported "
+    "(docs/distributed.md)"
+)
+
+
 def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
     """The one host read of a step: every value to a Python float in a single transfer per
     device (tensors are concatenated where they live, then read with one ``tolist()``).
@@ -728,7 +740,7 @@ def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
     (``monitor.stats``) pass ``agree=False``.
     """
     from .integrations.distributed import agree as all_ranks_agree
-    from .integrations.distributed import world_size
+    from .integrations.distributed import same_layout, world_size
 
     distributed = agree and world_size() > 1
     if not distributed:
@@ -745,6 +757,14 @@ def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
         vec = torch.cat([part for k in ks for part in _parts(named[k], dtype, device)])
+        # A layout not seen before is checked first (its keys and length on every rank, one small
+        # collective, once per layout: the ranks' layouts change together, a sampled step's and
+        # the others' recur): ranks that measure different statistics (pipeline stages, different
+        # loss components) stop with a ConfigError, not inside the reduction.
+        layout = (vec.numel(), zlib.crc32("\0".join(ks).encode()))
+        if layout not in _AGREED_LAYOUTS:
+            same_layout(ks, vec.numel(), _LAYOUT_ERROR)
+            _AGREED_LAYOUTS.add(layout)
         vec = all_ranks_agree(vec, _masks(ks, named, device))
         out.update(_decode(named, [], ks, vec.tolist()))  # the host synchronisation
     return {k: out[k] for k in named}
@@ -820,10 +840,17 @@ def rose(after: float, before: float, factor: float, start: float | None = None,
 
 
 def pair_keys(components: Iterable[str], pairs: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
-    """The configured pairs, or every pair (a, b), a before b in the order components came."""
+    """The configured pairs, or every pair (a, b), a before b in the order components came; under a
+    process group in sorted order, the one order every rank knows without asking (ranks may give
+    combine() its components in different orders, and each pair is one key of the step's
+    reduction: ``grad_ratio/a/b`` on one rank must not meet ``grad_ratio/b/a`` on another)."""
+    from .integrations.distributed import world_size
+
     comps = list(components)
     if pairs:
         return [(a, b) for a, b in pairs if a in comps and b in comps]
+    if world_size() > 1:
+        comps = sorted(comps)
     return [(a, b) for i, a in enumerate(comps) for b in comps[i + 1 :]]
 
 

@@ -87,7 +87,7 @@ from .forensics import inside_func_transform
 from .integrations.distributed import world_size
 from .registry import register_kind
 from .schema import Section, option
-from .sharding import is_sharded
+from .sharding import is_sharded, local
 from .stats import ACT_FIRST_NONFINITE, INPUT_NONFINITE, LOSS_TOTAL, REDUCTIONS, Reduce, Vector, finite
 
 # A first warning (|x| >= half the dtype's max, or the limit a few steps away at the current growth
@@ -326,8 +326,11 @@ def _matches(patterns: Iterable[str], text: str) -> bool:
 
 
 def _iter_tensors(obj: Any, depth: int = 0):
-    """Floating tensors inside an output (tensor, tuple/list, dict), a few levels deep."""
+    """Floating tensors inside an output (tensor, tuple/list, dict), a few levels deep; of a
+    DTensor (tensor parallelism hands them to a module's forward, and its ops make them), this
+    rank's part: the step's max reduction over the ranks makes the whole tensor's maximum."""
     if isinstance(obj, torch.Tensor):
+        obj = local(obj)
         if obj.is_floating_point() and obj.numel() > 0:
             yield obj
     elif depth < 4 and isinstance(obj, (tuple, list)):
@@ -844,13 +847,14 @@ class ActivationWatch:
                     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
                     a = dict(zip(names, args))
                     a.update(kwargs)
-                    q, k = a.get("query"), a.get("key")
+                    # (DTensors, a tensor-parallel model's heads: this rank's heads)
+                    q, k, mask = local(a.get("query")), local(a.get("key")), local(a.get("attn_mask"))
                     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
                         return
                     logits = AT.sdpa_logits(
                         q,
                         k,
-                        a.get("attn_mask"),
+                        mask,
                         bool(a.get("is_causal", False)),
                         a.get("scale"),
                         bool(a.get("enable_gqa", False)),
@@ -858,7 +862,7 @@ class ActivationWatch:
                     heads = q.shape[-3] if q.ndim >= 3 else None
                     self._add_logits(name, AT.head_maxima(logits, heads), q.dtype, self._entropy(logits, heads))
                     return
-                x = args[0] if args else kwargs.get("input")
+                x = local(args[0] if args else kwargs.get("input"))
                 dim = args[1] if len(args) > 1 else kwargs.get("dim")
                 if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2 or dim is None:
                     return

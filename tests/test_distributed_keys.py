@@ -43,7 +43,10 @@ def _components_worker(rank, world, port, out_dir):
         mon.combine(parts).backward()
         opt.step()
         opt.zero_grad()
-        seen.append((mine, {k: mon.stats[f"loss/{k}"] for k in mine}))
+        read = mon.stats
+        seen.append(
+            (mine, {k: read[f"loss/{k}"] for k in mine}, sorted(k for k in read if "/big" in k or "/small" in k))
+        )
     torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
     mon.detach()
     _leave()
@@ -55,8 +58,10 @@ def test_loss_components_given_in_another_order_on_each_rank_are_read_alike(tmp_
     ranks told spikes of different components in the same step). The values are laid out by key."""
     mp.spawn(_components_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    for (mine0, read0), (mine1, read1) in zip(r0, r1):
+    for (mine0, read0, keys0), (mine1, read1, keys1) in zip(r0, r1):
         assert read0 == read1
+        # the pairs of components are named alike on both ranks: one key of the reduction each
+        assert keys0 == keys1 and "loss_ratio/big/small" in keys0 and "loss_ratio/small/big" not in keys0
         for k in ("big", "small"):
             assert abs(read0[k] - (mine0[k] + mine1[k]) / 2) <= 1e-6 * abs(read0[k])
 

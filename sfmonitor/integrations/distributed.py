@@ -111,6 +111,24 @@ def agree(vector: torch.Tensor, masks: Mapping[Reduce, torch.Tensor]) -> torch.T
     return out
 
 
+def same_layout(keys: Sequence[str], size: int, error: str) -> None:
+    """Whether every rank lays out the same ``size`` values under the same ``keys`` (their order
+    included), checked in one small max collective before a reduction by position: where the ranks
+    differ, a ``ConfigError`` on every rank (``error``, then what this rank has), where the
+    reduction itself would abort inside gloo (vectors of different lengths) or add up unrelated
+    values. No-op without a process group."""
+    if world_size() == 1:
+        return
+    d = torch.distributed
+    sig = float(zlib.crc32("\0".join(keys).encode()))
+    head = torch.tensor([size, sig, -size, -sig], dtype=torch.float64).to(_comm_device(torch.device("cpu")))
+    d.all_reduce(head, op=d.ReduceOp.MAX)
+    top_n, top_sig, low_n, low_sig = head.tolist()
+    if top_n != -low_n or top_sig != -low_sig:
+        shown = f"{list(keys)[:12]}" + (f" and {len(keys) - 12} more" if len(keys) > 12 else "")
+        raise ConfigError(f"{error} (rank {rank()} has {size} values under {shown})")
+
+
 def agree_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """``observe_eval``'s metrics, the same on every rank: the mean over ranks of each value.
 
@@ -124,19 +142,13 @@ def agree_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
         return values
     d = torch.distributed
     keys = sorted(values)
-    sig = float(zlib.crc32("\0".join(keys).encode()))
-    dtype = torch.float64
-    comm = _comm_device(torch.device("cpu"))
-    head = torch.tensor([len(keys), sig, -len(keys), -sig], dtype=dtype).to(comm)
-    d.all_reduce(head, op=d.ReduceOp.MAX)
-    top_n, top_sig, low_n, low_sig = head.tolist()
-    if top_n != -low_n or top_sig != -low_sig:
-        raise ConfigError(
-            f"observe_eval: the ranks passed different metric names (rank {rank()} passed "
-            f"{keys}); call observe_eval on every rank with the same names, so that every rank "
-            f"takes the same decision"
-        )
-    vec = torch.tensor([values[k] for k in keys], dtype=dtype).to(comm)
+    same_layout(
+        keys,
+        len(keys),
+        "observe_eval: the ranks passed different metric names; call observe_eval on every rank with the "
+        "same names, so that every rank takes the same decision",
+    )
+    vec = torch.tensor([values[k] for k in keys], dtype=torch.float64).to(_comm_device(torch.device("cpu")))
     d.all_reduce(vec, op=d.ReduceOp.SUM)
     mean = dict(zip(keys, (vec / n).tolist()))
     return {k: mean[k] for k in values}
