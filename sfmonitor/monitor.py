@@ -486,6 +486,16 @@ def _in_its_world(method: Any) -> Any:
     return scoped
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape and dtype hold the same values, a NaN equal to a NaN
+    (``torch.equal`` calls a tensor holding a NaN different from its own copy)."""
+    return (
+        bool(torch.equal(a, b) or ((a == b) | (a.isnan() & b.isnan())).all())
+        if a.is_floating_point()
+        else torch.equal(a, b)
+    )
+
+
 def _tensor_versions(batch: Any) -> list[int]:
     """The version counters of a batch's tensors (nested in dicts, lists, tuples): each in-place
     change of a tensor moves its counter; reading them costs no device work."""
@@ -1356,7 +1366,7 @@ class Monitor:
         finally:
             with torch.no_grad():  # only those it changed: a buffer saved for backward must keep its version
                 for buf, before in zip(buffers, kept):
-                    if not torch.equal(buf, before):
+                    if not _same_bits(buf, before):  # (NaN running statistics equal themselves)
                         buf.copy_(before)
         out = {}
         for a, b in pairs:

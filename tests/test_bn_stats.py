@@ -414,3 +414,42 @@ def test_an_undo_puts_the_buffers_back_as_they_were_just_before_the_undone_steps
     assert not all(torch.equal(a, b) for a, b in zip(after[29], before[30]))  # the forward between wrote
     for a, b in zip(after[31], before[30]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("nan_at", [0, 5])
+def test_a_nan_batch_at_a_component_gradient_step_is_skipped_not_a_crash(tmp_path, nan_at):
+    """A probe (knowledge distillation, ``combine({"kd", "ce"})``, a BatchNorm model): a NaN batch on
+    a step whose component gradients are measured (the extra backward of grad_ratio) crashed the
+    user's ``loss.backward()`` ("modified by an inplace operation"): NaN running statistics never
+    equal themselves, so the buffers read as changed by the extra backward and were copied back,
+    which moved the version of tensors BatchNorm saved for the backward."""
+    from torch.nn import functional as F
+
+    def run(monitored, drop=()):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        opt = torch.optim.Adam(net.parameters(), 1e-3)
+        cfg = {"console": False, "stats": {"grad_ratio_every": 5}}
+        mon = sfmonitor.attach(net, opt, run_dir=str(tmp_path / "m"), sinks=[], config=cfg) if monitored else None
+        for i in range(nan_at + 3):
+            if i in drop:
+                continue
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)
+            if i == nan_at:
+                x[0, 0] = float("nan")
+            out = net(x)
+            a, b = F.cross_entropy(out, y), out.pow(2).mean()
+            (mon.combine({"ce": a, "reg": b}, weights={"ce": 1.0, "reg": 0.1}) if mon else a + 0.1 * b).backward()
+            opt.step()
+            opt.zero_grad()
+        events = [(e.step, e.kind, list(e.actions)) for e in mon.events] if mon else []
+        if mon:
+            mon.detach()
+        return net, events
+
+    net, events = run(True)
+    twin, _ = run(False, drop=(nan_at,))
+    assert (nan_at, "bad_batch", ["skip_step"]) in events
+    for (n, a), b in zip(net.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), n
