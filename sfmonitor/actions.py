@@ -223,6 +223,15 @@ class LRDropConfig(Section):
         lo=0,
     )
     recover_steps: int = option(200, "optimizer steps the LR scale takes to climb back to 1 (geometrically)", lo=1)
+    warmup_scale: float = option(
+        0.05,
+        "a drop for an update larger than its weights at a group's first update (the run starts at an LR "
+        "too high for its initial weights: it has no warm-up) starts the LR again from this scale and climbs "
+        "back from the next step over warmup_steps, a warm-up; 0: such a drop is an ordinary one",
+        lo=0,
+        hi=1,
+    )
+    warmup_steps: int = option(100, "optimizer steps the warm-up of warmup_scale takes back to 1 (geometrically)", lo=1)
     halt_rise: float = option(
         1.5,
         "while the LR climbs back, a median loss of the last halt_window steps this many times its lowest "
@@ -379,6 +388,9 @@ class ActionContext:
     stats_copy: UndoState | None = None
     stats_buffers: list[torch.Tensor] = field(default_factory=list)  # the running statistics it holds
     lr_dropped_at: int | None = None  # step of the last lr_drop (recovery counts from it)
+    # A warm-up (lr_drop.warmup_scale): the steps before its climb starts and the climb's rate per
+    # step, in place of recover_after and the factor's climb (None: an ordinary drop)
+    lr_warmup: tuple[int, float] | None = None
     restored_at: int | None = None  # step in which an undo or a rollback put the state back
     lr_drop_kind: str = ""  # the kind that caused it
     lr_permanent: bool = False  # the trouble came back while the LR was still lowered
@@ -860,9 +872,20 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if rise is not None:
         factor = 1.0 / rise
     old = ctx.lr_scale
+    # An update larger than its weights before any of the group's updates landed: the run starts
+    # at an LR too high for its initial weights (no warm-up). A hold at a fifth for 100 steps left
+    # the damage of the first updates (a GPT at 20x its LR: 39% of the gap to its default LR
+    # closed); the undone updates leave the initial state, from which a warm-up closes it (a
+    # helper's study, docs/benchmarks.md).
+    warmup = bool(decision.cause.data.get("first_update")) and cfg.warmup_scale > 0 and old >= 1.0 and rise is None
+    if warmup:
+        factor = cfg.warmup_scale
     new = max(old * factor, cfg.min_scale)
     ctx.lr_scale = new
-    if (old < 1.0 and rise is None) or not cfg.recover_after:  # the trouble came back before the LR did: it
+    ctx.lr_warmup = (1, (1.0 / new) ** (1.0 / cfg.warmup_steps)) if warmup else None
+    if not warmup and (
+        (old < 1.0 and rise is None) or not cfg.recover_after
+    ):  # the trouble came back before the LR did: it
         ctx.lr_permanent = True  # stays cut (a drop sized to the user's raise answers that raise, not this)
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
     groups = ctx.optimizer.param_groups
@@ -873,19 +896,26 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "old_scale": old,
         "new_scale": new,
         "permanent": ctx.lr_permanent,
-        "recovers_from_step": None if ctx.lr_permanent else ctx.step + cfg.recover_after,
+        "recovers_from_step": None if ctx.lr_permanent else ctx.step + _recover_after(ctx),
         "at_floor": new == cfg.min_scale,
         "old_lr": _scaled_lrs(lrs, old, cfg.min_lr),
         "new_lr": _scaled_lrs(lrs, new, cfg.min_lr),
     }
     if rise is not None:
         facts["lr_rise"] = rise
+    if warmup:
+        facts["warmup_steps"] = cfg.warmup_steps
     if all(why_not):
         facts["applied"] = False
         facts["reason"] = f"no param group has an LR to lower: {why_not[0]}"
     else:
         ctx.lr_ceiling = list(facts["new_lr"])
     return facts
+
+
+def _recover_after(ctx: ActionContext) -> int:
+    """Steps after the last drop before the LR climbs back: the warm-up's, or recover_after."""
+    return ctx.lr_warmup[0] if ctx.lr_warmup is not None else ctx.config.lr_drop.recover_after
 
 
 def _scaled_lrs(lrs: list[float | None], scale: float, min_lr: float) -> list[float | None]:
@@ -926,7 +956,7 @@ def _hold_ceiling(ctx: ActionContext) -> dict[str, Any]:
         return {}
     old = ctx.lr_scale
     ctx.lr_scale, ctx.lr_permanent, ctx.lr_dropped_at, ctx.lr_ceiling = 1.0, False, None, None
-    ctx.lr_climb, ctx.lr_climb_best = [], None
+    ctx.lr_climb, ctx.lr_climb_best, ctx.lr_warmup = [], None, None
     return {"old_scale": old, "new_scale": 1.0, "released": True, "user_lr": lrs, "dropped_lr": ceiling}
 
 
@@ -950,9 +980,10 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     released = _hold_ceiling(ctx)
     if released:
         return released
-    idle = ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not cfg.recover_after
+    after = _recover_after(ctx)
+    idle = ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not after
     since = 0 if idle or ctx.lr_dropped_at is None else ctx.step - ctx.lr_dropped_at
-    if idle or since < cfg.recover_after - cfg.halt_window:  # (a new drop restarts the count)
+    if idle or since < after - cfg.halt_window:  # (a new drop restarts the count)
         ctx.lr_climb, ctx.lr_climb_best = [], None
         return {}
     signed = ctx.loss_signed
@@ -967,7 +998,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
                 rose = best is not None and S.rose(median, best[0], cfg.halt_rise, start, signed=True)
             else:
                 rose = best is not None and median - best[0] > math.log(cfg.halt_rise)
-            if since > cfg.recover_after and best is not None and rose:
+            if since > after and best is not None and rose:
                 old = ctx.lr_scale
                 ctx.lr_scale, ctx.lr_permanent = min(best[1], old), True
                 ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
@@ -985,16 +1016,18 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
                 }
             if best is None or median < best[0]:
                 ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb))
-    if since < cfg.recover_after:
+    if since < after:
         return {}
     old = ctx.lr_scale
-    rate = (1.0 / cfg.factor) ** (1.0 / cfg.recover_steps)
+    warmup = ctx.lr_warmup
+    rate = warmup[1] if warmup is not None else (1.0 / cfg.factor) ** (1.0 / cfg.recover_steps)
     ctx.lr_scale = min(1.0, old * rate)
     if ctx.lr_scale >= 1.0:
-        ctx.lr_dropped_at, ctx.lr_ceiling = None, None
+        ctx.lr_dropped_at, ctx.lr_ceiling, ctx.lr_warmup = None, None, None
         return {"old_scale": old, "new_scale": 1.0, "recovered": True}
-    if since == cfg.recover_after:
-        return {"old_scale": old, "new_scale": ctx.lr_scale, "recovering": True, "steps": cfg.recover_steps}
+    if since == after:
+        steps = cfg.warmup_steps if warmup is not None else cfg.recover_steps
+        return {"old_scale": old, "new_scale": ctx.lr_scale, "recovering": True, "steps": steps}
     return {}
 
 

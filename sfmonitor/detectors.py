@@ -1184,6 +1184,10 @@ class UpdateRatioSpike(_Windowed):
                         "step": step,
                     },
                 )
+                if not w and value > cfg.ceiling and level is None and not restart and kind == self.kind:
+                    # no update of the group has landed yet: the run starts at an LR too high for
+                    # its initial weights (an LR drop answers with a warm-up, actions.lr_drop)
+                    finding.data["first_update"] = True
                 if per_lr and level is None and rise is not None:
                     # how far the user's LR is now above its level before (every group's): an LR
                     # drop takes a risen LR back to that level (actions.lr_drop)

@@ -1880,6 +1880,11 @@ class Monitor:
                         "the user's LR fell to the level the LR drop set (or below it): the drop is released, "
                         "the LR is the user's schedule again"
                     )
+                elif recovered and ctx.lr_warmup is not None and recovered.get("recovering"):
+                    message = (
+                        "a warm-up after the first updates were larger than the weights: the LR climbs back "
+                        f"to the user's schedule over {recovered['steps']} steps"
+                    )
                 elif recovered:
                     what = "is back to" if recovered.get("recovered") else "climbs back towards"
                     message = f"no trouble since the LR drop: the LR {what} the user's schedule"
@@ -2573,6 +2578,7 @@ class Monitor:
                     "permanent": ctx.lr_permanent,
                     "climb": [list(v) for v in ctx.lr_climb],
                     "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
+                    "warmup": list(ctx.lr_warmup) if ctx.lr_warmup is not None else None,
                     "losses_seen": list(ctx.losses_seen),
                     "signed": ctx.loss_signed,
                     "ceiling": list(ctx.lr_ceiling) if ctx.lr_ceiling is not None else None,
@@ -2736,6 +2742,8 @@ class Monitor:
             ctx.lr_climb = [(float(x), float(scale)) for x, scale in recovery.get("climb", [])]
             best = recovery.get("climb_best")
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
+            warmup = recovery.get("warmup")
+            ctx.lr_warmup = (int(warmup[0]), float(warmup[1])) if warmup is not None else None
             ctx.losses_seen = [float(x) for x in recovery.get("losses_seen", [])]
             ctx.loss_signed = bool(recovery.get("signed", False))
             ceiling = recovery.get("ceiling")
