@@ -64,6 +64,7 @@ from .events import (
     GRAD_NOISE,
     GRAD_SPIKE,
     LARGE_UPDATE,
+    LOSS_COMPONENT_SPIKE,
     LOSS_LEVEL_SHIFT,
     LOSS_RATIO_IMBALANCE,
     LOSS_SPIKE,
@@ -2470,7 +2471,9 @@ class Monitor:
 
     # What the step after an update may find that the update made: then an update the update ratio
     # did not measure (stats.update_ratio_every > 1) is measured, from the undo copy, and judged.
-    _TROUBLE_AFTER_UPDATE = frozenset({LOSS_SPIKE, NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, GRAD_SPIKE})
+    _TROUBLE_AFTER_UPDATE = frozenset(
+        {LOSS_SPIKE, LOSS_COMPONENT_SPIKE, NONFINITE_LOSS, NONFINITE_GRAD, NONFINITE_PARAM, GRAD_SPIKE}
+    )
 
     @staticmethod
     def _measured(rec: StepRecord) -> bool:
@@ -2481,8 +2484,9 @@ class Monitor:
         """An update the update ratio did not measure (``stats.update_ratio_every`` > 1), measured
         now from the undo copy, which holds the state from before it until the next capture: its
         ratios join ``rec.stats``, in a host read of their own. Only where the step after it is in
-        trouble (a loss spike, a non-finite value), and at detach for the run's last update: one bad
-        update in ``every`` would otherwise go unjudged, its loss spike counted against a state not
+        trouble (a loss or loss component spike, a gradient spike, a non-finite value), and at
+        detach for the run's last update: one bad update in ``every`` would otherwise go unjudged,
+        its loss spike counted against a state not
         known sound (skips, then a rollback and an LR cut) while the copy that undoes it exactly is
         in memory. False where it cannot be measured (measured already, no update landed, no copy)
         or is off (``update_ratio_every: 0``)."""

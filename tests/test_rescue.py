@@ -185,6 +185,64 @@ def test_an_update_the_ratio_did_not_measure_is_measured_from_the_undo_copy_when
     same_state(state(twin_model, twin_opt), state(model, opt))
 
 
+def test_an_unmeasured_update_is_judged_when_only_a_loss_component_spikes_after_it(tmp_path):
+    """A fuzzer's case (``stats.update_ratio_every: 2``): an LR at 1e4x on a step the ratio did not
+    measure wrecked a saturated LSTM classifier whose cross-entropy barely moved, so only
+    ``loss_component_spike`` came after it, which did not count as trouble: the update was never
+    measured from the undo copy and landed (24 tensors off the twin). It is undone now, as at a
+    measured step."""
+    from torch.nn import functional as F
+
+    g = torch.Generator().manual_seed(3939 + 12345)
+    batches = []
+    for _ in range(53):
+        x = torch.randn(4, 6, 8, generator=g)
+        batches.append((x, (x[:, :, :4].sum((1, 2)) > 0).long() + 2 * (x[:, -1, 0] > 0).long()))
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.fc = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(self.rnn(x)[0][:, -1])
+
+    weights = {"ce": 1.0, "reg": 0.5, "mse": 0.3}
+
+    def run(monitored, drop=()):
+        torch.manual_seed(3939)
+        model = M()
+        opt = torch.optim.RAdam(model.parameters(), lr=1e-3)
+        every = cfg(stats={"update_ratio_every": 2})
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / "m", sinks=[], config=every) if monitored else None
+        for i, (x, y) in enumerate(batches):
+            if i in drop:
+                continue
+            out = model(x)
+            parts = {
+                "ce": F.cross_entropy(out, y),
+                "reg": out.pow(2).mean() * 0.01,
+                "mse": (out.softmax(-1) - F.one_hot(y, 4).float()).pow(2).mean(),
+            }
+            (mon.combine(parts, weights) if mon else sum(weights[k] * v for k, v in parts.items())).backward()
+            scale = 1e4 if monitored and i == 31 else 1.0
+            for group in opt.param_groups:
+                group["lr"] *= scale
+            opt.step()
+            for group in opt.param_groups:
+                group["lr"] /= scale
+            opt.zero_grad()
+        acted = [(e.step, e.kind, e.actions) for e in mon.events if e.actions] if mon else []
+        if mon:
+            mon.detach()
+        return state(model, opt), acted
+
+    got, acted = run(True)
+    assert acted[0] == (31, "update_ratio_spike", ["undo"])
+    twin, _ = run(False, drop={31, 32})  # (no batches(): the step that found it is lost too)
+    same_state(twin, got)
+
+
 def test_a_stop_decided_for_the_last_update_still_ends_detach_cleanly(tmp_path):
     """The last update's judgement at detach() may spend the last rescue (here the ladder's first
     rung drops the LR, budget 0: checkpoint and stop). The run is over: detach ends as usual, its
