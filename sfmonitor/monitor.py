@@ -661,6 +661,7 @@ class Monitor:
         self._bundles = BundleTracker(self.config.bundle)
         self._ctx: A.ActionContext | None = None  # built on attach: what actions may change
         self._pending_ctx: dict[str, Any] = {}  # action state loaded before attach()
+        self._layout_checked = False  # (the first agreed read checks the ranks' layouts: read_all)
         self._own_seconds, self._own_steps = 0.0, 0  # the monitor's own time (summary.json)
         self._batch_loops = 0  # batches() generators running: a stop then ends them, no raise
         self._steps_closed = 0  # optimizer steps ended (batches() tells a step's micro-batches by it)
@@ -1650,7 +1651,9 @@ class Monitor:
         self._watch.check_sight(trained=bool(grad_index))
         last = self._last if self._last is not None and self._last.after else None
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
-        values = S.read_all({**tensors, **prev})  # the step's single host synchronisation
+        # (the first read checks that every rank lays out the same statistics: the same step on each)
+        values = S.read_all({**tensors, **prev}, check_layout=not self._layout_checked)
+        self._layout_checked = True
         if world_size() > 1:
             self._watch.settle(values)  # (modules no rank ran; attention entropies' means)
         self._dead.resolve(values)  # dead_units/<group>: counts summed across ranks -> shares

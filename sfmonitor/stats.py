@@ -684,10 +684,12 @@ def _slots(v: Value) -> int:
 
 
 def _masks(ks: Sequence[str], named: Mapping[str, Value], device: torch.device) -> dict[Reduce, torch.Tensor]:
+    """Which slots of ``read_all``'s vector reduce how: the keys' signature (two max slots), then
+    each key's slots as ``reduction_of`` says (a ratio: its two norms)."""
     shape = tuple((k, _slots(named[k]), isinstance(named[k], NormRatio)) for k in ks)
     hit = _LAYOUTS.get((device, shape))
     if hit is None:
-        how: list[Reduce] = []
+        how: list[Reduce] = [Reduce.MAX, Reduce.MAX]
         for k, n, is_ratio in shape:
             how += [Reduce.NORM] * 2 if is_ratio else [reduction_of(k)] * n
         masks = {r: torch.tensor([h is r for h in how]).to(device, non_blocking=True) for r in Reduce if r in set(how)}
@@ -715,8 +717,6 @@ def _device_of(v: Value) -> torch.device:
     return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
 
 
-# Layouts (length, crc of the keys) of the step's reduction every rank was seen to share.
-_AGREED_LAYOUTS: set[tuple[int, int]] = set()
 _LAYOUT_ERROR = (
     "the ranks' monitors measured different statistics (different parameter groups, watched modules "
     "or loss components), and the step's statistics are reduced across ranks by position: attach the "
@@ -726,7 +726,7 @@ _LAYOUT_ERROR = (
 )
 
 
-def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
+def read_all(named: Mapping[str, Value], agree: bool = True, check_layout: bool = False) -> dict[str, Any]:
     """The one host read of a step: every value to a Python float in a single transfer per
     device (tensors are concatenated where they live, then read with one ``tolist()``).
 
@@ -738,9 +738,16 @@ def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
     needs a maximum or a first index), each value as the REDUCTIONS table says, so every rank
     reads the same numbers and takes the same decision. Reads that only one rank may make
     (``monitor.stats``) pass ``agree=False``.
+
+    Every rank must lay out the same keys. Each reduction carries their signature (a crc, in two
+    max slots ahead of the values): ranks whose keys differ but whose vectors have one length (a
+    loss component named otherwise on one rank) stop with a ``ConfigError`` on every rank, not a
+    blend of unrelated values. ``check_layout`` (a monitor's first read: the same step on every
+    rank) checks the length first, in one small collective of its own: vectors of different
+    lengths (pipeline stages, a component one rank lacks) would abort inside gloo.
     """
     from .integrations.distributed import agree as all_ranks_agree
-    from .integrations.distributed import same_layout, world_size
+    from .integrations.distributed import layout_error, same_layout, world_size
 
     distributed = agree and world_size() > 1
     if not distributed:
@@ -756,17 +763,16 @@ def read_all(named: Mapping[str, Value], agree: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        vec = torch.cat([part for k in ks for part in _parts(named[k], dtype, device)])
-        # A layout not seen before is checked first (its keys and length on every rank, one small
-        # collective, once per layout: the ranks' layouts change together, a sampled step's and
-        # the others' recur): ranks that measure different statistics (pipeline stages, different
-        # loss components) stop with a ConfigError, not inside the reduction.
-        layout = (vec.numel(), zlib.crc32("\0".join(ks).encode()))
-        if layout not in _AGREED_LAYOUTS:
-            same_layout(ks, vec.numel(), _LAYOUT_ERROR)
-            _AGREED_LAYOUTS.add(layout)
+        sig = float(zlib.crc32("\0".join(ks).encode()))
+        head = torch.tensor([sig, -sig], dtype=dtype).to(device, non_blocking=True)
+        vec = torch.cat([head, *(part for k in ks for part in _parts(named[k], dtype, device))])
+        if check_layout:
+            same_layout(ks, vec.numel() - 2, _LAYOUT_ERROR)
         vec = all_ranks_agree(vec, _masks(ks, named, device))
-        out.update(_decode(named, [], ks, vec.tolist()))  # the host synchronisation
+        top, low, *flat = vec.tolist()  # the host synchronisation
+        if top != sig or low != -sig:  # (the same reduced values on every rank: all raise)
+            raise layout_error(ks, vec.numel() - 2, _LAYOUT_ERROR)
+        out.update(_decode(named, [], ks, flat))
     return {k: out[k] for k in named}
 
 

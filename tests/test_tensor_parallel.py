@@ -320,3 +320,36 @@ def test_ranks_with_different_statistics_are_a_config_error_on_every_rank(tmp_pa
     for r in runs:
         assert r["error"] is not None and "different statistics" in r["error"], r["error"]
         assert "pipeline" in r["error"]
+
+
+def _late_worker(rank, port, out, world):
+    _join(rank, port, world)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+    error, at = None, None
+    try:
+        for step in range(8):
+            y = model(torch.randn(8, 4))
+            # from step 3 on rank 1 names its second component otherwise: as many values, other keys
+            second = "aux" if rank == 1 and step >= 3 else "reg"
+            mon.combine({"main": y[:, 0].square().mean(), second: y[:, 1].square().mean()}).backward()
+            at = step
+            opt.step()
+            opt.zero_grad()
+    except sfmonitor.ConfigError as e:
+        error = str(e)
+    mon.detach()
+    torch.save({"error": error, "at": at}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_ranks_whose_statistics_part_later_are_a_config_error_on_every_rank(tmp_path):
+    """A regression probe of the layout check: it ran where this rank's layout was new, so a rank
+    whose components changed after the ranks had agreed checked alone while the other reduced, and
+    gloo aborted the job ("72 vs 8"). The check at the first read is the same on every rank; after
+    it, each step's reduction carries its keys' signature."""
+    runs = _run(_late_worker, tmp_path, 2)
+    for r in runs:
+        assert r["error"] is not None and "different statistics" in r["error"] and r["at"] == 3, r

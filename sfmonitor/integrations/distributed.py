@@ -114,9 +114,9 @@ def agree(vector: torch.Tensor, masks: Mapping[Reduce, torch.Tensor]) -> torch.T
 def same_layout(keys: Sequence[str], size: int, error: str) -> None:
     """Whether every rank lays out the same ``size`` values under the same ``keys`` (their order
     included), checked in one small max collective before a reduction by position: where the ranks
-    differ, a ``ConfigError`` on every rank (``error``, then what this rank has), where the
-    reduction itself would abort inside gloo (vectors of different lengths) or add up unrelated
-    values. No-op without a process group."""
+    differ, a ``ConfigError`` on every rank (``layout_error``), where the reduction itself would
+    abort inside gloo (vectors of different lengths) or add up unrelated values. No-op without a
+    process group."""
     if world_size() == 1:
         return
     d = torch.distributed
@@ -125,8 +125,13 @@ def same_layout(keys: Sequence[str], size: int, error: str) -> None:
     d.all_reduce(head, op=d.ReduceOp.MAX)
     top_n, top_sig, low_n, low_sig = head.tolist()
     if top_n != -low_n or top_sig != -low_sig:
-        shown = f"{list(keys)[:12]}" + (f" and {len(keys) - 12} more" if len(keys) > 12 else "")
-        raise ConfigError(f"{error} (rank {rank()} has {size} values under {shown})")
+        raise layout_error(keys, size, error)
+
+
+def layout_error(keys: Sequence[str], size: int, error: str) -> ConfigError:
+    """The error of ranks that laid out different values: ``error``, then what this rank has."""
+    shown = f"{list(keys)[:12]}" + (f" and {len(keys) - 12} more" if len(keys) > 12 else "")
+    return ConfigError(f"{error} (rank {rank()} has {size} values under {shown})")
 
 
 def agree_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
