@@ -1,10 +1,28 @@
 """Helpers the framework-integration and distributed tests share."""
 
+import datetime
 import os
+import socket
 import sys
 
 import torch
 import torch.distributed as dist
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_gloo(rank, world, port, timeout_s=None):
+    """This spawned worker in a gloo process group on 127.0.0.1, one thread; ``timeout_s`` bounds
+    each collective (a hang fails the test instead of stalling it)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    dist.init_process_group("gloo", rank=rank, world_size=world, **({"timeout": timeout} if timeout else {}))
 
 
 def same(a, b):

@@ -1,28 +1,18 @@
 """Under torch.distributed (gloo, 2 ranks on 127.0.0.1) every rank takes the same decision."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _integration_helpers import free_port, join_gloo
 from _integration_helpers import leave_process_group as _leave
 from torch import nn
 
 import sfmonitor
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+_free_port, _join = free_port, join_gloo
 
 
 def _worker(rank, world, port, out_dir):

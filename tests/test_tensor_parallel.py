@@ -6,15 +6,13 @@ batches (every rank of a tensor-parallel group sees the whole batch). Results co
 files in tmp_path and are compared in the test process (no process group there).
 """
 
-import datetime
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from _integration_helpers import free_port, join_gloo
 from _integration_helpers import leave_process_group as _leave
 from torch import nn
 from torch.nn import functional as F
@@ -27,21 +25,13 @@ if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("FSDP2's public fully_shard needs torch >= 2.6", allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _join(rank, port, world):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    join_gloo(rank, world, port, timeout_s=120)
 
 
 def _run(worker, tmp_path, world, *args):
     os.makedirs(tmp_path, exist_ok=True)
-    mp.spawn(worker, args=(_free_port(), str(tmp_path), world, *args), nprocs=world, join=True)
+    mp.spawn(worker, args=(free_port(), str(tmp_path), world, *args), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
