@@ -390,9 +390,9 @@ class ActionContext:
     stats_copy: UndoState | None = None
     stats_buffers: list[torch.Tensor] = field(default_factory=list)  # the running statistics it holds
     lr_dropped_at: int | None = None  # step of the last lr_drop (recovery counts from it)
-    # A warm-up (lr_drop.warmup_scale): the steps before its climb starts and the climb's rate per
-    # step, in place of recover_after and the factor's climb (None: an ordinary drop)
-    lr_warmup: tuple[int, float] | None = None
+    # A warm-up (lr_drop.warmup_scale): the climb's rate per step, from the step after the drop,
+    # in place of recover_after and the factor's climb (None: an ordinary drop)
+    lr_warmup: float | None = None
     restored_at: int | None = None  # step in which an undo or a rollback put the state back
     lr_drop_kind: str = ""  # the kind that caused it
     lr_permanent: bool = False  # the trouble came back while the LR was still lowered
@@ -886,11 +886,11 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         factor = cfg.warmup_scale
     new = max(old * factor, cfg.min_scale)
     ctx.lr_scale = new
-    ctx.lr_warmup = (1, (1.0 / new) ** (1.0 / cfg.warmup_steps)) if warmup else None
-    if not warmup and (
-        (old < 1.0 and rise is None) or not cfg.recover_after
-    ):  # the trouble came back before the LR did: it
-        ctx.lr_permanent = True  # stays cut (a drop sized to the user's raise answers that raise, not this)
+    ctx.lr_warmup = (1.0 / new) ** (1.0 / cfg.warmup_steps) if warmup else None
+    # The trouble came back before the LR did: it stays cut (a drop sized to the user's raise
+    # answers that raise, not this; a warm-up climbs back whatever recover_after says).
+    if not warmup and ((old < 1.0 and rise is None) or not cfg.recover_after):
+        ctx.lr_permanent = True
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
     groups = ctx.optimizer.param_groups
     why_not = [lr_not_a_step_size(ctx.optimizer, g) for g in groups]
@@ -919,7 +919,7 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 
 def _recover_after(ctx: ActionContext) -> int:
     """Steps after the last drop before the LR climbs back: the warm-up's, or recover_after."""
-    return ctx.lr_warmup[0] if ctx.lr_warmup is not None else ctx.config.lr_drop.recover_after
+    return 1 if ctx.lr_warmup is not None else ctx.config.lr_drop.recover_after
 
 
 def _scaled_lrs(lrs: list[float | None], scale: float, min_lr: float) -> list[float | None]:
@@ -1024,7 +1024,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
         return {}
     old = ctx.lr_scale
     warmup = ctx.lr_warmup
-    rate = warmup[1] if warmup is not None else (1.0 / cfg.factor) ** (1.0 / cfg.recover_steps)
+    rate = warmup if warmup is not None else (1.0 / cfg.factor) ** (1.0 / cfg.recover_steps)
     ctx.lr_scale = min(1.0, old * rate)
     if ctx.lr_scale >= 1.0:
         ctx.lr_dropped_at, ctx.lr_ceiling, ctx.lr_warmup = None, None, None

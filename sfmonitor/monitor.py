@@ -2489,10 +2489,9 @@ class Monitor:
         ratios join ``rec.stats``, in a host read of their own. Only where the step after it is in
         trouble (a loss or loss component spike, a gradient spike, a non-finite value), and at
         detach for the run's last update: one bad update in ``every`` would otherwise go unjudged,
-        its loss spike counted against a state not
-        known sound (skips, then a rollback and an LR cut) while the copy that undoes it exactly is
-        in memory. False where it cannot be measured (measured already, no update landed, no copy)
-        or is off (``update_ratio_every: 0``)."""
+        its loss spike counted against a state not known sound (skips, then a rollback and an LR
+        cut) while the copy that undoes it exactly is in memory. False where it cannot be measured
+        (measured already, no update landed, no copy) or is off (``update_ratio_every: 0``)."""
         undo = self._ctx.undo if self._ctx is not None else None
         if undo is None or undo.label != rec.step or not undo.params or not rec.update_landed or self._measured(rec):
             return False
@@ -2585,7 +2584,7 @@ class Monitor:
                     "permanent": ctx.lr_permanent,
                     "climb": [list(v) for v in ctx.lr_climb],
                     "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
-                    "warmup": list(ctx.lr_warmup) if ctx.lr_warmup is not None else None,
+                    "warmup": ctx.lr_warmup,
                     "losses_seen": list(ctx.losses_seen),
                     "signed": ctx.loss_signed,
                     "ceiling": list(ctx.lr_ceiling) if ctx.lr_ceiling is not None else None,
@@ -2750,7 +2749,7 @@ class Monitor:
             best = recovery.get("climb_best")
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
             warmup = recovery.get("warmup")
-            ctx.lr_warmup = (int(warmup[0]), float(warmup[1])) if warmup is not None else None
+            ctx.lr_warmup = float(warmup) if warmup is not None else None
             ctx.losses_seen = [float(x) for x in recovery.get("losses_seen", [])]
             ctx.loss_signed = bool(recovery.get("signed", False))
             ceiling = recovery.get("ceiling")

@@ -101,18 +101,23 @@ def square_share(t: Any, world: int | None = None) -> float:
     return math.prod(split_sizes(t)) / world
 
 
-def split_sizes(t: Any) -> list[int]:
-    """The sizes of the mesh dimensions that split DTensor ``t`` (each rank holds a part): every
-    placement but ``Replicate`` and ``Partial``. FSDP2 over a tensor-parallel ``Shard(0)`` places
+def _split_dims(t: Any) -> list[int]:
+    """The mesh dimensions that split DTensor ``t`` (each rank holds a part): every placement but
+    ``Replicate`` and ``Partial``. FSDP2 over a tensor-parallel ``Shard(0)`` places
     ``_StridedShard(0)`` on the data-parallel dimension, which splits too but is no ``Shard``."""
-    return [t.device_mesh.size(i) for i, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())]
+    return [i for i, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())]
+
+
+def split_sizes(t: Any) -> list[int]:
+    """The sizes of the mesh dimensions that split DTensor ``t``."""
+    return [t.device_mesh.size(i) for i in _split_dims(t)]
 
 
 def split_coordinates(t: Any) -> list[int]:
-    """This rank's coordinates on the mesh dimensions that split DTensor ``t`` (``split_sizes``):
-    ranks with the same coordinates hold the same part of it."""
+    """This rank's coordinates on the mesh dimensions that split DTensor ``t``: ranks with the same
+    coordinates hold the same part of it."""
     coords = t.device_mesh.get_coordinate() or []
-    return [coords[i] for i, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())]
+    return [coords[i] for i in _split_dims(t)]
 
 
 def clean_name(name: str) -> str:

@@ -670,9 +670,10 @@ class Vector:
 
 Value = torch.Tensor | NormRatio | Vector | float | int
 
-# read_all's reduction masks of one step's values across ranks, cached by keys and sizes: the same
-# keys come every step, so the masks are built and copied to the device once.
-_LAYOUTS: dict[tuple[torch.device, tuple[tuple[str, int, bool], ...]], dict[Reduce, torch.Tensor]] = {}
+# read_all's layouts of one step's values across ranks (their signature and reduction masks),
+# cached by keys and sizes: the same keys come every step, so each is built and copied to the
+# device once.
+_LAYOUTS: dict[tuple[torch.device, tuple[tuple[str, int, bool], ...]], _Layout] = {}
 
 
 def _slots(v: Value) -> int:
@@ -683,9 +684,20 @@ def _slots(v: Value) -> int:
     return 1
 
 
-def _masks(ks: Sequence[str], named: Mapping[str, Value], device: torch.device) -> dict[Reduce, torch.Tensor]:
-    """Which slots of ``read_all``'s vector reduce how: the keys' signature (two max slots), then
-    each key's slots as ``reduction_of`` says (a ratio: its two norms)."""
+@dataclass(frozen=True)
+class _Layout:
+    """How ``read_all``'s vector of one device is laid out under a process group: the keys'
+    signature (a crc of their names) and its two slots ahead of the values (``head``: crc, -crc,
+    reduced by max), and which slots reduce how (``masks``: the signature's two, then each key's
+    slots as ``reduction_of`` says, a ratio's two norms)."""
+
+    sig: float
+    head: torch.Tensor
+    masks: dict[Reduce, torch.Tensor]
+
+
+def _layout(ks: Sequence[str], named: Mapping[str, Value], device: torch.device, dtype: torch.dtype) -> _Layout:
+    """``ks``' layout, made once per layout (a step's keys recur: cached)."""
     shape = tuple((k, _slots(named[k]), isinstance(named[k], NormRatio)) for k in ks)
     hit = _LAYOUTS.get((device, shape))
     if hit is None:
@@ -693,9 +705,11 @@ def _masks(ks: Sequence[str], named: Mapping[str, Value], device: torch.device) 
         for k, n, is_ratio in shape:
             how += [Reduce.NORM] * 2 if is_ratio else [reduction_of(k)] * n
         masks = {r: torch.tensor([h is r for h in how]).to(device, non_blocking=True) for r in Reduce if r in set(how)}
+        sig = float(zlib.crc32("\0".join(ks).encode()))
+        head = torch.tensor([sig, -sig], dtype=dtype).to(device, non_blocking=True)
         if len(_LAYOUTS) > 64:  # keys that change every step (they should not): stay bounded
             _LAYOUTS.clear()
-        hit = _LAYOUTS[(device, shape)] = masks
+        hit = _LAYOUTS[(device, shape)] = _Layout(sig, head, masks)
     return hit
 
 
@@ -763,14 +777,13 @@ def read_all(named: Mapping[str, Value], agree: bool = True, check_layout: bool 
     out: dict[str, Any] = {}
     for device, ks in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        sig = float(zlib.crc32("\0".join(ks).encode()))
-        head = torch.tensor([sig, -sig], dtype=dtype).to(device, non_blocking=True)
-        vec = torch.cat([head, *(part for k in ks for part in _parts(named[k], dtype, device))])
+        layout = _layout(ks, named, device, dtype)
+        vec = torch.cat([layout.head, *(part for k in ks for part in _parts(named[k], dtype, device))])
         if check_layout:
             same_layout(ks, vec.numel() - 2, _LAYOUT_ERROR)
-        vec = all_ranks_agree(vec, _masks(ks, named, device))
+        vec = all_ranks_agree(vec, layout.masks)
         top, low, *flat = vec.tolist()  # the host synchronisation
-        if top != sig or low != -sig:  # (the same reduced values on every rank: all raise)
+        if top != layout.sig or low != -layout.sig:  # (the same reduced values on every rank: all raise)
             raise layout_error(ks, vec.numel() - 2, _LAYOUT_ERROR)
         out.update(_decode(named, [], ks, flat))
     return {k: out[k] for k in named}

@@ -12,9 +12,17 @@ from torch import nn
 import sfmonitor
 
 
-def _ddp_monitored(rank, world, port, out_dir, net, make_opt):
-    """This rank in the group, ``net`` (seeded) under DDP, ``make_opt(parameters)`` and a quiet
-    monitor writing to ``out_dir/<rank>``."""
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _ddp_monitored(rank, world, port, out_dir, net=_mlp, make_opt=_adam):
+    """This rank in the group, ``net`` (seeded; a small MLP) under DDP, ``make_opt(parameters)``
+    (Adam) and a quiet monitor writing to ``out_dir/<rank>``."""
     _join(rank, world, port)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(net())
@@ -24,14 +32,7 @@ def _ddp_monitored(rank, world, port, out_dir, net, make_opt):
 
 
 def _components_worker(rank, world, port, out_dir):
-    model, opt, mon = _ddp_monitored(
-        rank,
-        world,
-        port,
-        out_dir,
-        lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
-        lambda ps: torch.optim.Adam(ps, lr=1e-3),
-    )
+    model, opt, mon = _ddp_monitored(rank, world, port, out_dir)
     g = torch.Generator().manual_seed(100 + rank)
     seen = []
     for _ in range(3):
@@ -71,14 +72,7 @@ def _join_worker(rank, world, port, out_dir):
 
     from torch.distributed.algorithms.join import Join
 
-    model, opt, mon = _ddp_monitored(
-        rank,
-        world,
-        port,
-        out_dir,
-        lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
-        lambda ps: torch.optim.Adam(ps, lr=1e-3),
-    )
+    model, opt, mon = _ddp_monitored(rank, world, port, out_dir)
     g = torch.Generator().manual_seed(100 + rank)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
