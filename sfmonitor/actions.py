@@ -393,6 +393,9 @@ class ActionContext:
     # A warm-up (lr_drop.warmup_scale): the climb's rate per step, from the step after the drop,
     # in place of recover_after and the factor's climb (None: an ordinary drop)
     lr_warmup: float | None = None
+    # After a warm-up's climb reaches 1: the last step at which the full LR, never seen healthy
+    # before, is still watched by the climb's halt (None: nothing watched)
+    lr_proving_until: int | None = None
     restored_at: int | None = None  # step in which an undo or a rollback put the state back
     lr_drop_kind: str = ""  # the kind that caused it
     lr_permanent: bool = False  # the trouble came back while the LR was still lowered
@@ -889,8 +892,11 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     ctx.lr_warmup = (1.0 / new) ** (1.0 / cfg.warmup_steps) if warmup else None
     # The trouble came back before the LR did: it stays cut (a drop sized to the user's raise
     # answers that raise, not this; a warm-up climbs back whatever recover_after says).
-    if not warmup and ((old < 1.0 and rise is None) or not cfg.recover_after):
+    # So did trouble at the LR a warm-up gave back, which was never seen healthy.
+    proving = ctx.lr_proving_until is not None and ctx.step <= ctx.lr_proving_until
+    if not warmup and ((old < 1.0 and rise is None) or not cfg.recover_after or proving):
         ctx.lr_permanent = True
+    ctx.lr_proving_until = None
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
     groups = ctx.optimizer.param_groups
     why_not = [lr_not_a_step_size(ctx.optimizer, g) for g in groups]
@@ -960,7 +966,7 @@ def _hold_ceiling(ctx: ActionContext) -> dict[str, Any]:
         return {}
     old = ctx.lr_scale
     ctx.lr_scale, ctx.lr_permanent, ctx.lr_dropped_at, ctx.lr_ceiling = 1.0, False, None, None
-    ctx.lr_climb, ctx.lr_climb_best, ctx.lr_warmup = [], None, None
+    ctx.lr_climb, ctx.lr_climb_best, ctx.lr_warmup, ctx.lr_proving_until = [], None, None, None
     return {"old_scale": old, "new_scale": 1.0, "released": True, "user_lr": lrs, "dropped_lr": ceiling}
 
 
@@ -985,8 +991,13 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     if released:
         return released
     after = _recover_after(ctx)
+    proving = ctx.lr_proving_until is not None and ctx.step <= ctx.lr_proving_until and not ctx.lr_permanent
+    if not proving:
+        ctx.lr_proving_until = None
     idle = ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not after
     since = 0 if idle or ctx.lr_dropped_at is None else ctx.step - ctx.lr_dropped_at
+    if proving:  # (the climb is over: its halt still watches the full LR)
+        idle, since = False, after + 1
     if idle or since < after - cfg.halt_window:  # (a new drop restarts the count)
         ctx.lr_climb, ctx.lr_climb_best = [], None
         return {}
@@ -1004,7 +1015,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
                 rose = best is not None and median - best[0] > math.log(cfg.halt_rise)
             if since > after and best is not None and rose:
                 old = ctx.lr_scale
-                ctx.lr_scale, ctx.lr_permanent = min(best[1], old), True
+                ctx.lr_scale, ctx.lr_permanent, ctx.lr_proving_until = min(best[1], old), True, None
                 ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
                 unlog = (lambda x: x) if signed else math.exp
                 return {
@@ -1017,16 +1028,20 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
                     # a ratio; a loss below zero has none: the rise itself (S.rose)
                     "rise": median - best[0] if signed else math.exp(median - best[0]),
                     "signed": signed,
+                    "after_climb": proving,
                 }
             if best is None or median < best[0]:
                 ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb))
-    if since < after:
+    if since < after or proving:
         return {}
     old = ctx.lr_scale
     warmup = ctx.lr_warmup
     rate = warmup if warmup is not None else (1.0 / cfg.factor) ** (1.0 / cfg.recover_steps)
     ctx.lr_scale = min(1.0, old * rate)
     if ctx.lr_scale >= 1.0:
+        # A warm-up gave back an LR never seen healthy: the halt watches it warmup_steps more
+        if warmup is not None and cfg.halt_rise:
+            ctx.lr_proving_until = ctx.step + cfg.warmup_steps
         ctx.lr_dropped_at, ctx.lr_ceiling, ctx.lr_warmup = None, None, None
         return {"old_scale": old, "new_scale": 1.0, "recovered": True}
     if since == after:

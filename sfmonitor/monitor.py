@@ -1873,9 +1873,15 @@ class Monitor:
                 recovered = A.relax_lr(ctx, self._stats.get(S.LOSS_TOTAL))
                 if recovered.get("halted"):
                     rise = f"by {recovered['rise']:.3g}" if recovered["signed"] else f"{recovered['rise']:.3g}x"
+                    when = (
+                        "after a warm-up gave the LR back (an LR never seen healthy is watched "
+                        f"{self.config.actions.lr_drop.warmup_steps} steps more)"
+                        if recovered["after_climb"]
+                        else "while the LR climbed back"
+                    )
                     message = (
                         f"the loss rose {rise} (median of the last "
-                        f"{self.config.actions.lr_drop.halt_window} steps) while the LR climbed back: "
+                        f"{self.config.actions.lr_drop.halt_window} steps) {when}: "
                         f"the trouble came back with it; the LR stays at {recovered['new_scale']:.3g}x "
                         "the user's schedule, where the loss was lowest"
                     )
@@ -2585,6 +2591,7 @@ class Monitor:
                     "climb": [list(v) for v in ctx.lr_climb],
                     "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
                     "warmup": ctx.lr_warmup,
+                    "proving_until": ctx.lr_proving_until,
                     "losses_seen": list(ctx.losses_seen),
                     "signed": ctx.loss_signed,
                     "ceiling": list(ctx.lr_ceiling) if ctx.lr_ceiling is not None else None,
@@ -2750,6 +2757,8 @@ class Monitor:
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
             warmup = recovery.get("warmup")
             ctx.lr_warmup = float(warmup) if warmup is not None else None
+            proving = recovery.get("proving_until")
+            ctx.lr_proving_until = int(proving) if proving is not None else None
             ctx.losses_seen = [float(x) for x in recovery.get("losses_seen", [])]
             ctx.loss_signed = bool(recovery.get("signed", False))
             ceiling = recovery.get("ceiling")

@@ -245,6 +245,49 @@ def test_the_lr_climbs_back_while_the_loss_holds_and_halts_for_good_where_it_ris
         A.ActionsConfig.from_dict({"lr_drop": {"halt_rise": 1.0}})
 
 
+def _warm_up(losses_at, steps=80, drop_at=None):
+    """relax_lr after a warm-up's drop at step 0 (warmup_scale 0.05, warmup_steps 10, halt_window
+    5): the facts of each step, and an ordinary drop at ``drop_at``."""
+    ctx = ctx_for(Tri())
+    ctx.config.lr_drop.warmup_scale, ctx.config.lr_drop.warmup_steps, ctx.config.lr_drop.halt_window = 0.05, 10, 5
+    A.apply(ctx, D("lr_drop", kind="update_ratio_spike", first_update=True))
+    out = []
+    for step in range(1, steps):
+        ctx.step = step
+        if step == drop_at:
+            out.append((step, A.apply(ctx, D("lr_drop", kind="update_ratio_spike")), ctx.lr_scale))
+        out.append((step, A.relax_lr(ctx, losses_at(step, ctx.lr_scale)), ctx.lr_scale))
+    return ctx, [(step, facts, scale) for step, facts, scale in out if facts]
+
+
+def test_the_lr_a_warm_up_gives_back_is_watched_warmup_steps_more():
+    """A warm-up hands back an LR never seen healthy: for ``warmup_steps`` after its climb reaches
+    1 the climb's halt still watches the loss (and a drop makes the cut permanent); after that, and
+    after an ordinary drop's climb (an LR the run was healthy at), nothing does."""
+    ctx, told = _warm_up(lambda step, scale: 1.0 + 0.01 * (step % 3))  # no rise: back to 1, watched, released
+    assert [(s, sorted(f)) for s, f, _ in told] == [
+        (1, ["new_scale", "old_scale", "recovering", "steps"]),
+        (10, ["new_scale", "old_scale", "recovered"]),
+    ]
+    assert ctx.lr_proving_until is None and ctx.lr_scale == 1.0
+    # the loss rises at the full LR, 5 steps after the climb: halted for good, where it was lowest
+    ctx, told = _warm_up(lambda step, scale: 3.0 if step >= 15 else 1.0)
+    step, halt, scale = told[-1]
+    assert halt["halted"] and halt["after_climb"] and halt["permanent"] and 15 < step <= 20
+    assert scale == pytest.approx(halt["new_scale"]) and scale < 1 and ctx.lr_permanent
+    # ... 15 steps after it (the watch is over): nothing
+    ctx, told = _warm_up(lambda step, scale: 3.0 if step >= 25 else 1.0)
+    assert told[-1][0] == 10 and told[-1][1].get("recovered") and ctx.lr_scale == 1.0
+    # an ordinary drop's climb back to an LR the run was healthy at is not watched after it
+    ctx, told = _climb(lambda step, scale: 3.0 if step >= 45 else 1.0, steps=80)
+    assert told[-1][0] == 40 and told[-1][1].get("recovered") and ctx.lr_scale == 1.0
+    # a drop while the warm-up's LR is watched: permanent; after the watch: a transient's
+    ctx, told = _warm_up(lambda step, scale: 1.0, drop_at=15)
+    assert told[-1][1]["permanent"] and ctx.lr_permanent and ctx.lr_scale == pytest.approx(0.2)
+    ctx, told = _warm_up(lambda step, scale: 1.0, drop_at=25)
+    assert not told[-1][1]["permanent"] and told[-1][1]["recovers_from_step"] == 125
+
+
 def test_a_climb_halts_on_a_loss_below_zero_by_the_progress_it_gives_back():
     """A loss seen below zero (a Gaussian NLL) has no ratio to rise by: while the LR climbs back,
     its median must rise past ``halt_rise - 1`` times the progress made from its start. A constant

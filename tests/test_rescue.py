@@ -323,8 +323,11 @@ def test_first_updates_larger_than_the_weights_are_undone_and_answered_by_a_warm
     assert drop["new_scale"] == pytest.approx(0.05) and drop["warmup_steps"] == 20 and not drop["permanent"]
     assert drop["recovers_from_step"] == 4  # (the drop is decided in step 3)
     climb = acted[2:]
-    assert [s for s, _, _ in climb] == [4, 23] and climb[0][2]["recovering"] and climb[0][2]["steps"] == 20
-    assert climb[-1][2].get("recovered")
+    assert [s for s, _, _ in climb] == [4, 23, 32] and climb[0][2]["recovering"] and climb[0][2]["steps"] == 20
+    assert climb[1][2].get("recovered")
+    # Adam at 1.0 is too high for this problem too: the loss, 0.3-0.4 before the LR was back, rose
+    # to 1.3-2.2 at the full LR, and the watch after the climb takes it back down for good
+    assert climb[2][2]["halted"] and climb[2][2]["after_climb"] and climb[2][2]["permanent"]
     # the first update that landed was made from the initial weights at 0.05x the LR
     assert ratios[4] is not None and ratios[4] < 0.3 and torch.isfinite(model.vision.weight).all()
     assert start.keys() == model.state_dict().keys()
@@ -340,6 +343,56 @@ def test_first_updates_larger_than_the_weights_are_undone_and_answered_by_a_warm
     drop = next(e for e in mon.events if "lr_drop" in e.actions).data["action_results"]["lr_drop"]
     assert drop["new_scale"] == pytest.approx(0.2) and drop["recovers_from_step"] == 103
     mon.detach()
+
+
+def test_a_warm_up_whose_full_lr_brings_the_trouble_back_cuts_it_for_good(tmp_path):
+    """The warm-up hands back an LR that was never seen healthy. Where it is too high for the
+    problem, not only for the initial weights (a linear regression under SGD at 0.3 with momentum
+    0.9: bare ends at ~1e8), the loss rises again once the LR is back: the full LR stays watched for
+    ``warmup_steps`` after the climb, and the rise halts it for good at the scale where the loss was
+    lowest, as during the climb. Without that watch the run ended at 41 (~3000x the loss at a safe
+    LR), its updates told as large until the ceiling caught them again 70 steps later; now 0.053."""
+    g = torch.Generator().manual_seed(1000)
+    w = torch.randn(32, 1, generator=g)
+    xs = torch.randn(200 * 64 + 1024, 32, generator=g)
+    ys = xs @ w + 0.1 * torch.randn(xs.shape[0], 1, generator=g)
+    config = cfg(actions={"lr_drop": {"warmup_scale": 0.05}})
+
+    def run(split):
+        torch.manual_seed(0)
+        model = nn.Linear(32, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"a{split}", sinks=[], config=config)
+        drops = []
+        for i in range(200):
+            if i == split:  # the watch after the climb survives a resume
+                saved = copy.deepcopy((model.state_dict(), opt.state_dict(), mon.state_dict()))
+                drops = [(e.step, e.data["action_results"]["lr_drop"]) for e in mon.events if "lr_drop" in e.actions]
+                mon.detach()
+                model = nn.Linear(32, 1)
+                model.load_state_dict(saved[0])
+                opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+                opt.load_state_dict(saved[1])
+                mon = sfmonitor.Monitor(run_dir=tmp_path / f"b{split}", sinks=[], config=config)
+                mon.load_state_dict(saved[2])
+                mon.attach(model, opt)
+            x, y = xs[i * 64 : (i + 1) * 64], ys[i * 64 : (i + 1) * 64]
+            mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+            opt.step()
+            opt.zero_grad()
+        drops += [(e.step, e.data["action_results"]["lr_drop"]) for e in mon.events if "lr_drop" in e.actions]
+        mon.detach()
+        with torch.no_grad():
+            return drops, nn.functional.mse_loss(model(xs[-1024:]), ys[-1024:]).item()
+
+    drops, held_out = run(None)
+    assert drops[0][1].get("warmup_steps") == 100
+    back = next(s for s, facts in drops if facts.get("recovered"))
+    halt = next((s, facts) for s, facts in drops if facts.get("halted"))
+    assert back < halt[0] <= back + 100 and halt[1]["permanent"] and halt[1]["new_scale"] < 1
+    assert halt[1]["after_climb"]
+    assert run(back + 3) == (drops, held_out)
+    assert held_out < 0.1  # (without the watch: 41; bare at 0.1: ~0.02; at a safe LR: ~0.012)
 
 
 def test_grad_spike_is_clipped_before_it_lands(tmp_path):
