@@ -726,6 +726,7 @@ class LossSpike(_Windowed):
         self.run: dict[str, list[float]] = {}  # key -> logs of its spikes in a row, and the expected value
         self.signed: set[str] = set()  # components seen at or below zero: no log scale, not judged
         self.raw: set[str] = set()  # the total loss seen below zero: judged on its own scale
+        self.shifted: dict[str, int] = {}  # key -> the step of its last level shift
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         keys = _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
@@ -862,6 +863,7 @@ class LossSpike(_Windowed):
         del self.run[key]
         self.windows[key] = collections.deque(values, maxlen=cfg.window)
         self.start[key] = max(values)
+        self.shifted[key] = step
         skipped = len(values) - 1
         out = functools.partial(self._unscaled, key)
         within = f"{_fmt(spread)}" if key in self.raw else f"{math.exp(spread):.3g}x"
@@ -885,6 +887,14 @@ class LossSpike(_Windowed):
                 "step": step,
             },
         )
+
+    def new_regime(self, step: int) -> None:
+        """The data changed at ``step``: every loss learns its level afresh (its first values, the
+        prior), but a key whose level shift at this very step told of it (it follows that level
+        already)."""
+        for key in [k for k in self.windows if self.shifted.get(k) != step]:
+            for table in (self.windows, self.errors, self.start, self.run):
+                table.pop(key, None)
 
     def _small_setback(self, key: str, value: float, expected: float) -> bool:
         """The jump gives back less than ``min_setback`` of the progress since the start (a loss
@@ -1896,6 +1906,10 @@ class BnVarSpike(Detector):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.seen, self.in_a_row = int(state.get("seen", 0)), int(state.get("in_a_row", 0))
+
+    def new_regime(self, step: int) -> None:
+        """The data changed: its scale may have too. The warm-up starts again (as after a shift)."""
+        self.seen = self.in_a_row = 0
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config

@@ -68,6 +68,10 @@ register_kind(NONFINITE_PARAM, [(1, [UNDO]), (2, [ROLLBACK, LR_DROP])], window=5
 # Non-finite values that arrive with the inputs: the batch is bad, not the model or its state.
 # Skipping it is the whole answer, however often it comes (no escalation: window 0, one rung).
 register_kind(BAD_BATCH, [(1, [SKIP_STEP])], doc="the step's inputs hold NaN or inf")
+# The loop said the data changes from this step (monitor.new_regime(): a new task, a curriculum
+# stage, a DQN's hard target sync): the detectors learn what is usual afresh. Told, no action.
+NEW_REGIME = "new_regime"
+register_kind(NEW_REGIME, [(1, [])], doc="the loop announced a change of data (monitor.new_regime())")
 # A group whose gradients exist but are exactly zero step after step while the others train: fp16
 # gradients that underflow without a GradScaler, dead units, a path cut off from the loss. Told,
 # no action: nothing the monitor changes would bring them back.

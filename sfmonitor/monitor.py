@@ -69,6 +69,7 @@ from .events import (
     LOSS_RATIO_IMBALANCE,
     LOSS_SPIKE,
     LR_DROP,
+    NEW_REGIME,
     NONFINITE_GRAD,
     NONFINITE_LOSS,
     NONFINITE_PARAM,
@@ -666,6 +667,7 @@ class Monitor:
         self._batch_loops = 0  # batches() generators running: a stop then ends them, no raise
         self._steps_closed = 0  # optimizer steps ended (batches() tells a step's micro-batches by it)
         self._bundle_next = False  # request_bundle(): write one for the next step
+        self._regime_next: str | None = None  # new_regime(): its reason, for the next step's judgement
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
         names = [d.name for d in self._detectors]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -1675,12 +1677,25 @@ class Monitor:
         #    judge the update the previous step landed); the activation watch.
         findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec)
         findings += self._zero_grad_missing_findings(rec)
+        announced, self._regime_next = self._regime_next, None
+        if announced is not None:  # (before the detectors see the new data)
+            self._new_regime(step)
+            why = f" ({announced})" if announced else ""
+            findings.append(
+                Finding(
+                    NEW_REGIME,
+                    f"the loop announced a change of data{why}: the detectors learn what is usual afresh "
+                    "from this step, and the update before it is not judged by its loss",
+                    data={"reason": announced, "step": step},
+                )
+            )
         detected = [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
             extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(optimizer).items()}  # (the user's)
-            if prev_rec.update_landed and S.LOSS_TOTAL in rec.stats:  # what that update did to the loss
+            # what that update did to the loss (not told by a loss of other data)
+            if prev_rec.update_landed and S.LOSS_TOTAL in rec.stats and announced is None:
                 extra[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
             if any(f.kind in self._TROUBLE_AFTER_UPDATE for f in findings + detected):
                 self._measure_from_undo(prev_rec)  # (an update stats.update_ratio_every left unmeasured)
@@ -1700,10 +1715,7 @@ class Monitor:
                 if f.kind == BN_VAR_SPIKE and f.where == self._group_names[gi]:
                     f.data["module"] = name
         if any(f.kind == LOSS_LEVEL_SHIFT and f.where == _TOTAL for f in findings):
-            for d in self._detectors:  # the data changed: what was usual before no longer is
-                new_regime = getattr(d, "new_regime", None)
-                if new_regime is not None:
-                    new_regime(step)
+            self._new_regime(step)  # the data changed: what was usual before no longer is
         self._bad_batches_on_a_sound_state(findings)
         self._fixed_batch(step, rec, findings)
         if self._watch.attached:
@@ -2007,6 +2019,25 @@ class Monitor:
         )
 
     @_in_its_world
+    def new_regime(self, reason: str = "") -> None:
+        """Say that the data changes from the step being taken (or, between steps, the next one): a
+        new task, a curriculum stage, a new data mix, a DQN's hard target-network sync. From that
+        step the detectors learn what is usual afresh (the loss's level, the gradients' and the
+        updates' sizes; their priors judge meanwhile), and the update before it is not judged by
+        that step's loss, which comes from other data. Unannounced, such a jump is skipped as bad
+        data until ``detectors.loss_spike.shift_after`` batches agree on the new level. Told as an
+        event (``new_regime``, no action) with ``reason``."""
+        if not isinstance(reason, str):
+            raise TypeError(f"new_regime: reason must be a str, got {type(reason).__name__}")
+        self._regime_next = reason
+
+    def _new_regime(self, step: int) -> None:
+        """The data changed at ``step``: every detector that keeps what was usual forgets it."""
+        for d in self._detectors:
+            new_regime = getattr(d, "new_regime", None)
+            if new_regime is not None:
+                new_regime(step)
+
     def request_bundle(self) -> None:
         """Write an anomaly bundle of the next optimizer step (its pre-step state and batch), as
         if something had gone wrong there: for reproducing a step by hand with `sfmonitor replay`.
@@ -2571,6 +2602,7 @@ class Monitor:
             "step": self.step,
             "amp_skipped": self._amp_skipped,
             "should_stop": self.should_stop,
+            "new_regime": self._regime_next,  # (announced, not yet applied)
             "base_weights": dict(self._base_weights),
             "weights": dict(self._weights),
             "lr_scale": ctx.lr_scale if ctx else self._pending_ctx.get("lr_scale", 1.0),
@@ -2711,6 +2743,9 @@ class Monitor:
         whole = isinstance(step, (numbers.Integral, torch.Tensor)) and not isinstance(step, bool)
         if not whole or int(step) != step or step < 0:
             raise ConfigError(f"load_state_dict: state['step'] must be a whole number, got {step!r}")
+        regime = sd.get("new_regime")
+        if regime is not None and not isinstance(regime, str):
+            raise ConfigError(f"load_state_dict: state['new_regime'] must be a str or None, got {regime!r}")
         counted = Tally()
         try:
             counted.load_state_dict(sd.get("summary") or {})
@@ -2741,6 +2776,7 @@ class Monitor:
             if k in sd
         }
         self.should_stop = bool(sd.get("should_stop", False))
+        self._regime_next = regime
         if self._ctx is not None:
             ctx = self._ctx
             ctx.lr_scale = float(sd.get("lr_scale", 1.0))

@@ -37,15 +37,29 @@ def assert_identical(a, b):
 
 
 def train(
-    tmp_path, model, opt, monitored, order, loss_of, *, config=None, sinks=None, lr_spike_at=None, after_step=None
+    tmp_path,
+    model,
+    opt,
+    monitored,
+    order,
+    loss_of,
+    *,
+    config=None,
+    sinks=None,
+    lr_spike_at=None,
+    after_step=None,
+    before_batch=None,
 ):
     """Train on batches ``order`` (through ``monitor.batches()`` when monitored): ``loss_of(i)`` is
     batch i's loss; the update of ``lr_spike_at`` is made once at 1e4 x the LR; ``after_step()``
-    runs after each update (a scheduler). Returns the monitor's events (none when bare)."""
+    runs after each update (a scheduler); ``before_batch(monitor, i)`` before each batch's forward
+    (monitor None when bare). Returns the monitor's events (none when bare)."""
     cfg = {"console": False, **(config or {})}
     mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), sinks=sinks, config=cfg) if monitored else None
     spiked = False
     for i in mon.batches(order) if mon else order:
+        if before_batch is not None:
+            before_batch(mon, i)
         loss = loss_of(i)
         (mon.combine(loss) if mon else loss).backward()
         spike = i == lr_spike_at and not spiked

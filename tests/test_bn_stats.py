@@ -113,6 +113,36 @@ def test_data_whose_scale_changed_for_good_is_accepted_after_a_few_batches(tmp_p
     assert net[1].running_var.mean() > 1e4  # the new scale landed in the statistics
 
 
+def test_a_change_of_scale_the_loop_announces_is_trained_on_from_its_first_batch(tmp_path):
+    """The same change, announced by the loop (``monitor.new_regime()`` before step 30): the
+    BatchNorm check starts its warm-up again there, as after a shift; nothing is skipped and the
+    run equals bare."""
+    data = batches(60)
+    net, opt = make()
+    holder = {}
+
+    def before(i):
+        if i == 30:
+            holder["mon"].new_regime("another camera")
+
+    def batch(i):
+        x, y = data[i]
+        return (x * 1e3 if i >= 30 else x), y
+
+    mon = sfmonitor.attach(net, opt, run_dir=tmp_path, sinks=[], config={"console": False})
+    holder["mon"] = mon
+    for i in mon.batches(range(60)):
+        before(i)
+        x, y = batch(i)
+        mon.combine(nn.functional.cross_entropy(net(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    assert [(e.step, e.kind, e.actions) for e in mon.events] == [(30, "new_regime", [])]
+    bare, _ = loop(*make(), 60, batch, nn.functional.cross_entropy)
+    assert same(net, bare)
+
+
 def test_the_check_can_be_switched_off(tmp_path):
     data = batches(40)
     net, mon = train(

@@ -56,10 +56,11 @@ def test_a_noisy_batch_as_the_warm_up_ends_is_no_spike(tmp_path):
     assert_identical(state, bare)
 
 
-def _task_switch_run(tmp_path, monitored, optimizer, switch=150, steps=300, seed=1, batch=64):
+def _task_switch_run(tmp_path, monitored, optimizer, switch=150, steps=300, seed=1, batch=64, announce=False):
     """A 4-class task learnt until ``switch``, then a new task (another teacher) on the same
-    inputs: the loss jumps ~3x (Adam) to ~100x (SGD) and stays there while the model relearns.
-    Returns the final state, the held-out loss on the new task and the events."""
+    inputs: the loss jumps ~3x (Adam) to ~100x (SGD) and stays there while the model relearns
+    (``announce``: the loop calls ``monitor.new_regime()`` before the new task's first batch).
+    Returns the held-out loss on the new task and the events."""
     model = _classifier(seed)
     if optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -72,7 +73,11 @@ def _task_switch_run(tmp_path, monitored, optimizer, switch=150, steps=300, seed
         x = torch.randn(batch, 10, generator=g)
         return nn.functional.cross_entropy(model(x), (x @ (old if i < switch else new)).argmax(1))
 
-    events = train(tmp_path, model, opt, monitored, range(steps), loss_of)
+    def before_batch(mon, i):
+        if announce and mon is not None and i == switch:
+            mon.new_regime("a new task")
+
+    events = train(tmp_path, model, opt, monitored, range(steps), loss_of, before_batch=before_batch)
     with torch.no_grad():
         x = torch.randn(2000, 10, generator=torch.Generator().manual_seed(99))
         held_out = float(nn.functional.cross_entropy(model(x), (x @ new).argmax(1)))
@@ -95,6 +100,22 @@ def test_a_switch_to_a_new_task_is_followed_not_rolled_back(tmp_path):
         assert [e.step for e in shifts] == [150 + shift_after], optimizer
         assert shifts[0].data["skipped"] == shift_after
         assert held_out < 1.1 * bare, (optimizer, held_out, bare)
+
+
+def test_a_change_of_data_the_loop_announces_costs_nothing(tmp_path):
+    """``monitor.new_regime()`` before a new task's first batch (a curriculum stage, a DQN's hard
+    target sync): from that step the detectors learn what is usual afresh (the loss's level, the
+    gradients' and the updates' sizes), and the update before it is not judged by a loss of other
+    data. The switch above, announced: no skip, the run equals bare, one told event naming the
+    reason (unannounced: shift_after skipped batches)."""
+    for optimizer in ("adam", "sgd"):
+        bare, _ = _task_switch_run(tmp_path / f"b{optimizer}", False, optimizer)
+        held_out, events = _task_switch_run(tmp_path / f"m{optimizer}", True, optimizer, announce=True)
+        assert [(e.step, e.kind, e.actions) for e in events if e.actions] == [], optimizer
+        told = [(e.step, e.kind) for e in events if e.kind in ("new_regime", "loss_level_shift", "loss_spike")]
+        assert told == [(150, "new_regime")], (optimizer, told)
+        assert "a new task" in events[[e.kind for e in events].index("new_regime")].message
+        assert held_out == bare, optimizer
 
 
 def _rescaled_target_run(tmp_path, monitored, seed=0, switch=400, steps=600):

@@ -519,6 +519,11 @@ def test_a_second_monitor_on_the_same_optimizer_is_refused_and_the_first_can_be_
         ),
         ([1, 2], TypeError, r"load_state_dict: expected the mapping Monitor.state_dict\(\) returned, got list"),
         ({"step": "x"}, sfmonitor.ConfigError, r"load_state_dict: state\['step'\] must be a whole number, got 'x'"),
+        (
+            {"step": 3, "new_regime": 1},
+            sfmonitor.ConfigError,
+            r"load_state_dict: state\['new_regime'\] must be a str or None, got 1",
+        ),
     ],
 )
 def test_load_state_dict_names_what_is_wrong_and_changes_nothing(state, error, match, tmp_path):
@@ -531,6 +536,18 @@ def test_load_state_dict_names_what_is_wrong_and_changes_nothing(state, error, m
     with pytest.raises(error, match=match):
         mon.load_state_dict(state)
     assert mon.state_dict() == before
+    mon.detach()
+
+
+def test_new_regime_names_a_reason_that_is_not_text(tmp_path):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    with pytest.raises(TypeError, match="new_regime: reason must be a str, got int"):
+        mon.new_regime(3)
+    assert mon.state_dict()["new_regime"] is None
+    mon.new_regime("stage 2")  # (announced, kept across a checkpoint until the next step)
+    assert mon.state_dict()["new_regime"] == "stage 2"
     mon.detach()
 
 
