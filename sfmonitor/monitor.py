@@ -1650,6 +1650,8 @@ class Monitor:
         tensors.update(self._watch.pending())
         reset = self._grad_reset.take()
         tensors[S.GRADS_NOT_RESET] = -1.0 if reset is None else float(reset)
+        reason, self._regime_next = self._regime_next, None  # (new_regime(): any rank's, for all)
+        tensors[S.NEW_REGIME] = float(reason is not None)
         self._watch.check_sight(trained=bool(grad_index))
         last = self._last if self._last is not None and self._last.after else None
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
@@ -1677,16 +1679,16 @@ class Monitor:
         #    judge the update the previous step landed); the activation watch.
         findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec)
         findings += self._zero_grad_missing_findings(rec)
-        announced, self._regime_next = self._regime_next, None
-        if announced is not None:  # (before the detectors see the new data)
+        announced = rec.internal.get(S.NEW_REGIME, 0.0) > 0
+        if announced:  # (before the detectors see the new data)
             self._new_regime(step)
-            why = f" ({announced})" if announced else ""
+            why = f" ({reason})" if reason else ("" if reason is not None else " (on another rank)")
             findings.append(
                 Finding(
                     NEW_REGIME,
                     f"the loop announced a change of data{why}: the detectors learn what is usual afresh "
                     "from this step, and the update before it is not judged by its loss",
-                    data={"reason": announced, "step": step},
+                    data={"reason": reason or "", "step": step},
                 )
             )
         detected = [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
@@ -1695,7 +1697,7 @@ class Monitor:
             prev_rec, self._last = self._last, None
             extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(optimizer).items()}  # (the user's)
             # what that update did to the loss (not told by a loss of other data)
-            if prev_rec.update_landed and S.LOSS_TOTAL in rec.stats and announced is None:
+            if prev_rec.update_landed and S.LOSS_TOTAL in rec.stats and not announced:
                 extra[S.LOSS_AFTER_UPDATE] = rec.stats[S.LOSS_TOTAL]
             if any(f.kind in self._TROUBLE_AFTER_UPDATE for f in findings + detected):
                 self._measure_from_undo(prev_rec)  # (an update stats.update_ratio_every left unmeasured)

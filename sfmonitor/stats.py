@@ -130,6 +130,9 @@ INPUT_NONFINITE = "internal/input_nonfinite"  # NaN/+inf values in the step's fl
 INPUT_FINGERPRINT = "internal/input_fingerprint"
 # Whether this step's gradients were accumulated onto the last step's (1), reset (0), not seen (-1)
 GRADS_NOT_RESET = "internal/grads_not_reset"
+# 1 where the loop announced a change of data for this step (monitor.new_regime()), else 0: a
+# maximum across ranks, so that one rank's announce applies on every rank alike
+NEW_REGIME = "internal/new_regime"
 # The BatchNorm layer (index in BatchVarRatio's list) with the largest bn_var_ratio this step
 BN_VAR_WORST = "internal/bn_var_worst"
 # Under torch.distributed only: a vector of 3 x world slots, one-hot per rank (rank r fills slot r
@@ -148,6 +151,7 @@ INTERNAL = frozenset(
         INPUT_NONFINITE,
         INPUT_FINGERPRINT,
         GRADS_NOT_RESET,
+        NEW_REGIME,
         BN_VAR_WORST,
     }
 )
@@ -184,6 +188,7 @@ REDUCTIONS: dict[str, Reduce] = {
     INPUT_NONFINITE: Reduce.SUM,  # a bad batch on one rank is a bad step for all
     INPUT_FINGERPRINT: Reduce.SUM,  # every rank's batch the same as the step before, or not
     GRADS_NOT_RESET: Reduce.MAX,  # one rank's loop forgot: told on every rank
+    NEW_REGIME: Reduce.MAX,  # one rank's loop announced it: applied on every rank
     BN_VAR_RATIO.format(""): Reduce.MAX,  # one rank's bad batch
     BN_VAR_WORST: Reduce.FIRST,
     ACT_ABSMAX.format(""): Reduce.MAX,

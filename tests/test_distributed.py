@@ -351,6 +351,39 @@ def test_one_rank_forgetting_zero_grad_is_told_on_every_rank(tmp_path):
     assert r0 == r1 == [(1, "zero_grad_missing")]
 
 
+def _announcing_worker(rank, world, port, out_dir):
+    """A task switch at step 20 that rank 0's loop alone announces (its code under ``rank == 0``)."""
+    _join(rank, world, port)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, sinks=[], config={"console": False})
+    g = torch.Generator().manual_seed(rank)
+    for step in range(30):
+        if step == 20 and rank == 0:
+            mon.new_regime("stage 2")
+        x = torch.randn(16, 4, generator=g)
+        target = (x.sum(1, keepdim=True) * (30.0 if step >= 20 else 1.0)).tanh() * (30.0 if step >= 20 else 1.0)
+        mon.combine((model(x) - target).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    events = [(e.step, e.kind, e.actions, e.data.get("reason")) for e in mon.events]
+    torch.save({"events": events, "detectors": mon.state_dict()["detectors"]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    mon.detach()
+    _leave()
+
+
+def test_a_change_of_data_one_rank_announces_applies_on_every_rank(tmp_path):
+    """The announce rides in the step's reduction (a maximum): every rank's detectors learn afresh
+    in the same step, none is skipped, and their state stays alike (a rank whose detectors alone
+    forgot would decide otherwise, and the ranks would part)."""
+    mp.spawn(_announcing_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["events"] == [(20, "new_regime", [], "stage 2")]
+    assert r1["events"] == [(20, "new_regime", [], "")]
+    assert r0["detectors"] == r1["detectors"]
+
+
 class _Branches(nn.Module):
     """Rank 0 runs branch ``b``, rank 1 branch ``c`` (a mixture-of-experts routing no token to an
     expert on a rank); ``c``'s weights are large, so its activations are."""
