@@ -175,8 +175,16 @@ def input_stats(args: Any = (), kwargs: dict[str, Any] | None = None) -> dict[st
 
     with torch.no_grad():
         for name, t in named:
-            info: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            if t.is_nested:  # (a jagged batch has no one shape)
+                info: dict[str, Any] = {"shape": [t.size(0)], "dtype": str(t.dtype).replace("torch.", "")}
+            else:
+                info = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
             out[name] = info
+            if t.layout is not torch.strided or t.is_nested:
+                # a sparse adjacency, a jagged batch: named by its layout; their values are not read
+                # (torch.isfinite on a sparse tensor raised inside optimizer.step(): a probe's GCN)
+                info["layout"] = "jagged" if t.is_nested else str(t.layout).replace("torch.", "")
+                continue
             if t.numel() == 0 or t.is_complex():
                 continue
             if t.is_floating_point():
@@ -475,6 +483,8 @@ def _check_plain(obj: Any, where: str, depth: int = 0) -> None:
 def _compact(obj: Any) -> Any:
     """Clone tensor views whose storage is larger than the view (torch.save writes whole storages)."""
     if isinstance(obj, torch.Tensor):
+        if obj.layout is not torch.strided or obj.is_nested:  # (no one storage: saved as it is)
+            return obj.detach()
         if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
             return obj.detach().clone()
         return obj.detach()
