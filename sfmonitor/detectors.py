@@ -794,6 +794,13 @@ class LossSpike(_Windowed):
                 dev = sorted(abs(e - bias) for e in errors)
                 sigma = max(sigma, dev[int(0.95 * (len(dev) - 1))] / 1.96)
             z = (x - expected) / sigma
+            fall = expected - x
+            if key in self.raw and fall > cfg.z * sigma and fall > cfg.early_factor * _median([abs(v) for v in w]):
+                # A loss below zero multiplied (a policy-gradient or likelihood loss x1e4) falls: a
+                # fall past z sigma and early_factor x its usual magnitude is no progress one step
+                # makes, and its gradient is as large. Kept out of the window and the errors.
+                out.append(self._fall(key, value, step, expected, w))
+                continue
             if z <= cfg.z or self._small_setback(key, value, expected):
                 self.run.pop(key, None)
                 w.append(x)
@@ -838,6 +845,30 @@ class LossSpike(_Windowed):
                 "z": z,
                 "z_threshold": cfg.z if sigma else None,
                 "sigma" if raw else "sigma_log": sigma,
+                "step": step,
+            },
+        )
+
+    def _fall(self, key: str, value: float, step: int, expected: float, w: collections.deque[float]) -> Finding:
+        """A spike downwards of a loss judged on its own scale (``raw``): a fall of more than
+        ``early_factor`` x the median magnitude of its window."""
+        usual = _median([abs(v) for v in w])
+        limit = expected - self.config.early_factor * usual
+        return Finding(
+            kind=self.kind if key == LOSS_TOTAL else LOSS_COMPONENT_SPIKE,
+            where=key[len(LOSS_PREFIX) :],
+            message=(
+                f"{key} = {_fmt(value)} fell more than {self.config.early_factor:g}x its usual magnitude "
+                f"{_fmt(usual)} below its expected {_fmt(expected)} (threshold {_fmt(limit)}): a loss below "
+                "zero multiplied, not learnt (its gradient is as large)"
+            ),
+            data={
+                "key": key,
+                "value": value,
+                "expected": expected,
+                "usual_magnitude": usual,
+                "threshold_value": limit,
+                "direction": "down",
                 "step": step,
             },
         )

@@ -395,6 +395,43 @@ def test_a_warm_up_whose_full_lr_brings_the_trouble_back_cuts_it_for_good(tmp_pa
     assert held_out < 0.1  # (without the watch: 41; bare at 0.1: ~0.02; at a safe LR: ~0.012)
 
 
+def test_a_batch_whose_loss_below_zero_is_scaled_is_skipped(tmp_path):
+    """A loss below zero (a policy-gradient loss, a negative log-likelihood) times 1e4 reads as a
+    fall, not a rise: only its gradient spiked, was clipped, and the update landed (a probe's
+    actor-critic: regret 1.38x its twin). A fall of more than ``early_factor`` (100) x the loss's
+    usual magnitude is no progress a step makes: the batch is skipped, the run equals its twin."""
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(32 * 80, 8, generator=g)
+    ys = xs @ torch.randn(8, 1, generator=g) + 0.3 * torch.randn(32 * 80, 1, generator=g)
+    batches = list(zip(xs.split(32), ys.split(32)))
+
+    def run(fault, monitored, leave_out=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.Adam(model.parameters(), 1e-2)
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(fault), sinks=[], config=QUIET) if monitored else None
+        order = [i for i in range(len(batches)) if i != leave_out]
+        for i in mon.batches(order) if mon else order:
+            x, y = batches[i]
+            loss = nn.functional.mse_loss(model(x), y) - 0.5  # (every loss below zero)
+            if fault and i == 50:
+                loss = loss * 1e4
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions] if mon else []
+        if mon:
+            mon.detach()
+        return state(model, opt), events
+
+    healthy, events = run(False, True)
+    assert events == []
+    same_state(healthy, run(False, False)[0])
+    rescued, events = run(True, True)
+    assert events == [(50, "loss_spike", ["skip_step"])]
+    same_state(rescued, run(False, False, leave_out=50)[0])
+
+
 def test_grad_spike_is_clipped_before_it_lands(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
