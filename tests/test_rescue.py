@@ -432,6 +432,33 @@ def test_a_batch_whose_loss_below_zero_is_scaled_is_skipped(tmp_path):
     same_state(rescued, run(False, False, leave_out=50)[0])
 
 
+def test_a_bad_update_after_which_the_loop_raises_is_undone_as_the_monitor_leaves(tmp_path):
+    """A bad update lands and the next forward raises in the user's own code before the monitor
+    judges it (a VAE at 1e4x its LR: the sigmoid's NaN fails binary_cross_entropy's range check,
+    a probe). Leaving (``with`` or ``detach()`` in a ``finally``) the monitor judges the run's last
+    update as in any step: undone, the weights as they were before it when the error reaches the
+    caller."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    before = None
+    with pytest.raises(RuntimeError, match="weights out of range"):
+        with sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=QUIET) as mon:
+            for i, x in enumerate(mon.batches(data(30))):
+                if model.vision.weight.abs().max() > 5:  # (the user's loss checks its input's range)
+                    raise RuntimeError("weights out of range")
+                mon.combine(model(x)).backward()
+                if i == 20:
+                    before = copy.deepcopy(model.state_dict())
+                    opt.param_groups[0]["lr"] *= 1e4
+                opt.step()
+                opt.param_groups[0]["lr"] = 1e-3
+                opt.zero_grad()
+    assert [(e.step, e.actions) for e in mon.events if e.actions] == [(20, ["undo"])]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_grad_spike_is_clipped_before_it_lands(tmp_path):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
