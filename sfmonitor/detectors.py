@@ -893,7 +893,11 @@ class LossSpike(_Windowed):
             return None  # no one level: a band wider than the jump, or a loss that climbs
         del self.run[key]
         self.windows[key] = collections.deque(values, maxlen=cfg.window)
-        self.start[key] = max(values)
+        # The loss's start: the new level where it is above the old start (a new task to learn), the
+        # old start where it is not (a level below it has not undone the progress made from there:
+        # grokking's slingshots, each judged against its own level, were skipped, undone and rolled
+        # back until the run no longer grokked)
+        self.start[key] = max(self.start.get(key, -math.inf), max(values))
         self.shifted[key] = step
         skipped = len(values) - 1
         out = functools.partial(self._unscaled, key)
@@ -1354,8 +1358,11 @@ class UpdateRatioSpike(_Windowed):
     def new_regime(self, step: int) -> None:
         """After a change of data a model relearns with larger updates: the relative test learns
         their usual size afresh (its warm-up; the ceiling judges meanwhile), and the loss's start
-        is the new level's."""
-        self.windows, self.losses_seen, self.large_runs, self.raise_base = {}, [], {}, {}
+        is the new level's where that is higher (a level below the old start has not undone the
+        progress made from it, see LossSpike._level_shift)."""
+        start = max(self.losses_seen, default=None)
+        self.windows, self.large_runs, self.raise_base = {}, {}, {}
+        self.losses_seen = [start] if start is not None else []
         self.loss_moves.clear()
         self.recent_losses.clear()
 

@@ -661,6 +661,34 @@ def test_loss_that_jumps_and_stays_is_a_level_shift_after_shift_after_spikes():
     assert "loss_level_shift" not in {f.kind for _, f in _level_run(det, after, 200)}
 
 
+def test_a_level_shift_below_the_runs_start_keeps_the_progress_made_from_it():
+    """Grokking's slingshots (AdamW, mini-batches): the loss fell from ~4 to ~0.01, jumps to ~0.5
+    and stays a while (a level shift), falls back, and jumps again. A level below the run's start
+    has not undone the progress made from it: the next jump is judged against that start (to 0.1:
+    2% of the progress, no spike), and so is the harm of an update (the loss after it 0.02 -> 0.1).
+    Before, both read the start afresh from the shift's level (~0.5: 18% of "progress"), and a
+    probe's grokking transformer was skipped, undone and rolled back at every slingshot until it no
+    longer grokked (test accuracy 0.87 against bare 0.994)."""
+    rng = np.random.default_rng(5)
+    fall = np.exp(np.linspace(np.log(4.0), np.log(0.01), 200)) * np.exp(rng.normal(0, 0.05, 200))
+    floor = (0.01 * np.exp(rng.normal(0, 0.05, 150))).tolist()
+    slingshot = (0.5 * np.exp(rng.normal(0, 0.05, 9))).tolist()
+    values = [*fall.tolist(), *floor[:60], *slingshot, *floor]
+    det = D.LossSpike()
+    fired = _level_run(det, values)
+    assert [f.kind for _, f in fired] == [LOSS_SPIKE] * 8 + ["loss_level_shift"]
+    assert _level_run(det, [0.1], len(values)) == []  # (before: a loss_spike)
+    # the update-ratio detector's harm test, after the same shift (the monitor calls new_regime)
+    ur = D.UpdateRatioSpike()
+    after = [*fall.tolist(), *slingshot, *floor[:40]]
+    for s, v in enumerate(after):
+        if s == len(fall) + len(slingshot) - 1:
+            ur.new_regime(s)
+        ur.check(s, {"update_ratio/a": 1e-3, "loss/total": v, "loss_after_update": after[min(s + 1, len(after) - 1)]})
+    big = {"update_ratio/a": 0.05, "loss/total": 0.02, "loss_after_update": 0.1}
+    assert [f.kind for f in ur.check(len(after), big)] == ["large_update"]  # (before: update_ratio_spike)
+
+
 def test_update_ratio_harm_near_a_loss_floor_must_give_back_progress():
     """A loss that fell from 2 to 1e-3 (SGD at convergence on imbalanced classes): the next batch
     at 10x the loss before the update is chance, 0.5% of the progress; a rise to 0.5 gives back a
@@ -696,7 +724,7 @@ def test_new_regime_forgets_the_usual_sizes_of_updates_and_gradients():
     assert gs.check(40, {"grad_norm/total": 1e3})
     ur.new_regime(41)
     gs.new_regime(41)
-    assert ur.windows == {} and ur.losses_seen == []
+    assert ur.windows == {} and ur.losses_seen == [1.0]  # (the run's start: the new level's where higher)
     assert gs.ema == {} and gs.warm == {}
     for s in range(41, 81):
         assert ur.check(s, {"update_ratio/a": 2e-2 * (1 + 0.1 * (s % 3))}) == []
