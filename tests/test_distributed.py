@@ -328,12 +328,17 @@ def test_a_monitor_alone_on_one_rank_needs_no_other_rank(tmp_path):
     assert (tmp_path / "aux" / "events.jsonl").exists() and (tmp_path / "aux" / "summary.json").exists()
 
 
-def _forgetful_worker(rank, world, port, out_dir):
+def _ddp_mlp(rank, world, port):
+    """Joins the group; a small DDP MLP under SGD and its monitor (the same on every rank)."""
     _join(rank, world, port)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    mon = sfmonitor.attach(model, opt, sinks=[], config={"console": False})
+    return model, opt, sfmonitor.attach(model, opt, sinks=[], config={"console": False})
+
+
+def _forgetful_worker(rank, world, port, out_dir):
+    model, opt, mon = _ddp_mlp(rank, world, port)
     for step in range(4):
         if rank == 0 or step >= 2:  # rank 1's loop forgets zero_grad() before step 1 only
             opt.zero_grad()
@@ -353,11 +358,7 @@ def test_one_rank_forgetting_zero_grad_is_told_on_every_rank(tmp_path):
 
 def _announcing_worker(rank, world, port, out_dir):
     """A task switch at step 20 that rank 0's loop alone announces (its code under ``rank == 0``)."""
-    _join(rank, world, port)
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    mon = sfmonitor.attach(model, opt, sinks=[], config={"console": False})
+    model, opt, mon = _ddp_mlp(rank, world, port)
     g = torch.Generator().manual_seed(rank)
     for step in range(30):
         if step == 20 and rank == 0:
