@@ -896,8 +896,7 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     # The trouble came back before the LR did: it stays cut (a drop sized to the user's raise
     # answers that raise, not this; a warm-up climbs back whatever recover_after says).
     # So did trouble at the LR a warm-up gave back, which was never seen healthy.
-    proving = ctx.lr_proving_until is not None and ctx.step <= ctx.lr_proving_until
-    if not warmup and ((old < 1.0 and rise is None) or not cfg.recover_after or proving):
+    if not warmup and ((old < 1.0 and rise is None) or not cfg.recover_after or _proving(ctx)):
         ctx.lr_permanent = True
     ctx.lr_proving_until = None
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
@@ -924,6 +923,11 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     else:
         ctx.lr_ceiling = list(facts["new_lr"])
     return facts
+
+
+def _proving(ctx: ActionContext) -> bool:
+    """Whether the full LR a warm-up gave back is still watched (``ctx.lr_proving_until``)."""
+    return ctx.lr_proving_until is not None and ctx.step <= ctx.lr_proving_until
 
 
 def _recover_after(ctx: ActionContext) -> int:
@@ -997,7 +1001,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     if released:
         return released
     after = _recover_after(ctx)
-    proving = ctx.lr_proving_until is not None and ctx.step <= ctx.lr_proving_until and not ctx.lr_permanent
+    proving = _proving(ctx) and not ctx.lr_permanent
     if not proving:
         ctx.lr_proving_until = None
     idle = ctx.lr_scale >= 1.0 or ctx.lr_permanent or ctx.lr_dropped_at is None or not after

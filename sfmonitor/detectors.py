@@ -794,13 +794,14 @@ class LossSpike(_Windowed):
                 dev = sorted(abs(e - bias) for e in errors)
                 sigma = max(sigma, dev[int(0.95 * (len(dev) - 1))] / 1.96)
             z = (x - expected) / sigma
-            fall = expected - x
-            if key in self.raw and fall > cfg.z * sigma and fall > cfg.early_factor * _median([abs(v) for v in w]):
+            if key in self.raw and expected - x > cfg.z * sigma:
                 # A loss below zero multiplied (a policy-gradient or likelihood loss x1e4) falls: a
                 # fall past z sigma and early_factor x its usual magnitude is no progress one step
                 # makes, and its gradient is as large. Kept out of the window and the errors.
-                out.append(self._fall(key, value, step, expected, w))
-                continue
+                usual = _median([abs(v) for v in w])
+                if expected - x > cfg.early_factor * usual:
+                    out.append(self._fall(key, value, step, expected, usual))
+                    continue
             if z <= cfg.z or self._small_setback(key, value, expected):
                 self.run.pop(key, None)
                 w.append(x)
@@ -849,10 +850,9 @@ class LossSpike(_Windowed):
             },
         )
 
-    def _fall(self, key: str, value: float, step: int, expected: float, w: collections.deque[float]) -> Finding:
+    def _fall(self, key: str, value: float, step: int, expected: float, usual: float) -> Finding:
         """A spike downwards of a loss judged on its own scale (``raw``): a fall of more than
-        ``early_factor`` x the median magnitude of its window."""
-        usual = _median([abs(v) for v in w])
+        ``early_factor`` x ``usual``, the median magnitude of its window."""
         limit = expected - self.config.early_factor * usual
         return Finding(
             kind=self.kind if key == LOSS_TOTAL else LOSS_COMPONENT_SPIKE,

@@ -175,12 +175,10 @@ def input_stats(args: Any = (), kwargs: dict[str, Any] | None = None) -> dict[st
 
     with torch.no_grad():
         for name, t in named:
-            if t.is_nested:  # (a jagged batch has no one shape)
-                info: dict[str, Any] = {"shape": [t.size(0)], "dtype": str(t.dtype).replace("torch.", "")}
-            else:
-                info = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            shape = [t.size(0)] if t.is_nested else list(t.shape)  # (a jagged batch has no one shape)
+            info: dict[str, Any] = {"shape": shape, "dtype": str(t.dtype).replace("torch.", "")}
             out[name] = info
-            if t.layout is not torch.strided or t.is_nested:
+            if not _strided(t):
                 # a sparse adjacency, a jagged batch: named by its layout; their values are not read
                 # (torch.isfinite on a sparse tensor raised inside optimizer.step(): a probe's GCN)
                 info["layout"] = "jagged" if t.is_nested else str(t.layout).replace("torch.", "")
@@ -428,10 +426,15 @@ def _fingerprint(inputs: list[Any]) -> torch.Tensor | None:
     return torch.stack([r.to(rows[0].device) for r in rows]).sum(0)
 
 
+def _strided(t: torch.Tensor) -> bool:
+    """A dense tensor with one storage: not sparse, nor nested (jagged)."""
+    return t.layout is torch.strided and not t.is_nested
+
+
 def _plain(t: torch.Tensor) -> bool:
     """A dense, non-empty tensor whose values reductions read (not a nested, sparse or meta-less
     layout, nor a float8 one, which have no sum of their own): the inputs tallied."""
-    if t.layout is not torch.strided or t.is_nested or not t.numel():
+    if not _strided(t) or not t.numel():
         return False
     return not (t.is_floating_point() and t.element_size() == 1)
 
@@ -483,7 +486,7 @@ def _check_plain(obj: Any, where: str, depth: int = 0) -> None:
 def _compact(obj: Any) -> Any:
     """Clone tensor views whose storage is larger than the view (torch.save writes whole storages)."""
     if isinstance(obj, torch.Tensor):
-        if obj.layout is not torch.strided or obj.is_nested:  # (no one storage: saved as it is)
+        if not _strided(obj):  # (no one storage: saved as it is)
             return obj.detach()
         if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
             return obj.detach().clone()

@@ -2020,7 +2020,6 @@ class Monitor:
             dir_name=cfg.dir,
         )
 
-    @_in_its_world
     def new_regime(self, reason: str = "") -> None:
         """Say that the data changes from the step being taken (or, between steps, the next one): a
         new task, a curriculum stage, a new data mix, a DQN's hard target-network sync. From that
@@ -2040,6 +2039,7 @@ class Monitor:
             if new_regime is not None:
                 new_regime(step)
 
+    @_in_its_world
     def request_bundle(self) -> None:
         """Write an anomaly bundle of the next optimizer step (its pre-step state and batch), as
         if something had gone wrong there: for reproducing a step by hand with `sfmonitor replay`.

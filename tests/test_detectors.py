@@ -673,11 +673,13 @@ def test_a_level_shift_below_the_runs_start_keeps_the_progress_made_from_it():
     fall = np.exp(np.linspace(np.log(4.0), np.log(0.01), 200)) * np.exp(rng.normal(0, 0.05, 200))
     floor = (0.01 * np.exp(rng.normal(0, 0.05, 150))).tolist()
     slingshot = (0.5 * np.exp(rng.normal(0, 0.05, 9))).tolist()
-    values = [*fall.tolist(), *floor[:60], *slingshot, *floor]
+    values = [*fall.tolist(), *floor[:60], *slingshot]
     det = D.LossSpike()
     fired = _level_run(det, values)
     assert [f.kind for _, f in fired] == [LOSS_SPIKE] * 8 + ["loss_level_shift"]
-    assert _level_run(det, [0.1], len(values)) == []  # (before: a loss_spike)
+    det.new_regime(fired[-1][0])  # (as the monitor does after a level shift: the shifted key is kept)
+    assert _level_run(det, floor, len(values)) == []
+    assert _level_run(det, [0.1], len(values) + len(floor)) == []  # (before: a loss_spike)
     # the update-ratio detector's harm test, after the same shift (the monitor calls new_regime)
     ur = D.UpdateRatioSpike()
     after = [*fall.tolist(), *slingshot, *floor[:40]]

@@ -118,6 +118,27 @@ def test_a_change_of_data_the_loop_announces_costs_nothing(tmp_path):
         assert held_out == bare, optimizer
 
 
+def test_the_update_before_an_announced_change_is_not_judged_by_the_new_datas_loss(tmp_path):
+    """The loss of the announced step comes from other data: the move from the loss before it says
+    nothing of what the last update did, so it is neither evidence of harm nor a sample of the
+    run's batch-to-batch noise (the update-ratio detector's ``loss_moves``, learnt afresh)."""
+    torch.manual_seed(0)
+    model = _classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    old, new = (torch.randn(10, 4, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path, sinks=[], config=quiet())
+    for i in range(21):
+        if i == 20:
+            mon.new_regime("a new task")
+        x = torch.randn(64, 10, generator=torch.Generator().manual_seed(i))
+        mon.combine(nn.functional.cross_entropy(model(x), (x @ (old if i < 20 else new)).argmax(1))).backward()
+        opt.step()
+        opt.zero_grad()
+    moves = mon.state_dict()["detectors"]["update_ratio_spike"]["loss_moves"]
+    mon.detach()
+    assert [e.kind for e in mon.events] == ["new_regime"] and moves == []
+
+
 def _rescaled_target_run(tmp_path, monitored, seed=0, switch=400, steps=600):
     """A regression whose targets become 10x larger at ``switch`` (a new unit, a new data source):
     the loss jumps ~100x and the model relearns its output scale with updates far larger than
