@@ -368,9 +368,9 @@ SCENARIOS: dict[str, Callable[..., Spec]] = {
 ARMS = ("bare", "monitored", "fixed")
 
 
-def run(spec: Spec, arm: str, seed: int) -> dict[str, Any]:
+def run(spec: Spec, arm: str, seed: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """One arm: the training losses of each iteration, the events, the final weights, the
-    held-out loss."""
+    held-out loss (the monitored arm under ``config``, merged over the benchmark's own)."""
     torch.manual_seed(seed)
     model, opt = spec.build(arm)
     if arm == "fixed" and spec.remedy is not None:
@@ -384,7 +384,12 @@ def run(spec: Spec, arm: str, seed: int) -> dict[str, Any]:
         mon = None
         if arm == "monitored":
             mon = sfmonitor.attach(
-                model, opt, scaler=scaler if spec.amp else None, run_dir=run_dir, sinks=[], config={"console": False}
+                model,
+                opt,
+                scaler=scaler if spec.amp else None,
+                run_dir=run_dir,
+                sinks=[],
+                config={"console": False, **(config or {})},
             )
         try:
             for k, b in enumerate(mon.batches(batches) if mon else batches):

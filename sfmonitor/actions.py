@@ -224,13 +224,13 @@ class LRDropConfig(Section):
     )
     recover_steps: int = option(200, "optimizer steps the LR scale takes to climb back to 1 (geometrically)", lo=1)
     warmup_scale: float = option(
-        0.0,
-        "opt-in (0: off): a drop for an update larger than its weights at a group's first update starts the "
-        "LR again from this scale and climbs back from the next step over warmup_steps, a warm-up. Where the "
-        "LR is too high only for the initial weights (no warm-up: a GPT at 20x, 0.05 closes 66% of the gap "
-        "to its default LR, the ordinary drop 39%) it helps; where it is too high for the problem it gives "
-        "that LR back, and runs the ordinary drop ends at a safe LR end near bare (docs/benchmarks.md). The "
-        "LR it gives back is watched warmup_steps more by the climb's halt (halt_rise), and a drop in that "
+        0.05,
+        "a drop for an update larger than its weights at a group's first update starts the LR again from "
+        "this scale and climbs back from the next step over warmup_steps, a warm-up (0: the ordinary drop, a "
+        "fifth held recover_after steps). Where the LR is too high only for the initial weights (no warm-up: "
+        "a GPT at 20x closes 73% of the gap to its default LR, the ordinary drop 39%) it treats the cause; "
+        "where it is too high for the problem the climb's halt (halt_rise, halt_stall) stops it where the "
+        "loss was lowest. The LR it gives back is watched warmup_steps more by that halt, and a drop in that "
         "time is permanent",
         lo=0,
         hi=1,
@@ -247,6 +247,25 @@ class LRDropConfig(Section):
         lo=0,
     )
     halt_window: int = option(20, "steps whose median loss the climb's halt compares", lo=2)
+    halt_stall: int = option(
+        20,
+        "a warm-up's climb (warmup_scale) and its watch also halt where the loss stalls: no median lower "
+        "than the lowest for this many steps while the LR rose to 2x the scale of that lowest, and the "
+        "median now halt_stall_rise x it. The LR it climbs to was never seen healthy; where it is too high "
+        "for the problem, not only for the initial weights, the loss stops falling and turns up short of "
+        "halt_rise (BatchNorm CNNs at LRs too high for them fell back towards chance, creeping past 1.1x "
+        "their lowest median over 20-70 steps). "
+        "0: off",
+        lo=0,
+    )
+    halt_stall_rise: float = option(
+        1.03,
+        "the rise over the lowest median a stall (halt_stall) needs: a median flat within it is a plateau, "
+        "which a climbing LR may pass (an LSTM language model under SGD at 20 sat at 1.01x its lowest for 20 "
+        "steps of its warm-up)",
+        lo=1,
+        lo_open=True,
+    )
 
     def validate(self) -> None:
         if 0 < self.halt_rise <= 1:
@@ -409,6 +428,7 @@ class ActionContext:
     # one was below zero: a signed loss's rise is measured against the progress made from there.
     lr_climb: list[tuple[float, float]] = field(default_factory=list)
     lr_climb_best: tuple[float, float] | None = None
+    lr_climb_best_at: int | None = None  # the step that median was reached (a warm-up's stall)
     losses_seen: list[float] = field(default_factory=list)
     loss_signed: bool = False
     # The LR per param group that the drop (or a halt of the climb) set, the level it holds the LR
@@ -880,13 +900,12 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if rise is not None:
         factor = 1.0 / rise
     old = ctx.lr_scale
-    # An update larger than its weights before any of the group's updates landed, with warm-ups
-    # opted in: the run may start at an LR too high for its initial weights (no warm-up). A hold at
-    # a fifth for 100 steps left the damage of the first updates (a GPT at 20x its LR: 39% of the
-    # gap to its default LR closed); the undone updates leave the initial state, from which a
-    # warm-up closes 66%. Off by default: where the LR is too high for the problem, not only for
-    # the start, the warm-up gives it back (a probe: SGD and BatchNorm runs the hold ended at a
-    # safe LR ended as bare).
+    # An update larger than its weights before any of the group's updates landed: the run may
+    # start at an LR too high for its initial weights (no warm-up). A hold at a fifth for 100 steps
+    # left the damage of the first updates (a GPT at 20x its LR: 39% of the gap to its default LR
+    # closed); the undone updates leave the initial state, from which a warm-up closes 73%. Where
+    # the LR is too high for the problem, not only for the start, the climb's halt takes it back
+    # to where the loss was lowest: on a rise, or a stall (relax_lr).
     warmup = bool(decision.cause.data.get("first_update")) and cfg.warmup_scale > 0 and old >= 1.0 and rise is None
     if warmup:
         factor = cfg.warmup_scale
@@ -974,6 +993,7 @@ def _hold_ceiling(ctx: ActionContext) -> dict[str, Any]:
     old = ctx.lr_scale
     ctx.lr_scale, ctx.lr_permanent, ctx.lr_dropped_at, ctx.lr_ceiling = 1.0, False, None, None
     ctx.lr_climb, ctx.lr_climb_best, ctx.lr_warmup, ctx.lr_proving_until = [], None, None, None
+    ctx.lr_climb_best_at = None
     return {"old_scale": old, "new_scale": 1.0, "released": True, "user_lr": lrs, "dropped_lr": ceiling}
 
 
@@ -996,7 +1016,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
             ctx.losses_seen.append(float(loss))
         if loss < 0 and not ctx.loss_signed:
             # (a loss with no ratio to rise by, see S.rose: the window's logs no longer compare)
-            ctx.loss_signed, ctx.lr_climb, ctx.lr_climb_best = True, [], None
+            ctx.loss_signed, ctx.lr_climb, ctx.lr_climb_best, ctx.lr_climb_best_at = True, [], None, None
     released = _hold_ceiling(ctx)
     if released:
         return released
@@ -1009,7 +1029,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     if proving:  # (the climb is over: its halt still watches the full LR)
         idle, since = False, after + 1
     if idle or since < after - cfg.halt_window:  # (a new drop restarts the count)
-        ctx.lr_climb, ctx.lr_climb_best = [], None
+        ctx.lr_climb, ctx.lr_climb_best, ctx.lr_climb_best_at = [], None, None
         return {}
     signed = ctx.loss_signed
     if cfg.halt_rise and loss is not None and math.isfinite(loss) and (loss > 0 or signed):
@@ -1018,12 +1038,27 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
         if len(ctx.lr_climb) == cfg.halt_window:
             median = statistics.median(x for x, _ in ctx.lr_climb)
             best = ctx.lr_climb_best
-            if signed:
-                start = max(ctx.losses_seen, default=None)
-                rose = best is not None and S.rose(median, best[0], cfg.halt_rise, start, signed=True)
-            else:
-                rose = best is not None and median - best[0] > math.log(cfg.halt_rise)
-            if since > after and best is not None and rose:
+            start = max(ctx.losses_seen, default=None) if signed else None
+
+            def above(factor: float) -> bool:  # the median over factor x the lowest (S.rose)
+                if signed:
+                    return best is not None and S.rose(median, best[0], factor, start, signed=True)
+                return best is not None and median - best[0] > math.log(factor)
+
+            rose = above(cfg.halt_rise)
+            # A warm-up's LR that stopped the loss falling and turned it back up a little: no
+            # lower median for halt_stall steps while the LR rose to 2x the scale of the lowest
+            # one, and the median now halt_stall_rise x that lowest (a flat one is a plateau).
+            stalled = (
+                bool(cfg.halt_stall)
+                and (ctx.lr_warmup is not None or proving)
+                and best is not None
+                and ctx.lr_climb_best_at is not None
+                and ctx.step - ctx.lr_climb_best_at >= cfg.halt_stall
+                and ctx.lr_scale >= 2.0 * best[1]
+                and above(cfg.halt_stall_rise)
+            )
+            if since > after and best is not None and (rose or stalled):
                 old = ctx.lr_scale
                 ctx.lr_scale, ctx.lr_permanent, ctx.lr_proving_until = min(best[1], old), True, None
                 ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
@@ -1039,9 +1074,12 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
                     "rise": median - best[0] if signed else math.exp(median - best[0]),
                     "signed": signed,
                     "after_climb": proving,
+                    "stalled": not rose,
+                    "lowest_at": ctx.lr_climb_best_at,
                 }
             if best is None or median < best[0]:
                 ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb))
+                ctx.lr_climb_best_at = ctx.step
     if since < after or proving:
         return {}
     old = ctx.lr_scale

@@ -1887,6 +1887,14 @@ class Monitor:
                 recovered = A.relax_lr(ctx, self._stats.get(S.LOSS_TOTAL))
                 if recovered.get("halted"):
                     rise = f"by {recovered['rise']:.3g}" if recovered["signed"] else f"{recovered['rise']:.3g}x"
+                    window = self.config.actions.lr_drop.halt_window
+                    what = f"rose {rise} (median of the last {window} steps)"
+                    if recovered["stalled"]:
+                        what = (
+                            f"stalled: the median of the last {window} steps has not fallen below "
+                            f"{recovered['lowest_loss_median']:.4g} since step {recovered['lowest_at']} "
+                            "while the LR rose to 2x its scale there or more"
+                        )
                     when = (
                         "after a warm-up gave the LR back (an LR never seen healthy is watched "
                         f"{self.config.actions.lr_drop.warmup_steps} steps more)"
@@ -1894,8 +1902,7 @@ class Monitor:
                         else "while the LR climbed back"
                     )
                     message = (
-                        f"the loss rose {rise} (median of the last "
-                        f"{self.config.actions.lr_drop.halt_window} steps) {when}: "
+                        f"the loss {what} {when}: "
                         f"the trouble came back with it; the LR stays at {recovered['new_scale']:.3g}x "
                         "the user's schedule, where the loss was lowest"
                     )
@@ -2624,6 +2631,7 @@ class Monitor:
                     "permanent": ctx.lr_permanent,
                     "climb": [list(v) for v in ctx.lr_climb],
                     "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
+                    "climb_best_at": ctx.lr_climb_best_at,
                     "warmup": ctx.lr_warmup,
                     "proving_until": ctx.lr_proving_until,
                     "losses_seen": list(ctx.losses_seen),
@@ -2793,6 +2801,8 @@ class Monitor:
             ctx.lr_climb = [(float(x), float(scale)) for x, scale in recovery.get("climb", [])]
             best = recovery.get("climb_best")
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
+            best_at = recovery.get("climb_best_at")
+            ctx.lr_climb_best_at = int(best_at) if best_at is not None else None
             warmup = recovery.get("warmup")
             ctx.lr_warmup = float(warmup) if warmup is not None else None
             proving = recovery.get("proving_until")

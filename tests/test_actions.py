@@ -245,11 +245,13 @@ def test_the_lr_climbs_back_while_the_loss_holds_and_halts_for_good_where_it_ris
         A.ActionsConfig.from_dict({"lr_drop": {"halt_rise": 1.0}})
 
 
-def _warm_up(losses_at, steps=80, drop_at=None):
+def _warm_up(losses_at, steps=80, drop_at=None, setup=None):
     """relax_lr after a warm-up's drop at step 0 (warmup_scale 0.05, warmup_steps 10, halt_window
     5): the facts of each step, and an ordinary drop at ``drop_at``."""
     ctx = ctx_for(Tri())
     ctx.config.lr_drop.warmup_scale, ctx.config.lr_drop.warmup_steps, ctx.config.lr_drop.halt_window = 0.05, 10, 5
+    if setup is not None:
+        setup(ctx)
     A.apply(ctx, D("lr_drop", kind="update_ratio_spike", first_update=True))
     out = []
     for step in range(1, steps):
@@ -286,6 +288,45 @@ def test_the_lr_a_warm_up_gives_back_is_watched_warmup_steps_more():
     assert told[-1][1]["permanent"] and ctx.lr_permanent and ctx.lr_scale == pytest.approx(0.2)
     ctx, told = _warm_up(lambda step, scale: 1.0, drop_at=25)
     assert not told[-1][1]["permanent"] and told[-1][1]["recovers_from_step"] == 125
+
+
+def test_a_warm_up_halts_where_the_loss_stalls_as_its_lr_rises():
+    """The warm-up climbs to an LR never seen healthy. Where it is too high for the problem the loss
+    may stop falling and turn up short of ``halt_rise`` x (a cross-entropy back near chance, 1.2x
+    its lowest median): no lower median for ``halt_stall`` steps while the LR rose to 2x the scale
+    of the lowest one, the median now ``halt_stall_rise`` x it, halts the climb for good, at that
+    scale. A flat plateau and a loss that keeps falling climb to 1; an ordinary drop's climb (back
+    to an LR the run was healthy at) is not judged by a stall."""
+
+    def stalling(step, scale):  # falls while the scale is under 0.2, then back up 1.2x, noisy
+        return (1.0 - 0.01 * step if scale < 0.2 else 1.2) + 0.01 * (step % 3)
+
+    ctx = None
+
+    def warm(losses_at, stall=8):
+        nonlocal ctx
+        ctx, told = _warm_up(losses_at, setup=lambda c: setattr(c.config.lr_drop, "halt_stall", stall))
+        return told
+
+    told = warm(stalling)
+    step, halt, scale = told[-1]
+    assert halt["halted"] and halt["stalled"] and halt["permanent"]
+    assert halt["rise"] < 1.5 and halt["lowest_at"] + 8 <= step and scale == pytest.approx(halt["new_scale"])
+    assert scale < 0.2 and ctx.lr_permanent
+    # a plateau (the median flat at its lowest, not halt_stall_rise over it) is no stall
+    told = warm(lambda step, scale: 1.0 - 0.01 * min(step, 5) + 0.01 * (step % 3))
+    assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
+    # halt_stall 0: off, climbs back to 1 (then a rise of 1.2x is no halt either)
+    told = warm(stalling, stall=0)
+    assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
+    # a loss that keeps falling as the LR rises: back to 1, watched, nothing more
+    told = warm(lambda step, scale: 1.0 / step)
+    assert [sorted(f) for _, f, _ in told][-1] == ["new_scale", "old_scale", "recovered"] and ctx.lr_scale == 1.0
+    with pytest.raises(ConfigError, match="halt_stall_rise"):
+        A.ActionsConfig.from_dict({"lr_drop": {"halt_stall_rise": 1.0}})
+    # an ordinary drop's climb with the same stall: not halted
+    ctx, told = _climb(lambda step, scale: 1.0 if scale < 0.5 else 1.2, steps=80)
+    assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
 
 
 def test_a_climb_halts_on_a_loss_below_zero_by_the_progress_it_gives_back():
@@ -551,7 +592,16 @@ def test_the_lr_climbs_watch_survives_a_checkpoint(tmp_path, signed):
     cfg = {"console": False}
     mon = sfmonitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=str(tmp_path / "a"), config=cfg)
     live = mon._live()
-    names = ("lr_scale", "lr_dropped_at", "lr_drop_kind", "lr_climb", "lr_climb_best", "losses_seen", "loss_signed")
+    names = (
+        "lr_scale",
+        "lr_dropped_at",
+        "lr_drop_kind",
+        "lr_climb",
+        "lr_climb_best",
+        "lr_climb_best_at",
+        "losses_seen",
+    )
+    names = (*names, "loss_signed")
     for name in names:
         setattr(live, name, getattr(ctx, name))
     state = mon.state_dict()
