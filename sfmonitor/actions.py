@@ -228,7 +228,7 @@ class LRDropConfig(Section):
         "a drop for an update larger than its weights at a group's first update starts the LR again from "
         "this scale and climbs back from the next step over warmup_steps, a warm-up (0: the ordinary drop, a "
         "fifth held recover_after steps). Where the LR is too high only for the initial weights (no warm-up: "
-        "a GPT at 20x closes 73% of the gap to its default LR, the ordinary drop 39%) it treats the cause; "
+        "a GPT at 20x closes 66% of the gap to its default LR, the ordinary drop 39%) it treats the cause; "
         "where it is too high for the problem the climb's halt (halt_rise, halt_stall) stops it where the "
         "loss was lowest. The LR it gives back is watched warmup_steps more by that halt, and a drop in that "
         "time is permanent",
@@ -254,7 +254,7 @@ class LRDropConfig(Section):
         "median now halt_stall_rise x it. The LR it climbs to was never seen healthy; where it is too high "
         "for the problem, not only for the initial weights, the loss stops falling and turns up short of "
         "halt_rise (BatchNorm CNNs at LRs too high for them fell back towards chance, creeping past 1.1x "
-        "their lowest median over 20-70 steps). "
+        "their lowest median over 21-128 steps). "
         "0: off",
         lo=0,
     )
@@ -903,7 +903,7 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     # An update larger than its weights before any of the group's updates landed: the run may
     # start at an LR too high for its initial weights (no warm-up). A hold at a fifth for 100 steps
     # left the damage of the first updates (a GPT at 20x its LR: 39% of the gap to its default LR
-    # closed); the undone updates leave the initial state, from which a warm-up closes 73%. Where
+    # closed); the undone updates leave the initial state, from which a warm-up closes 66%. Where
     # the LR is too high for the problem, not only for the start, the climb's halt takes it back
     # to where the loss was lowest: on a rise, or a stall (relax_lr).
     warmup = bool(decision.cause.data.get("first_update")) and cfg.warmup_scale > 0 and old >= 1.0 and rise is None
