@@ -231,7 +231,8 @@ class LRDropConfig(Section):
         "a GPT at 20x closes 66% of the gap to its default LR, the ordinary drop 39%) it treats the cause; "
         "where it is too high for the problem the climb's halt (halt_rise, halt_stall) stops it where the "
         "loss was lowest. The LR it gives back is watched warmup_steps more by that halt, and a drop in that "
-        "time is permanent",
+        "time is permanent; so is the LR a halt leaves, lowered by factor again where the loss rises "
+        "halt_rise x over its median at the halt",
         lo=0,
         hi=1,
     )
@@ -429,6 +430,9 @@ class ActionContext:
     lr_climb: list[tuple[float, float]] = field(default_factory=list)
     lr_climb_best: tuple[float, float] | None = None
     lr_climb_best_at: int | None = None  # the step that median was reached (a warm-up's stall)
+    # After a warm-up's climb halted: the last step at which the LR it left is still watched, and
+    # the median (log) loss at the halt, which a rise of halt_rise x lowers the LR from again
+    lr_halt_watch: tuple[int, float] | None = None
     losses_seen: list[float] = field(default_factory=list)
     loss_signed: bool = False
     # The LR per param group that the drop (or a halt of the climb) set, the level it holds the LR
@@ -993,7 +997,7 @@ def _hold_ceiling(ctx: ActionContext) -> dict[str, Any]:
     old = ctx.lr_scale
     ctx.lr_scale, ctx.lr_permanent, ctx.lr_dropped_at, ctx.lr_ceiling = 1.0, False, None, None
     ctx.lr_climb, ctx.lr_climb_best, ctx.lr_warmup, ctx.lr_proving_until = [], None, None, None
-    ctx.lr_climb_best_at = None
+    ctx.lr_climb_best_at, ctx.lr_halt_watch = None, None
     return {"old_scale": old, "new_scale": 1.0, "released": True, "user_lr": lrs, "dropped_lr": ceiling}
 
 
@@ -1017,9 +1021,13 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
         if loss < 0 and not ctx.loss_signed:
             # (a loss with no ratio to rise by, see S.rose: the window's logs no longer compare)
             ctx.loss_signed, ctx.lr_climb, ctx.lr_climb_best, ctx.lr_climb_best_at = True, [], None, None
+            ctx.lr_halt_watch = None
     released = _hold_ceiling(ctx)
     if released:
         return released
+    again = _watch_halted(ctx, loss)
+    if again is not None:
+        return again
     after = _recover_after(ctx)
     proving = _proving(ctx) and not ctx.lr_permanent
     if not proving:
@@ -1062,6 +1070,8 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
                 old = ctx.lr_scale
                 ctx.lr_scale, ctx.lr_permanent, ctx.lr_proving_until = min(best[1], old), True, None
                 ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
+                if ctx.lr_warmup is not None or proving:  # (the LR left was first seen in the climb)
+                    ctx.lr_halt_watch, ctx.lr_climb = (ctx.step + cfg.warmup_steps, median), []
                 unlog = (lambda x: x) if signed else math.exp
                 return {
                     "halted": True,
@@ -1096,6 +1106,55 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
         steps = cfg.warmup_steps if warmup is not None else cfg.recover_steps
         return {"old_scale": old, "new_scale": ctx.lr_scale, "recovering": True, "steps": steps}
     return {}
+
+
+def _watch_halted(ctx: ActionContext, loss: float | None) -> dict[str, Any] | None:
+    """After a warm-up's halt (``ctx.lr_halt_watch``): the LR it left was itself first seen in
+    the climb, and may still be too high (SGD with momentum just past its edge: a linear regression
+    at 0.3 whose loss rose from 0.2 to 0.66 over 80 steps at the halted 0.55x). For
+    ``warmup_steps`` after the halt, a median of the last ``halt_window`` losses ``halt_rise`` x the
+    one at the halt lowers the LR by ``factor`` again, for good, and is watched as long again.
+    Returns None where nothing is watched (relax_lr goes on), else the facts of a new cut or {}."""
+    watch = ctx.lr_halt_watch
+    if watch is None:
+        return None
+    cfg = ctx.config.lr_drop
+    until, at_halt = watch
+    if ctx.step > until or not ctx.lr_permanent:
+        ctx.lr_halt_watch = None
+        return None
+    signed = ctx.loss_signed
+    if loss is None or not math.isfinite(loss) or not (loss > 0 or signed):
+        return {}
+    ctx.lr_climb = [*ctx.lr_climb[-(cfg.halt_window - 1) :], (loss if signed else math.log(loss), ctx.lr_scale)]
+    if len(ctx.lr_climb) < cfg.halt_window:
+        return {}
+    median = statistics.median(x for x, _ in ctx.lr_climb)
+    if signed:
+        rose = S.rose(median, at_halt, cfg.halt_rise, max(ctx.losses_seen, default=None), signed=True)
+    else:
+        rose = median - at_halt > math.log(cfg.halt_rise)
+    if not rose:
+        return {}
+    old = ctx.lr_scale
+    ctx.lr_scale = max(old * cfg.factor, cfg.min_scale)
+    ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
+    ctx.lr_halt_watch, ctx.lr_climb = (ctx.step + cfg.warmup_steps, median), []
+    unlog = (lambda x: x) if signed else math.exp
+    return {
+        "halted": True,
+        "again": True,
+        "old_scale": old,
+        "new_scale": ctx.lr_scale,
+        "permanent": True,
+        "loss_median": unlog(median),
+        "lowest_loss_median": unlog(at_halt),  # (the median at the halt before)
+        "rise": median - at_halt if signed else math.exp(median - at_halt),
+        "signed": signed,
+        "after_climb": True,
+        "stalled": False,
+        "lowest_at": until - cfg.warmup_steps,
+    }
 
 
 # --------------------------------------------------------------------------------------------

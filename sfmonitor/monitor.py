@@ -1889,23 +1889,34 @@ class Monitor:
                     rise = f"by {recovered['rise']:.3g}" if recovered["signed"] else f"{recovered['rise']:.3g}x"
                     window = self.config.actions.lr_drop.halt_window
                     what = f"rose {rise} (median of the last {window} steps)"
-                    if recovered["stalled"]:
+                    if recovered.get("again"):
+                        what = (
+                            f"rose {rise} over its median at the halt at step {recovered['lowest_at']} "
+                            f"(median of the last {window} steps)"
+                        )
+                    elif recovered["stalled"]:
                         what = (
                             f"stalled: the median of the last {window} steps has not fallen below "
                             f"{recovered['lowest_loss_median']:.4g} since step {recovered['lowest_at']} "
                             "while the LR rose to 2x its scale there or more"
                         )
                     when = (
-                        "after a warm-up gave the LR back (an LR never seen healthy is watched "
+                        "at the LR a warm-up's halt left (first seen in its climb: watched "
+                        f"{self.config.actions.lr_drop.warmup_steps} steps after the halt)"
+                        if recovered.get("again")
+                        else "after a warm-up gave the LR back (an LR never seen healthy is watched "
                         f"{self.config.actions.lr_drop.warmup_steps} steps more)"
                         if recovered["after_climb"]
                         else "while the LR climbed back"
                     )
-                    message = (
-                        f"the loss {what} {when}: "
-                        f"the trouble came back with it; the LR stays at {recovered['new_scale']:.3g}x "
+                    where = (
+                        f"still too high; the LR goes down to {recovered['new_scale']:.3g}x the user's schedule, "
+                        "for good"
+                        if recovered.get("again")
+                        else f"the trouble came back with it; the LR stays at {recovered['new_scale']:.3g}x "
                         "the user's schedule, where the loss was lowest"
                     )
+                    message = f"the loss {what} {when}: {where}"
                 elif recovered.get("released"):
                     message = (
                         "the user's LR fell to the level the LR drop set (or below it): the drop is released, "
@@ -2632,6 +2643,7 @@ class Monitor:
                     "climb": [list(v) for v in ctx.lr_climb],
                     "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
                     "climb_best_at": ctx.lr_climb_best_at,
+                    "halt_watch": list(ctx.lr_halt_watch) if ctx.lr_halt_watch is not None else None,
                     "warmup": ctx.lr_warmup,
                     "proving_until": ctx.lr_proving_until,
                     "losses_seen": list(ctx.losses_seen),
@@ -2803,6 +2815,8 @@ class Monitor:
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
             best_at = recovery.get("climb_best_at")
             ctx.lr_climb_best_at = int(best_at) if best_at is not None else None
+            watch = recovery.get("halt_watch")
+            ctx.lr_halt_watch = (int(watch[0]), float(watch[1])) if watch is not None else None
             warmup = recovery.get("warmup")
             ctx.lr_warmup = float(warmup) if warmup is not None else None
             proving = recovery.get("proving_until")

@@ -329,6 +329,76 @@ def test_a_warm_up_halts_where_the_loss_stalls_as_its_lr_rises():
     assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
 
 
+def test_the_lr_a_warm_ups_halt_left_is_watched_and_lowered_again_where_the_loss_keeps_rising():
+    """A warm-up's halt takes the LR back to the scale of the lowest median, itself an LR first
+    seen in the climb. Where the loss keeps rising under it (SGD with momentum just past its edge:
+    a linear regression at 0.3 rose from 0.2 to 0.66 over 80 steps at the halted 0.55x), the watch
+    goes on ``warmup_steps`` more: a median ``halt_rise`` x the one at the halt (a fresh window of
+    losses after it) lowers the LR by ``factor`` again, for good, and watches on. A loss that falls
+    back after the halt, and an ordinary drop's halted climb, are left as they are."""
+
+    def still_too_high(step, scale):  # rises at the full LR; still rises at the halted scale
+        return 1.0 if step < 12 else (2.0 if step < 18 else (5.0 if scale > 0.02 else 1.0))
+
+    ctx, told = _warm_up(still_too_high)
+    halts = [(s, f) for s, f, _ in told if f.get("halted")]
+    assert len(halts) == 2 and halts[0][1]["after_climb"] and not halts[0][1].get("again")
+    (first, halt), (second, again) = halts
+    assert again["again"] and again["permanent"] and second <= first + 10
+    assert again["old_scale"] == pytest.approx(halt["new_scale"])
+    assert again["new_scale"] == pytest.approx(halt["new_scale"] * 0.2) and ctx.lr_scale == again["new_scale"]
+    assert again["rise"] == pytest.approx(2.5) and again["lowest_loss_median"] == pytest.approx(2.0)
+    assert ctx.lr_permanent and ctx.lr_halt_watch is None  # (watched warmup_steps after it, then done)
+    # ... and the LR the second cut left is watched as long again
+    ctx, told = _warm_up(
+        lambda step, scale: still_too_high(step, scale) if step < 26 else (12.5 if scale > 2e-3 else 1)
+    )
+    cuts = [f["new_scale"] for _, f, _ in told if f.get("again")]
+    assert cuts == [pytest.approx(0.01), pytest.approx(0.002)] and ctx.lr_scale == pytest.approx(0.002)
+
+
+def test_the_watch_after_a_warm_ups_halt_survives_a_checkpoint(tmp_path):
+    """The watch after a warm-up's halt (its end and the median at the halt) is in the monitor's
+    state: a monitor that loads it mid-watch cuts the LR where the uninterrupted one does."""
+    import sfmonitor
+
+    def still_too_high(step, scale):
+        return 1.0 if step < 12 else (2.0 if step < 18 else (5.0 if scale > 0.02 else 1.0))
+
+    ctx, told = _warm_up(still_too_high, steps=16)  # halted at step 14, watched
+    assert ctx.lr_halt_watch is not None and ctx.lr_permanent
+    model = nn.Linear(2, 1)
+    mon = sfmonitor.attach(model, torch.optim.SGD(model.parameters(), lr=1e-3), run_dir=str(tmp_path / "a"))
+    names = ("lr_scale", "lr_permanent", "lr_ceiling", "lr_climb", "lr_halt_watch", "losses_seen", "loss_signed")
+    for name in names:
+        setattr(mon._live(), name, getattr(ctx, name))
+    state = mon.state_dict()
+    mon.detach()
+    other = sfmonitor.attach(model, torch.optim.SGD(model.parameters(), lr=1e-3), run_dir=str(tmp_path / "b"))
+    other.load_state_dict(state)
+    again = other._live()  # (the same user's LR, 1e-3: the ceiling is an LR, not a scale)
+    assert all(getattr(again, name) == getattr(ctx, name) for name in names)
+    again.config.lr_drop.warmup_steps, again.config.lr_drop.halt_window = 10, 5
+    both = []
+    for step in range(16, 30):
+        ctx.step = again.step = step
+        both.append(
+            (
+                A.relax_lr(ctx, still_too_high(step, ctx.lr_scale)),
+                A.relax_lr(again, still_too_high(step, again.lr_scale)),
+            )
+        )
+    assert any(a.get("again") for a, _ in both) and all(a == b for a, b in both)
+    other.detach()
+    # the loss falls back after the halt: the halted LR stays, the watch ends
+    ctx, told = _warm_up(lambda step, scale: 2.0 if 12 <= step < 18 else 1.0)
+    assert [f.get("again") for _, f, _ in told if f.get("halted")] == [None]
+    assert ctx.lr_halt_watch is None and ctx.lr_permanent
+    # an ordinary drop's climb, halted, is not watched after
+    ctx, told = _climb(lambda step, scale: 3.0 if scale > 0.5 or step > 35 else 1.0, steps=80)
+    assert [s for s, f, _ in told if f.get("halted")] == [told[-1][0]] and ctx.lr_halt_watch is None
+
+
 def test_a_climb_halts_on_a_loss_below_zero_by_the_progress_it_gives_back():
     """A loss seen below zero (a Gaussian NLL) has no ratio to rise by: while the LR climbs back,
     its median must rise past ``halt_rise - 1`` times the progress made from its start. A constant
