@@ -1039,57 +1039,33 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     if idle or since < after - cfg.halt_window:  # (a new drop restarts the count)
         ctx.lr_climb, ctx.lr_climb_best, ctx.lr_climb_best_at = [], None, None
         return {}
-    signed = ctx.loss_signed
-    if cfg.halt_rise and loss is not None and math.isfinite(loss) and (loss > 0 or signed):
-        value = loss if signed else math.log(loss)
-        ctx.lr_climb = [*ctx.lr_climb[-(cfg.halt_window - 1) :], (value, ctx.lr_scale)]
-        if len(ctx.lr_climb) == cfg.halt_window:
-            median = statistics.median(x for x, _ in ctx.lr_climb)
-            best = ctx.lr_climb_best
-            start = max(ctx.losses_seen, default=None) if signed else None
-
-            def above(factor: float) -> bool:  # the median over factor x the lowest (S.rose)
-                if signed:
-                    return best is not None and S.rose(median, best[0], factor, start, signed=True)
-                return best is not None and median - best[0] > math.log(factor)
-
-            rose = above(cfg.halt_rise)
-            # A warm-up's LR that stopped the loss falling and turned it back up a little: no
-            # lower median for halt_stall steps while the LR rose to 2x the scale of the lowest
-            # one, and the median now halt_stall_rise x that lowest (a flat one is a plateau).
-            stalled = (
-                bool(cfg.halt_stall)
-                and (ctx.lr_warmup is not None or proving)
-                and best is not None
-                and ctx.lr_climb_best_at is not None
-                and ctx.step - ctx.lr_climb_best_at >= cfg.halt_stall
-                and ctx.lr_scale >= 2.0 * best[1]
-                and above(cfg.halt_stall_rise)
-            )
-            if since > after and best is not None and (rose or stalled):
-                old = ctx.lr_scale
-                ctx.lr_scale, ctx.lr_permanent, ctx.lr_proving_until = min(best[1], old), True, None
-                ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
-                if ctx.lr_warmup is not None or proving:  # (the LR left was first seen in the climb)
-                    ctx.lr_halt_watch, ctx.lr_climb = (ctx.step + cfg.warmup_steps, median), []
-                unlog = (lambda x: x) if signed else math.exp
-                return {
-                    "halted": True,
-                    "old_scale": old,
-                    "new_scale": ctx.lr_scale,
-                    "permanent": True,
-                    "loss_median": unlog(median),
-                    "lowest_loss_median": unlog(best[0]),
-                    # a ratio; a loss below zero has none: the rise itself (S.rose)
-                    "rise": median - best[0] if signed else math.exp(median - best[0]),
-                    "signed": signed,
-                    "after_climb": proving,
-                    "stalled": not rose,
-                    "lowest_at": ctx.lr_climb_best_at,
-                }
-            if best is None or median < best[0]:
-                ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb))
-                ctx.lr_climb_best_at = ctx.step
+    median = _window_median(ctx, loss) if cfg.halt_rise else None
+    if median is not None:
+        best = ctx.lr_climb_best
+        rose = best is not None and _median_rose(ctx, median, best[0], cfg.halt_rise)
+        # A warm-up's LR that stopped the loss falling and turned it back up a little: no
+        # lower median for halt_stall steps while the LR rose to 2x the scale of the lowest
+        # one, and the median now halt_stall_rise x that lowest (a flat one is a plateau).
+        stalled = (
+            bool(cfg.halt_stall)
+            and (ctx.lr_warmup is not None or proving)
+            and best is not None
+            and ctx.lr_climb_best_at is not None
+            and ctx.step - ctx.lr_climb_best_at >= cfg.halt_stall
+            and ctx.lr_scale >= 2.0 * best[1]
+            and _median_rose(ctx, median, best[0], cfg.halt_stall_rise)
+        )
+        if since > after and best is not None and (rose or stalled):
+            old = ctx.lr_scale
+            ctx.lr_scale, ctx.lr_permanent, ctx.lr_proving_until = min(best[1], old), True, None
+            ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
+            at = ctx.lr_climb_best_at
+            if ctx.lr_warmup is not None or proving:  # (the LR left was first seen in the climb)
+                ctx.lr_halt_watch, ctx.lr_climb = (ctx.step + cfg.warmup_steps, median), []
+            return _halt_facts(ctx, old, median, best[0], after_climb=proving, stalled=not rose, lowest_at=at)
+        if best is None or median < best[0]:
+            ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb))
+            ctx.lr_climb_best_at = ctx.step
     if since < after or proving:
         return {}
     old = ctx.lr_scale
@@ -1123,37 +1099,55 @@ def _watch_halted(ctx: ActionContext, loss: float | None) -> dict[str, Any] | No
     if ctx.step > until or not ctx.lr_permanent:
         ctx.lr_halt_watch = None
         return None
-    signed = ctx.loss_signed
-    if loss is None or not math.isfinite(loss) or not (loss > 0 or signed):
-        return {}
-    ctx.lr_climb = [*ctx.lr_climb[-(cfg.halt_window - 1) :], (loss if signed else math.log(loss), ctx.lr_scale)]
-    if len(ctx.lr_climb) < cfg.halt_window:
-        return {}
-    median = statistics.median(x for x, _ in ctx.lr_climb)
-    if signed:
-        rose = S.rose(median, at_halt, cfg.halt_rise, max(ctx.losses_seen, default=None), signed=True)
-    else:
-        rose = median - at_halt > math.log(cfg.halt_rise)
-    if not rose:
+    median = _window_median(ctx, loss)
+    if median is None or not _median_rose(ctx, median, at_halt, cfg.halt_rise):
         return {}
     old = ctx.lr_scale
     ctx.lr_scale = max(old * cfg.factor, cfg.min_scale)
     ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
     ctx.lr_halt_watch, ctx.lr_climb = (ctx.step + cfg.warmup_steps, median), []
+    # (its "lowest": the median at the halt before, and that halt's step)
+    return _halt_facts(
+        ctx, old, median, at_halt, again=True, after_climb=True, stalled=False, lowest_at=until - cfg.warmup_steps
+    )
+
+
+def _window_median(ctx: ActionContext, loss: float | None) -> float | None:
+    """Add the step's loss (its log; the loss itself once one was seen below zero) and the LR
+    scale to the climb's window (``ctx.lr_climb``, the last ``halt_window``): its median once the
+    window is full, else None (and None, nothing added, without a loss it can read)."""
+    signed = ctx.loss_signed
+    if loss is None or not math.isfinite(loss) or not (loss > 0 or signed):
+        return None
+    window = ctx.config.lr_drop.halt_window
+    ctx.lr_climb = [*ctx.lr_climb[-(window - 1) :], (loss if signed else math.log(loss), ctx.lr_scale)]
+    return statistics.median(x for x, _ in ctx.lr_climb) if len(ctx.lr_climb) >= window else None
+
+
+def _median_rose(ctx: ActionContext, median: float, reference: float, factor: float) -> bool:
+    """Whether the climb window's median (a log loss; the loss itself once one was seen below
+    zero) is ``factor`` x ``reference``: for a signed loss, a rise of ``factor - 1`` times the
+    progress made from the run's start (S.rose)."""
+    if ctx.loss_signed:
+        return S.rose(median, reference, factor, max(ctx.losses_seen, default=None), signed=True)
+    return median - reference > math.log(factor)
+
+
+def _halt_facts(ctx: ActionContext, old: float, median: float, reference: float, **more: Any) -> dict[str, Any]:
+    """The facts of a halt that took the LR scale from ``old`` to ``ctx.lr_scale`` for good."""
+    signed = ctx.loss_signed
     unlog = (lambda x: x) if signed else math.exp
     return {
         "halted": True,
-        "again": True,
         "old_scale": old,
         "new_scale": ctx.lr_scale,
         "permanent": True,
         "loss_median": unlog(median),
-        "lowest_loss_median": unlog(at_halt),  # (the median at the halt before)
-        "rise": median - at_halt if signed else math.exp(median - at_halt),
+        "lowest_loss_median": unlog(reference),
+        # a ratio; a loss below zero has none: the rise itself (S.rose)
+        "rise": median - reference if signed else math.exp(median - reference),
         "signed": signed,
-        "after_climb": True,
-        "stalled": False,
-        "lowest_at": until - cfg.warmup_steps,
+        **more,
     }
 
 
