@@ -252,18 +252,17 @@ class LRDropConfig(Section):
         20,
         "a warm-up's climb (warmup_scale) and its watch also halt where the loss stalls: no median lower "
         "than the lowest for this many steps while the LR rose to 2x the scale of that lowest, and the "
-        "median now halt_stall_rise x it. The LR it climbs to was never seen healthy; where it is too high "
-        "for the problem, not only for the initial weights, the loss stops falling and turns up short of "
-        "halt_rise (BatchNorm CNNs at LRs too high for them fell back towards chance, creeping past 1.1x "
-        "their lowest median over 21-128 steps). "
-        "0: off",
+        "median now halt_stall_rise x its own this many steps before. The LR it climbs to was never seen "
+        "healthy; where it is too high for the problem, not only for the initial weights, the loss stops "
+        "falling and turns up short of halt_rise (BatchNorm CNNs at LRs too high for them fell back towards "
+        "chance, creeping past 1.1x their lowest median over 21-128 steps). 0: off",
         lo=0,
     )
     halt_stall_rise: float = option(
         1.03,
-        "the rise over the lowest median a stall (halt_stall) needs: a median flat within it is a plateau, "
-        "which a climbing LR may pass (an LSTM language model under SGD at 20 sat at 1.01x its lowest for 20 "
-        "steps of its warm-up)",
+        "the rise a stall (halt_stall) needs, of the median over its own halt_stall steps before: a "
+        "trend, not a plateau's swing (read over the lowest median, one of a plateau's dips, an LSTM "
+        "language model under SGD at 20, its median flat at 3.09-3.10 for 80 steps, was halted at 1.031x)",
         lo=1,
         lo_open=True,
     )
@@ -1043,9 +1042,11 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     if median is not None:
         best = ctx.lr_climb_best
         rose = best is not None and _median_rose(ctx, median, best[0], cfg.halt_rise)
-        # A warm-up's LR that stopped the loss falling and turned it back up a little: no
-        # lower median for halt_stall steps while the LR rose to 2x the scale of the lowest
-        # one, and the median now halt_stall_rise x that lowest (a flat one is a plateau).
+        # A warm-up's LR that stopped the loss falling and turned it back up: no lower median
+        # for halt_stall steps while the LR rose to 2x the scale of the lowest one, and the
+        # median now halt_stall_rise x its own halt_stall steps before. (Not x the lowest: on a
+        # plateau the lowest median is one of its dips, which the median rises over and back.)
+        earlier = _median_before(ctx, cfg.halt_stall)
         stalled = (
             bool(cfg.halt_stall)
             and (ctx.lr_warmup is not None or proving)
@@ -1053,7 +1054,8 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
             and ctx.lr_climb_best_at is not None
             and ctx.step - ctx.lr_climb_best_at >= cfg.halt_stall
             and ctx.lr_scale >= 2.0 * best[1]
-            and _median_rose(ctx, median, best[0], cfg.halt_stall_rise)
+            and earlier is not None
+            and _median_rose(ctx, median, earlier, cfg.halt_stall_rise)
         )
         if since > after and best is not None and (rose or stalled):
             old = ctx.lr_scale
@@ -1064,7 +1066,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
                 ctx.lr_halt_watch, ctx.lr_climb = (ctx.step + cfg.warmup_steps, median), []
             return _halt_facts(ctx, old, median, best[0], after_climb=proving, stalled=not rose, lowest_at=at)
         if best is None or median < best[0]:
-            ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb))
+            ctx.lr_climb_best = (median, min(scale for _, scale in ctx.lr_climb[-cfg.halt_window :]))
             ctx.lr_climb_best_at = ctx.step
     if since < after or proving:
         return {}
@@ -1114,14 +1116,26 @@ def _watch_halted(ctx: ActionContext, loss: float | None) -> dict[str, Any] | No
 
 def _window_median(ctx: ActionContext, loss: float | None) -> float | None:
     """Add the step's loss (its log; the loss itself once one was seen below zero) and the LR
-    scale to the climb's window (``ctx.lr_climb``, the last ``halt_window``): its median once the
-    window is full, else None (and None, nothing added, without a loss it can read)."""
+    scale to the climb's values (``ctx.lr_climb``, the last ``halt_window + halt_stall``): the
+    median of the last ``halt_window`` once there are that many, else None (and None, nothing
+    added, without a loss it can read)."""
     signed = ctx.loss_signed
     if loss is None or not math.isfinite(loss) or not (loss > 0 or signed):
         return None
+    cfg = ctx.config.lr_drop
+    keep = cfg.halt_window + cfg.halt_stall  # (a stall's rise is over the median halt_stall steps before)
+    ctx.lr_climb = [*ctx.lr_climb[-(keep - 1) :], (loss if signed else math.log(loss), ctx.lr_scale)]
+    return _median_before(ctx, 0)
+
+
+def _median_before(ctx: ActionContext, steps: int) -> float | None:
+    """The median of the ``halt_window`` climb values that ended ``steps`` steps ago (None where
+    the climb has fewer)."""
     window = ctx.config.lr_drop.halt_window
-    ctx.lr_climb = [*ctx.lr_climb[-(window - 1) :], (loss if signed else math.log(loss), ctx.lr_scale)]
-    return statistics.median(x for x, _ in ctx.lr_climb) if len(ctx.lr_climb) >= window else None
+    if len(ctx.lr_climb) < window + steps:
+        return None
+    values = ctx.lr_climb[len(ctx.lr_climb) - steps - window : len(ctx.lr_climb) - steps]
+    return statistics.median(x for x, _ in values)
 
 
 def _median_rose(ctx: ActionContext, median: float, reference: float, factor: float) -> bool:
