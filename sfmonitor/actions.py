@@ -995,8 +995,8 @@ def _hold_ceiling(ctx: ActionContext) -> dict[str, Any]:
         return {}
     old = ctx.lr_scale
     ctx.lr_scale, ctx.lr_permanent, ctx.lr_dropped_at, ctx.lr_ceiling = 1.0, False, None, None
-    ctx.lr_climb, ctx.lr_climb_best, ctx.lr_warmup, ctx.lr_proving_until = [], None, None, None
-    ctx.lr_climb_best_at, ctx.lr_halt_watch = None, None
+    ctx.lr_warmup, ctx.lr_proving_until, ctx.lr_halt_watch = None, None, None
+    _forget_climb(ctx)
     return {"old_scale": old, "new_scale": 1.0, "released": True, "user_lr": lrs, "dropped_lr": ceiling}
 
 
@@ -1019,8 +1019,8 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
             ctx.losses_seen.append(float(loss))
         if loss < 0 and not ctx.loss_signed:
             # (a loss with no ratio to rise by, see S.rose: the window's logs no longer compare)
-            ctx.loss_signed, ctx.lr_climb, ctx.lr_climb_best, ctx.lr_climb_best_at = True, [], None, None
-            ctx.lr_halt_watch = None
+            ctx.loss_signed, ctx.lr_halt_watch = True, None
+            _forget_climb(ctx)
     released = _hold_ceiling(ctx)
     if released:
         return released
@@ -1036,33 +1036,18 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
     if proving:  # (the climb is over: its halt still watches the full LR)
         idle, since = False, after + 1
     if idle or since < after - cfg.halt_window:  # (a new drop restarts the count)
-        ctx.lr_climb, ctx.lr_climb_best, ctx.lr_climb_best_at = [], None, None
+        _forget_climb(ctx)
         return {}
     median = _window_median(ctx, loss) if cfg.halt_rise else None
     if median is not None:
         best = ctx.lr_climb_best
+        warming = ctx.lr_warmup is not None or proving  # (an LR never seen healthy: a warm-up's)
         rose = best is not None and _median_rose(ctx, median, best[0], cfg.halt_rise)
-        # A warm-up's LR that stopped the loss falling and turned it back up: no lower median
-        # for halt_stall steps while the LR rose to 2x the scale of the lowest one, and the
-        # median now halt_stall_rise x its own halt_stall steps before. (Not x the lowest: on a
-        # plateau the lowest median is one of its dips, which the median rises over and back.)
-        earlier = _median_before(ctx, cfg.halt_stall)
-        stalled = (
-            bool(cfg.halt_stall)
-            and (ctx.lr_warmup is not None or proving)
-            and best is not None
-            and ctx.lr_climb_best_at is not None
-            and ctx.step - ctx.lr_climb_best_at >= cfg.halt_stall
-            and ctx.lr_scale >= 2.0 * best[1]
-            and earlier is not None
-            and _median_rose(ctx, median, earlier, cfg.halt_stall_rise)
-        )
+        stalled = not rose and warming and best is not None and _stalled(ctx, median, best[1])
         if since > after and best is not None and (rose or stalled):
-            old = ctx.lr_scale
-            ctx.lr_scale, ctx.lr_permanent, ctx.lr_proving_until = min(best[1], old), True, None
-            ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
-            at = ctx.lr_climb_best_at
-            if ctx.lr_warmup is not None or proving:  # (the LR left was first seen in the climb)
+            old, at = ctx.lr_scale, ctx.lr_climb_best_at
+            _cap_lr(ctx, min(best[1], old))
+            if warming:  # (the LR left was first seen in the climb)
                 ctx.lr_halt_watch, ctx.lr_climb = (ctx.step + cfg.warmup_steps, median), []
             return _halt_facts(ctx, old, median, best[0], after_climb=proving, stalled=not rose, lowest_at=at)
         if best is None or median < best[0]:
@@ -1105,13 +1090,65 @@ def _watch_halted(ctx: ActionContext, loss: float | None) -> dict[str, Any] | No
     if median is None or not _median_rose(ctx, median, at_halt, cfg.halt_rise):
         return {}
     old = ctx.lr_scale
-    ctx.lr_scale = max(old * cfg.factor, cfg.min_scale)
-    ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), ctx.lr_scale, cfg.min_lr)
+    _cap_lr(ctx, max(old * cfg.factor, cfg.min_scale))
     ctx.lr_halt_watch, ctx.lr_climb = (ctx.step + cfg.warmup_steps, median), []
     # (its "lowest": the median at the halt before, and that halt's step)
     return _halt_facts(
         ctx, old, median, at_halt, again=True, after_climb=True, stalled=False, lowest_at=until - cfg.warmup_steps
     )
+
+
+def halt_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
+    """The event message of a halt (``_halt_facts``): a rise during the climb or the watch after a
+    warm-up's, a warm-up's stall, or a rise at the LR a warm-up's halt left."""
+    rise = f"by {facts['rise']:.3g}" if facts["signed"] else f"{facts['rise']:.3g}x"
+    median = f"(median of the last {cfg.halt_window} steps)"
+    if facts.get("again"):
+        return (
+            f"the loss rose {rise} over its median at the halt at step {facts['lowest_at']} {median} at the LR "
+            f"a warm-up's halt left (first seen in its climb: watched {cfg.warmup_steps} steps after the halt): "
+            f"still too high; the LR goes down to {facts['new_scale']:.3g}x the user's schedule, for good"
+        )
+    what = f"rose {rise} {median}"
+    if facts["stalled"]:
+        what = (
+            f"stalled: the median of the last {cfg.halt_window} steps has not fallen below "
+            f"{facts['lowest_loss_median']:.4g} since step {facts['lowest_at']} while the LR rose to 2x its "
+            "scale there or more"
+        )
+    when = "while the LR climbed back"
+    if facts["after_climb"]:
+        when = f"after a warm-up gave the LR back (an LR never seen healthy is watched {cfg.warmup_steps} steps more)"
+    return (
+        f"the loss {what} {when}: the trouble came back with it; the LR stays at {facts['new_scale']:.3g}x the "
+        "user's schedule, where the loss was lowest"
+    )
+
+
+def _stalled(ctx: ActionContext, median: float, lowest_scale: float) -> bool:
+    """A warm-up's LR that stopped the loss falling and turned it back up: no lower median for
+    ``halt_stall`` steps while the LR rose to 2x ``lowest_scale`` (the scale of the lowest one),
+    and the median now ``halt_stall_rise`` x its own ``halt_stall`` steps before. (Not x the
+    lowest: on a plateau the lowest median is one of its dips, which the median rises over and
+    back.)"""
+    cfg = ctx.config.lr_drop
+    at = ctx.lr_climb_best_at  # (None: a state saved before it was kept)
+    if not cfg.halt_stall or at is None or ctx.step - at < cfg.halt_stall or ctx.lr_scale < 2.0 * lowest_scale:
+        return False
+    earlier = _median_before(ctx, cfg.halt_stall)
+    return earlier is not None and _median_rose(ctx, median, earlier, cfg.halt_stall_rise)
+
+
+def _cap_lr(ctx: ActionContext, scale: float) -> None:
+    """The climb's halt: the LR scale to ``scale`` for good, a cap at the LR it sets (the trouble
+    came back with the LR)."""
+    ctx.lr_scale, ctx.lr_permanent, ctx.lr_proving_until = scale, True, None
+    ctx.lr_ceiling = _scaled_lrs(_user_lrs(ctx), scale, ctx.config.lr_drop.min_lr)
+
+
+def _forget_climb(ctx: ActionContext) -> None:
+    """No climb judged: its values, its lowest median and that median's step."""
+    ctx.lr_climb, ctx.lr_climb_best, ctx.lr_climb_best_at = [], None, None
 
 
 def _window_median(ctx: ActionContext, loss: float | None) -> float | None:

@@ -1886,37 +1886,7 @@ class Monitor:
                 # where the loss rises with it (an event too).
                 recovered = A.relax_lr(ctx, self._stats.get(S.LOSS_TOTAL))
                 if recovered.get("halted"):
-                    rise = f"by {recovered['rise']:.3g}" if recovered["signed"] else f"{recovered['rise']:.3g}x"
-                    window = self.config.actions.lr_drop.halt_window
-                    what = f"rose {rise} (median of the last {window} steps)"
-                    if recovered.get("again"):
-                        what = (
-                            f"rose {rise} over its median at the halt at step {recovered['lowest_at']} "
-                            f"(median of the last {window} steps)"
-                        )
-                    elif recovered["stalled"]:
-                        what = (
-                            f"stalled: the median of the last {window} steps has not fallen below "
-                            f"{recovered['lowest_loss_median']:.4g} since step {recovered['lowest_at']} "
-                            "while the LR rose to 2x its scale there or more"
-                        )
-                    when = (
-                        "at the LR a warm-up's halt left (first seen in its climb: watched "
-                        f"{self.config.actions.lr_drop.warmup_steps} steps after the halt)"
-                        if recovered.get("again")
-                        else "after a warm-up gave the LR back (an LR never seen healthy is watched "
-                        f"{self.config.actions.lr_drop.warmup_steps} steps more)"
-                        if recovered["after_climb"]
-                        else "while the LR climbed back"
-                    )
-                    where = (
-                        f"still too high; the LR goes down to {recovered['new_scale']:.3g}x the user's schedule, "
-                        "for good"
-                        if recovered.get("again")
-                        else f"the trouble came back with it; the LR stays at {recovered['new_scale']:.3g}x "
-                        "the user's schedule, where the loss was lowest"
-                    )
-                    message = f"the loss {what} {when}: {where}"
+                    message = A.halt_message(recovered, self.config.actions.lr_drop)
                 elif recovered.get("released"):
                     message = (
                         "the user's LR fell to the level the LR drop set (or below it): the drop is released, "

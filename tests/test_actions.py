@@ -331,6 +331,10 @@ def test_a_warm_up_halts_where_the_loss_stalls_as_its_lr_rises():
     # a loss that keeps falling as the LR rises: back to 1, watched, nothing more
     told = warm(lambda step, scale: 1.0 / step)
     assert [sorted(f) for _, f, _ in told][-1] == ["new_scale", "old_scale", "recovered"] and ctx.lr_scale == 1.0
+    # a median lowest at the full LR (its window's scale 1: the LR cannot have doubled since),
+    # 1.1x it after: neither a stall nor a rise of halt_rise
+    told = warm(lambda step, scale: 1.0 / step if step <= 25 else 1.1 / 23, climb=20)
+    assert told[-1][1].get("recovered") and ctx.lr_scale == 1.0
     with pytest.raises(ConfigError, match="halt_stall_rise"):
         A.ActionsConfig.from_dict({"lr_drop": {"halt_stall_rise": 1.0}})
     # an ordinary drop's climb with the same stall: not halted
@@ -364,6 +368,24 @@ def test_the_lr_a_warm_ups_halt_left_is_watched_and_lowered_again_where_the_loss
     )
     cuts = [f["new_scale"] for _, f, _ in told if f.get("again")]
     assert cuts == [pytest.approx(0.01), pytest.approx(0.002)] and ctx.lr_scale == pytest.approx(0.002)
+
+
+def test_each_halt_is_told_with_its_cause():
+    """A halt's event says what the loss did (a rise, a warm-up's stall, a rise at the LR a
+    halt left) and where the LR stays, from the halt's facts."""
+    cfg = A.LRDropConfig()
+    base = {"rise": 1.6, "signed": False, "new_scale": 0.2, "lowest_loss_median": 0.5, "lowest_at": 40}
+    rose = A.halt_message({**base, "stalled": False, "after_climb": False}, cfg)
+    assert rose.startswith("the loss rose 1.6x (median of the last 20 steps) while the LR climbed back")
+    assert "stays at 0.2x" in rose
+    stalled = A.halt_message({**base, "rise": 1.04, "stalled": True, "after_climb": True}, cfg)
+    assert "stalled: the median of the last 20 steps has not fallen below 0.5 since step 40" in stalled
+    assert "after a warm-up gave the LR back" in stalled
+    again = A.halt_message({**base, "again": True, "stalled": False, "after_climb": True}, cfg)
+    assert "over its median at the halt at step 40" in again and "goes down to 0.2x" in again
+    assert "by -0.3" in A.halt_message(
+        {**base, "rise": -0.3, "signed": True, "stalled": False, "after_climb": False}, cfg
+    )
 
 
 def test_the_watch_after_a_warm_ups_halt_survives_a_checkpoint(tmp_path):
