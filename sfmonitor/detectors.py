@@ -1170,9 +1170,15 @@ class UpdateRatioSpike(_Windowed):
             else:
                 self.raise_base.pop(key, None)
             by_raise = raise_limit < value <= limit  # past the raise's test alone (ordinary per unit of LR)
+            # A group's first update still over the ceiling once the monitor has lowered the LR (the
+            # warm-up after first updates larger than the weights): the LR no longer makes it large,
+            # the weights' size does (initialised far below their scale: a linear model at std 1e-3
+            # under SGD moves 17x its weights at a twentieth of its LR, and lowers the loss). It is
+            # judged by what it did to the loss, as a warm restart's.
+            growing = not w and held_down and level is None and value > cfg.ceiling
             if value > limit or by_raise:
                 since = self.raise_base.get(key) if by_raise else None
-                relative = value <= cfg.ceiling or key in self.zero_init or restart
+                relative = value <= cfg.ceiling or key in self.zero_init or restart or growing
                 kind, harm = self.kind, self._harm(stats, relative, since)
                 if by_raise and (harm is None or not harm["harm"]):
                     self.large_runs.pop(key, None)
@@ -1191,6 +1197,11 @@ class UpdateRatioSpike(_Windowed):
                     if rel_limit <= cfg.ceiling
                     else f"the ceiling {cfg.ceiling:g}"
                     + (" (the schedule took the LR back up: judged by the loss)" if restart else "")
+                    + (
+                        " (the group's first update, made at the monitor's lowered LR: judged by the loss)"
+                        if growing
+                        else ""
+                    )
                 )
                 told = ""
                 if by_raise and before is not None:

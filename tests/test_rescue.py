@@ -345,6 +345,53 @@ def test_first_updates_larger_than_the_weights_are_undone_and_answered_by_a_warm
     mon.detach()
 
 
+def test_weights_initialised_far_below_their_scale_grow_under_the_warm_up(tmp_path):
+    """A linear regression from weights at std 1e-3 under SGD at 0.1 (healthy bare: held-out loss
+    ~0.01) moves ~270x its weights in its first update, and still ~17x at the warm-up's twentieth
+    of the LR: the LR is not what makes it large, the weights' size is. Once the monitor has
+    lowered the LR, a group's first update over the ceiling is judged by what it did to the loss:
+    these lower it, and land (told as large). Before, the ceiling rolled back and cut the LR for
+    good to 0.002x (held-out 11-16). The same model at an LR far too high (SGD at 100, bare NaN)
+    still has its first updates undone at the lowered LR: they raise the loss."""
+    g = torch.Generator().manual_seed(8000)
+    w = torch.randn(20, 1, generator=g)
+    xs = torch.randn(200 * 32 + 1000, 20, generator=g)
+    ys = xs @ w + 0.1 * torch.randn(xs.shape[0], 1, generator=g)
+
+    def run(lr, monitored):
+        torch.manual_seed(100)
+        model = nn.Linear(20, 1)
+        nn.init.trunc_normal_(model.weight, std=1e-3)
+        nn.init.zeros_(model.bias)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"{lr}", sinks=[], config=QUIET) if monitored else None
+        for i in range(200):
+            x, y = xs[i * 32 : (i + 1) * 32], ys[i * 32 : (i + 1) * 32]
+            loss = nn.functional.mse_loss(model(x), y)
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        events = [] if mon is None else [e for e in mon.events]
+        if mon is not None:
+            mon.detach()
+        with torch.no_grad():
+            return events, nn.functional.mse_loss(model(xs[-1000:]), ys[-1000:]).item()
+
+    _, bare = run(0.1, False)
+    events, held_out = run(0.1, True)
+    acted = [a for e in events for a in e.actions]
+    assert "rollback" not in acted
+    assert not any(e.data.get("action_results", {}).get("lr_drop", {}).get("permanent") for e in events)
+    # the warm-up's first update, 17x the weights, lowered the loss: it landed, told
+    told = [e for e in events if e.kind == "large_update"]
+    assert told and told[0].data["value"] > 1.0 and told[0].data["harm"] is False
+    assert bare < 0.02 and held_out < 2 * bare
+    # an LR far too high: the first updates at the lowered LR raise the loss, and are undone
+    events, held_out = run(100.0, True)
+    assert [a for e in events if e.kind == "update_ratio_spike" for a in e.actions].count("undo") >= 2
+    assert held_out < 20  # (bare: NaN; the loss at the start ~20)
+
+
 def test_a_warm_up_whose_full_lr_brings_the_trouble_back_cuts_it_for_good(tmp_path):
     """The warm-up hands back an LR that was never seen healthy. Where it is too high for the
     problem, not only for the initial weights (a linear regression under SGD at 0.3 with momentum
