@@ -186,10 +186,9 @@ def run(setup: Setup, seed: int, steps: int, monitored: bool) -> dict[str, Any]:
     model, opt, batch, loss_fn, sched = spec["model"], spec["opt"], spec["batch"], spec["loss"], spec.get("sched")
     mon = None
     order: Any = range(steps)
-    if monitored:
-        mon = sfmonitor.attach(
-            model, opt, run_dir=tempfile.mkdtemp(prefix="false-alarms-"), sinks=[], config={"console": False}
-        )
+    run_dir = tempfile.TemporaryDirectory(prefix="false-alarms-") if monitored else None
+    if run_dir is not None:
+        mon = sfmonitor.attach(model, opt, run_dir=run_dir.name, sinks=[], config={"console": False})
         order = mon.batches(order)
     for i in order:
         x, y = batch(i)
@@ -206,6 +205,8 @@ def run(setup: Setup, seed: int, steps: int, monitored: bool) -> dict[str, Any]:
     events = list(mon.events) if mon else []
     if mon:
         mon.detach()
+    if run_dir is not None:
+        run_dir.cleanup()
     return {"params": [p.detach().clone() for p in model.parameters()], "held_out": held_out, "events": events}
 
 

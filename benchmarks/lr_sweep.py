@@ -205,9 +205,9 @@ def run(
     if arm == "monitored":
         import sfmonitor
 
-        run_dir = tempfile.mkdtemp(prefix="lr_sweep-")
+        run_dir = tempfile.TemporaryDirectory(prefix="lr_sweep-")
         config = {"console": False, **(monitor_config or {})}
-        mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=[], config=config)
+        mon = sfmonitor.attach(model, opt, run_dir=run_dir.name, sinks=[], config=config)
     loss0 = evaluate(model, val_ids, cfg)
     t0 = time.perf_counter()
     diverged_at = None
@@ -283,6 +283,8 @@ def run(
             # Training forwards only, as in the other arms.
             row["peak_logit"] = max(peak_to_first_clip, peak_after_clip)
         mon.detach()
+    if run_dir is not None:
+        run_dir.cleanup()
     return row
 
 

@@ -49,10 +49,9 @@ def run(kind: str, lr: float, pure: bool, cfg: SweepConfig, data: tuple[torch.Te
         model = model.to(torch.bfloat16)
     opt = make_optimizer(kind, model.parameters(), lr)
     mon = None
-    if pure:
-        mon = sfmonitor.attach(
-            model, opt, run_dir=tempfile.mkdtemp(prefix="stale-"), sinks=[], config={"console": False}
-        )
+    run_dir = tempfile.TemporaryDirectory(prefix="stale-") if pure else None
+    if run_dir is not None:
+        mon = sfmonitor.attach(model, opt, run_dir=run_dir.name, sinks=[], config={"console": False})
     shares: list[float] = []
     for x, y in batches(train_ids, cfg, cfg.steps, seed=cfg.seed):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -71,6 +70,8 @@ def run(kind: str, lr: float, pure: bool, cfg: SweepConfig, data: tuple[torch.Te
     events = [e.step for e in mon.events if e.kind == "stale_update"] if mon else []
     if mon is not None:
         mon.detach()
+    if run_dir is not None:
+        run_dir.cleanup()
     tail = shares[-100:]
     return {"eval": held_out, "share": statistics.median(tail) if tail else None, "events": events}
 

@@ -6,6 +6,7 @@ docs/guide.md, "Faults and bad input").
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -61,14 +62,18 @@ def _write_real_bundle(root: str) -> str:
     )
 
 
-_TEMPLATE = _write_real_bundle(tempfile.mkdtemp(prefix="sfm-bundle-"))
+# Every bundle of this module, the template and each case's copy, lives under one folder removed
+# when the session ends (hypothesis makes hundreds of copies).
+_ROOT = tempfile.mkdtemp(prefix="sfm-bundles-")
+atexit.register(shutil.rmtree, _ROOT, True)
+_TEMPLATE = _write_real_bundle(os.path.join(_ROOT, "template"))
 _BUNDLE_FILES = sorted(os.listdir(_TEMPLATE))
 _FILE_BYTES = {name: open(os.path.join(_TEMPLATE, name), "rb").read() for name in _BUNDLE_FILES}
 _MANIFEST = json.loads(_FILE_BYTES["manifest.json"])
 
 
 def _copy() -> str:
-    dst = os.path.join(tempfile.mkdtemp(prefix="sfm-bundle-case-"), "b")
+    dst = os.path.join(tempfile.mkdtemp(prefix="case-", dir=_ROOT), "b")
     shutil.copytree(_TEMPLATE, dst)
     return dst
 
