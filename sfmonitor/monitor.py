@@ -2613,6 +2613,7 @@ class Monitor:
                     "climb": [list(v) for v in ctx.lr_climb],
                     "climb_best": list(ctx.lr_climb_best) if ctx.lr_climb_best is not None else None,
                     "climb_best_at": ctx.lr_climb_best_at,
+                    "climb_first": ctx.lr_climb_first,
                     "halt_watch": list(ctx.lr_halt_watch) if ctx.lr_halt_watch is not None else None,
                     "warmup": ctx.lr_warmup,
                     "proving_until": ctx.lr_proving_until,
@@ -2785,6 +2786,8 @@ class Monitor:
             ctx.lr_climb_best = (float(best[0]), float(best[1])) if best is not None else None
             best_at = recovery.get("climb_best_at")
             ctx.lr_climb_best_at = int(best_at) if best_at is not None else None
+            first = recovery.get("climb_first")
+            ctx.lr_climb_first = float(first) if first is not None else None
             watch = recovery.get("halt_watch")
             ctx.lr_halt_watch = (int(watch[0]), float(watch[1])) if watch is not None else None
             warmup = recovery.get("warmup")

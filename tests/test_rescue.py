@@ -392,6 +392,48 @@ def test_weights_initialised_far_below_their_scale_grow_under_the_warm_up(tmp_pa
     assert held_out < 20  # (bare: NaN; the loss at the start ~20)
 
 
+def test_a_warm_up_on_a_plateau_from_the_start_climbs_back_to_the_users_lr(tmp_path):
+    """An MLP regressing a teacher, its head initialised at std 1e-3, under SGD at 0.2: the head's
+    first update moves it ~2x its norm (undone twice: the warm-up), and the loss sits on a plateau
+    (0.52-0.56, batch to batch 0.45-0.65) until the LR is high enough to leave it. The plateau's
+    median creeps 5% over 20 steps by chance; read as a stall, it halted the climb for good at
+    0.05x the LR, and the run never left the plateau (held-out 0.48 against bare 0.09). A climb
+    that has not brought the loss down is not judged by a stall."""
+    g = torch.Generator().manual_seed(5000)
+    w1, w2 = torch.randn(16, 32, generator=g) / 4, torch.randn(32, 4, generator=g) / 32**0.5
+    xs = torch.randn(300 * 32 + 1000, 16, generator=g)
+    ys = torch.tanh(xs @ w1 * 2) @ w2 + 0.05 * torch.randn(xs.shape[0], 4, generator=g)
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        nn.init.normal_(model[4].weight, std=1e-3)
+        nn.init.zeros_(model[4].bias)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), sinks=[], config=QUIET)
+            if monitored
+            else None
+        )
+        for i in range(300):
+            loss = nn.functional.mse_loss(model(xs[i * 32 : (i + 1) * 32]), ys[i * 32 : (i + 1) * 32])
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        events = [] if mon is None else list(mon.events)
+        if mon is not None:
+            mon.detach()
+        with torch.no_grad():
+            return events, nn.functional.mse_loss(model(xs[-1000:]), ys[-1000:]).item()
+
+    _, bare = run(False)
+    events, held_out = run(True)
+    drops = [e.data["action_results"]["lr_drop"] for e in events if "lr_drop" in e.actions]
+    assert drops[0]["warmup_steps"] == 100  # (the warm-up)
+    assert not any(d.get("stalled") for d in drops) and any(d.get("recovered") for d in drops)
+    assert bare < 0.15 and held_out < 1.5 * bare
+
+
 def test_a_warm_up_whose_full_lr_brings_the_trouble_back_cuts_it_for_good(tmp_path):
     """The warm-up hands back an LR that was never seen healthy. Where it is too high for the
     problem, not only for the initial weights (a linear regression under SGD at 0.3 with momentum
