@@ -2,7 +2,10 @@
 never let NaN or a spike into a window, round-trip their state mid-sequence."""
 
 import copy
+import itertools
+import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -424,6 +427,52 @@ def test_loss_spike_prior_judges_from_the_third_step():
     out = fresh.check(2, {"loss/total": 1e4})
     assert out and out[0].kind == LOSS_SPIKE and "100x the largest loss so far 50" in out[0].message
     assert fresh.windows["loss/total"][-1] == math.log(50.0)  # the spike is no start
+
+
+def test_loss_divergence_finds_a_loss_that_grows_over_spans_and_names_where_it_began():
+    """A loss that falls, then grows 4% a step (an LR past the edge of stability): no single step is
+    a spike, but the median of 20 steps grows 2.2x a span; found once it is 10x the lowest median,
+    the finding naming the step where the growth began (the rollback's target)."""
+    det = D.LossDivergence()
+    rng = random.Random(0)
+    losses = [2.0 * 0.97**s for s in range(80)] + [2.0 * 0.97**80 * 1.04 ** (s - 80) for s in range(80, 400)]
+    found = []
+    for step, value in enumerate(losses):
+        out = det.check(step, {"loss/total": value * math.exp(0.3 * rng.gauss(0, 1))})
+        found += [(step, f) for f in out]
+    assert found, "a growing loss went unseen"
+    at, f = found[0]
+    assert f.kind == "loss_divergence" and not f.before_update and f.step == f.data["began"]
+    assert 60 <= f.step <= 100 and at - f.step <= 100 and f.data["median"] >= 10 * f.data["lowest_median"]
+    assert all(g >= 1.5 for g in f.data["growth"]) and "where the growth began" in f.message
+    # its history starts afresh after a finding: the next comes 60 steps later at the earliest
+    assert all(b - a >= 60 for (a, _), (b, _) in itertools.pairwise(found))
+    # the state round-trips
+    again = D.LossDivergence()
+    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert again.state_dict() == det.state_dict()
+
+
+def test_loss_divergence_is_silent_on_noise_level_shifts_and_signed_losses():
+    """Heavy batch noise (log-normal sigma 2: single batches 50x apart), a loss that jumps to a new
+    level and stays (a change of data: one span of growth), a slow healthy rise (3x over 400
+    steps), and a loss seen below zero (no ratio to grow by): no finding."""
+    rng = random.Random(1)
+    cases = {
+        "noise": [math.exp(2.0 * rng.gauss(0, 1)) for _ in range(3000)],
+        "jump": [0.01] * 200 + [2.0] * 300,
+        "slow": [1.0 * 3 ** (s / 400) for s in range(400)],
+        "signed": [-0.1] + [2.0 * 1.05**s for s in range(300)],
+    }
+    for name, values in cases.items():
+        det = D.LossDivergence()
+        assert [f for s, v in enumerate(values) for f in det.check(s, {"loss/total": v})] == [], name
+    # the same jump after a fall, announced as new data, keeps no lowest from before it
+    det = D.LossDivergence()
+    for s in range(100):
+        det.check(s, {"loss/total": 0.01})
+    det.new_regime(100)
+    assert det.lowest is None and not det.losses
 
 
 def test_loss_spike_prior_takes_few_values_for_what_they_are():

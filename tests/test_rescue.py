@@ -434,6 +434,56 @@ def test_a_warm_up_on_a_plateau_from_the_start_climbs_back_to_the_users_lr(tmp_p
     assert bare < 0.15 and held_out < 1.5 * bare
 
 
+def test_a_loss_that_grows_over_spans_is_rolled_back_to_before_the_growth_and_its_lr_dropped(tmp_path):
+    """A linear regression whose inputs hold 1% outliers (x30) under SGD with momentum at 0.03,
+    batch 8: past the edge of stability on the outlier batches, its oscillation grows a few percent
+    a step (bare: loss 1e10 and on to inf). No step is a spike: the spike tests' windows follow the
+    growth, and before loss_divergence the monitor took no action from step 37 while the loss went
+    from 7 to 3e10. Now the median of 20 steps grown 1.5x (and 3 standard errors of the batch noise)
+    three spans in a row, and 10x its lowest, is a divergence: back to the newest snapshot from
+    before the growth began, and the LR dropped; again, and the drop is for good."""
+    g = torch.Generator().manual_seed(1005)
+    x = torch.randn(4096, 20, generator=g)
+    x[torch.rand(4096, generator=g) < 0.01] *= 30.0
+    w = torch.randn(20, 1, generator=g) / 20**0.5 * 3
+    x_test = torch.randn(4000, 20, generator=g)
+    y = x @ w + 0.5 * torch.randn(4096, 1, generator=g)
+
+    def run(config):
+        torch.manual_seed(5)
+        model = nn.Linear(20, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=tmp_path / str(len(config)), sinks=[], config=config)
+            if config
+            else None
+        )
+        draw = torch.Generator().manual_seed(3005)
+        for _ in range(400):
+            i = torch.randint(0, 4096, (8,), generator=draw)
+            loss = nn.functional.mse_loss(model(x[i]), y[i])
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        events = [] if mon is None else list(mon.events)
+        if mon is not None:
+            mon.detach()
+        with torch.no_grad():
+            return events, nn.functional.mse_loss(model(x_test), x_test @ w).item()
+
+    _, bare = run(None)
+    assert not bare < 1e6  # (bare: inf, or far past it)
+    _, blind = run(cfg(detectors={"loss_divergence": {"enabled": False}}))
+    assert blind > 1e3  # what the monitor did before
+    events, held_out = run(cfg())
+    found = [e for e in events if e.kind == "loss_divergence"]
+    assert found and "rollback" in found[0].actions
+    rollback = found[0].data["action_results"]["rollback"]
+    assert rollback["restored"] and rollback["restored_from"] <= found[0].data["began"]
+    assert any("lr_drop" in e.actions for e in found)
+    assert held_out < 9.0  # (predicting zero: ~9)
+
+
 def test_a_warm_up_whose_full_lr_brings_the_trouble_back_cuts_it_for_good(tmp_path):
     """The warm-up hands back an LR that was never seen healthy. Where it is too high for the
     problem, not only for the initial weights (a linear regression under SGD at 0.3 with momentum
