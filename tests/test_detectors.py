@@ -366,6 +366,7 @@ def test_build_detectors_respects_enabled_and_all_state_is_plain():
     dets = D.build_detectors()
     assert [d.kind for d in dets] == [
         LOSS_SPIKE,
+        "loss_divergence",
         GRAD_SPIKE,
         UPDATE_RATIO_SPIKE,
         LOSS_RATIO_IMBALANCE,
