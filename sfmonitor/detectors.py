@@ -230,9 +230,10 @@ class UpdateRatioSpikeConfig(Section):
         "the LR back up to a level the group's updates were made at before (a warm restart: at least 2x its "
         "lowest LR of the last `warmup` updates, at most its highest so far), an update over it is undone "
         "for what it did to the loss, as the relative test's (harm_rise): a restart's first updates are "
-        "large by design (SGD with momentum moved a small output layer by 1.13x its norm). So is a group's first "
-        "update still over it when made at an LR the monitor lowered (the warm-up after its first updates were "
-        "undone): weights far below their scale (std 1e-3 under SGD) move 17x themselves at a twentieth of the LR",
+        "large by design (SGD with momentum moved a small output layer by 1.13x its norm). So is an update over "
+        "it made at an LR the monitor lowered, of a group whose first update was over it (the warm-up after its "
+        "first updates were undone): weights far below their scale (std 1e-3 under SGD) move 17x themselves at a "
+        "twentieth of the LR",
         lo=0,
         lo_open=True,
     )
