@@ -230,10 +230,9 @@ class UpdateRatioSpikeConfig(Section):
         "the LR back up to a level the group's updates were made at before (a warm restart: at least 2x its "
         "lowest LR of the last `warmup` updates, at most its highest so far), an update over it is undone "
         "for what it did to the loss, as the relative test's (harm_rise): a restart's first updates are "
-        "large by design (SGD with momentum moved a small output layer by 1.13x its norm). So is an update over "
-        "it made at an LR the monitor lowered, of a group whose first update was over it (the warm-up after its "
-        "first updates were undone): weights far below their scale (std 1e-3 under SGD) move 17x themselves at a "
-        "twentieth of the LR",
+        "large by design (SGD with momentum moved a small output layer by 1.13x its norm). So is a group's first "
+        "update still over it when made at an LR the monitor lowered (the warm-up after its first updates were "
+        "undone): weights far below their scale (std 1e-3 under SGD) move 17x themselves at a twentieth of the LR",
         lo=0,
         lo_open=True,
     )
@@ -1243,9 +1242,6 @@ class UpdateRatioSpike(_Windowed):
         super().__init__(config or UpdateRatioSpikeConfig())
         self.large_runs: dict[str, list[float]] = {}  # key -> its large_update values in a row (per LR)
         self.zero_init: set[str] = set()  # groups first seen with all parameters at zero: no ceiling
-        # groups whose first update was over the ceiling (undone: the warm-up): while the monitor
-        # holds their LR down, an update over it is judged by the loss (they grow from small weights)
-        self.first_over: set[str] = set()
         # key -> the LRs of its last `warmup` updates, and (the highest LR of its updates, the
         # lowest since that one): whether the user's schedule has just taken the LR back up to a
         # level it had left (a warm restart)
@@ -1331,13 +1327,13 @@ class UpdateRatioSpike(_Windowed):
             else:
                 self.raise_base.pop(key, None)
             by_raise = raise_limit < value <= limit  # past the raise's test alone (ordinary per unit of LR)
-            # An update over the ceiling made at an LR the monitor lowered, of a group whose first
-            # update was over it (the warm-up after first updates larger than the weights): the LR
-            # no longer makes it large, the weights' size does (initialised far below their scale: a
-            # linear model at std 1e-3 under SGD moves 17x its weights at a twentieth of its LR, and
-            # under momentum its next updates grow 1.4x over them, lowering the loss). It is judged
-            # by what it did to the loss, as a warm restart's.
-            growing = held_down and level is None and value > cfg.ceiling and (not w or key in self.first_over)
+            # A group's first update still over the ceiling once the monitor has lowered the LR (the
+            # warm-up after first updates larger than the weights): the LR no longer makes it large,
+            # the weights' size does (initialised far below their scale: a linear model at std 1e-3
+            # under SGD moves 17x its weights at a twentieth of its LR, and lowers the loss). It is
+            # judged by what it did to the loss, as a warm restart's. (Its later updates are not:
+            # judged by the loss, the over-ceiling updates of SGD runs diverging at batch 1-8 landed.)
+            growing = not w and held_down and level is None and value > cfg.ceiling
             if value > limit or by_raise:
                 since = self.raise_base.get(key) if by_raise else None
                 relative = value <= cfg.ceiling or key in self.zero_init or restart or growing
@@ -1406,7 +1402,6 @@ class UpdateRatioSpike(_Windowed):
                     # no update of the group has landed yet: the run starts at an LR too high for
                     # its initial weights (an LR drop answers with a warm-up, actions.lr_drop)
                     finding.data["first_update"] = True
-                    self.first_over.add(key)
                 if per_lr and level is None and rise is not None:
                     # how far the user's LR is now above its level before (every group's): an LR
                     # drop takes a risen LR back to that level (actions.lr_drop)
@@ -1494,10 +1489,10 @@ class UpdateRatioSpike(_Windowed):
         is non-finite, or over ``harm_rise`` x the loss before and the rise gives back at least
         ``harm_setback`` of the progress since the start (a loss that never fell below its start:
         the ratio alone). ``since``: the loss's level before a raise whose earlier updates were
-        accepted; a rise that far over it is harm too (``since_raise``). ``growing``: an update of a
-        group growing from small weights at the warm-up's LR, in the run's first steps, before the
-        batch noise is known: the rise must pass ``harm_rise_max`` (a batch-8 regression's loss
-        moved 1.57x from one batch to the next there, and the undo's rollback cut the LR for good)."""
+        accepted; a rise that far over it is harm too (``since_raise``). ``growing``: a group's first
+        update at the warm-up's LR, in the run's first steps, before the batch noise is known: the
+        rise must pass ``harm_rise_max`` (a batch-8 regression's loss moved 1.57x from one batch to
+        the next there, and the undo's rollback cut the LR for good)."""
         cfg = self.config
         before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)
         if relative and cfg.harm_rise and before is not None and S.finite(before) and stats.get(S.LAST_UPDATE):
@@ -1551,7 +1546,6 @@ class UpdateRatioSpike(_Windowed):
         return {
             **super().state_dict(),
             "zero_init": sorted(self.zero_init),
-            "first_over": sorted(self.first_over),
             "per_lr": True,
             "losses_seen": list(self.losses_seen),
             "lrs": {k: list(v) for k, v in self.lrs.items()},
@@ -1570,7 +1564,6 @@ class UpdateRatioSpike(_Windowed):
             # judged against them, every update would read as a spike. The windows start afresh.
             self.windows = {}
         self.zero_init = {str(k) for k in state.get("zero_init", [])}
-        self.first_over = {str(k) for k in state.get("first_over", [])}
         self.losses_seen = [float(v) for v in state.get("losses_seen", [])]
         self.lrs = {
             str(k): collections.deque((float(x) for x in v), maxlen=self.config.warmup)

@@ -393,15 +393,14 @@ def test_weights_initialised_far_below_their_scale_grow_under_the_warm_up(tmp_pa
 
 
 @pytest.mark.parametrize("batch,lr,momentum", [(64, 0.01, 0.9), (8, 0.03, 0.0)])
-def test_small_weights_keep_growing_under_the_warm_up_whatever_the_batch_noise(tmp_path, batch, lr, momentum):
-    """Weights from std 1e-3 (a linear regression, 400 steps, healthy bare): under momentum the
-    updates after the first one that landed at the warm-up's LR grow 1.4x over the weights, and at
-    batch 8 the loss after one of them rose 1.57x by batch noise alone. Taken for a spike, each was
-    rolled back to the start and the LR cut for good (held-out 2.2-10 against bare 0.006-0.02).
-    While the warm-up holds the LR down, a group whose first update was over the ceiling is judged
-    by the loss, and in the run's first steps, before the batch noise is known, only a rise past
-    harm_rise_max (4x) is harm."""
-    seed = {64: 2, 8: 1}[batch]
+def test_small_weights_grow_under_the_warm_up_whatever_the_batch_noise(tmp_path, batch, lr, momentum):
+    """Weights from std 1e-3 (a linear regression, 400 steps, healthy bare): the first update at the
+    warm-up's LR, still over the ceiling, is judged by the loss after it, which rose 1.53x (batch
+    64, momentum 0.9) and 1.57x (batch 8) by batch noise alone. Taken for harm, each was rolled
+    back to the start and the LR cut for good (held-out 3.7 and 5.2 against bare 0.006 and 0.05).
+    In the run's first steps, before the batch noise is known, only a rise past harm_rise_max (4x)
+    is harm there."""
+    seed = {64: 0, 8: 1}[batch]
     g = torch.Generator().manual_seed(1000 + seed)
     x, x_test = torch.randn(4096, 20, generator=g), torch.randn(4000, 20, generator=g)
     w = torch.randn(20, 1, generator=g) / 20**0.5 * 3
