@@ -433,7 +433,8 @@ class LossDivergenceConfig(Section):
     z: float = option(
         3.0,
         "each span's growth also this many standard errors of a difference of two medians, from the run's "
-        "batch-to-batch noise (the MAD of successive log-losses): a median of 20 batch losses swings by "
+        "batch-to-batch noise (the median absolute difference of successive log-losses): a median of 20 "
+        "batch losses swings by "
         "chance, by several times where single batches swing 3-100x (batch 1, heavy tails; measured on "
         "log-normal noise of sigma 1.5 without it: a finding in 16 of 20 runs of 5000 steps)",
         lo=0,
@@ -1023,7 +1024,7 @@ class LossDivergence(Detector):
 
     def __init__(self, config: LossDivergenceConfig | None = None):
         self.config = config or LossDivergenceConfig()
-        # the log-losses of the last (spans + 1) * window steps: the window's median, and the noise
+        # the log-losses of the last spans * window + 1 steps: the last window's median, and the noise
         self.losses: collections.deque[float] = collections.deque(maxlen=self._horizon())
         # (step, median of the window ending there), the last spans * window + 1 of them
         self.medians: collections.deque[tuple[int, float]] = collections.deque(maxlen=self._horizon())
@@ -1086,8 +1087,9 @@ class LossDivergence(Detector):
 
     def _median_se(self) -> float:
         """The standard error of a difference of two medians of ``window`` log-losses, from the noise
-        of one: 1.4826 x the MAD of successive differences / sqrt(2) (a steady growth moves every
-        difference alike and barely widens it), 1.2533 sigma / sqrt(window) a median."""
+        of one, sigma: 1.4826 x the median absolute difference of successive log-losses / sqrt(2) (a
+        steady growth moves every difference alike and barely widens it); a median's is 1.2533
+        sigma / sqrt(window)."""
         logs = list(self.losses)
         steps = [abs(b - a) for a, b in itertools.pairwise(logs)]
         if not steps:
