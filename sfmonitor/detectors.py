@@ -1006,12 +1006,13 @@ class LossSpike(_Windowed):
             self.start = {k: max(w) for k, w in self.windows.items() if len(w) >= self.config.prior_after}
 
 
-# A loss that grows over spans of steps is an LR the run cannot take: the state is damaged by the
-# growth (go back to the newest snapshot from before it) and its cause is the LR (drop it). Again
-# within 300 steps: the drop before it did not suffice, and the second drop is permanent.
-@register_detector(
-    "loss_divergence", config=LossDivergenceConfig, window=300, kinds={LOSS_DIVERGENCE: [(1, [ROLLBACK, LR_DROP])]}
-)
+# A loss that grows over spans of steps: an LR the run cannot take, or a healthy schedule (a loss
+# weight ramped up, KL annealing, a curriculum that raises the noise, targets that grow, TD
+# learning: a helper's probe, 11 healthy setups, 38 of 76 runs). The loss alone cannot tell them apart:
+# told, no action by default. Where a growing loss can only be divergence, its rescue is one
+# setting away (docs/policy.md): back to the newest snapshot from before the growth (the state is
+# damaged) and drop the LR (its cause); again within 300 steps, the drop is permanent.
+@register_detector("loss_divergence", config=LossDivergenceConfig, window=300, kinds={LOSS_DIVERGENCE: [(1, [])]})
 class LossDivergence(Detector):
     """The median of the last ``window`` training losses (their logs) ``growth`` x its value
     ``window`` steps before, ``spans`` times in a row, and ``factor`` x the lowest median of the run.

@@ -1272,3 +1272,51 @@ def test_a_buffer_the_forward_reassigns_is_put_back_by_a_skip(tmp_path):
     state, events = run(True, nan_at=10)
     assert events == [(10, "bad_batch", ["skip_step"])]
     assert all(torch.equal(twin[k], state[k]) for k in twin)
+
+
+def test_a_loss_weight_ramp_that_grows_the_loss_is_told_not_acted_on(tmp_path):
+    """A healthy loss can grow over many steps: an auxiliary loss's weight ramped from 0 to 10 after
+    the main loss converged (a helper's probe found the same in KL annealing, curricula that raise
+    the noise, targets that grow, TD learning: 11 setups, 38 of 76 runs). loss_divergence tells
+    it, and takes no action by default: the run is bit-identical to the bare one. (With the
+    rollback and LR drop it acted on, a VAE whose KL weight rose exponentially ended 10x worse.)"""
+    g = torch.Generator().manual_seed(200)
+    w = torch.randn(10, 1, generator=g)
+
+    def run(monitored):
+        torch.manual_seed(0)
+        data = torch.Generator().manual_seed(201)
+        model = nn.ModuleDict(
+            {
+                "trunk": nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64)),
+                "main": nn.Linear(64, 1),
+                "aux": nn.Linear(64, 4),
+            }
+        )
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), sinks=[], config={"console": False})
+            if monitored
+            else None
+        )
+        for t in range(450):
+            x = torch.randn(64, 10, generator=data)
+            aux_target = torch.randn(64, 4, generator=data) + x[:, :4] ** 2
+            h = torch.tanh(model["trunk"](x))
+            weight = 0.0 if t < 300 else 10 * min(1.0, (t - 300) / 200)
+            loss = nn.functional.mse_loss(model["main"](h), x @ w) + weight * nn.functional.mse_loss(
+                model["aux"](h), aux_target
+            )
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        events = [] if mon is None else list(mon.events)
+        if mon is not None:
+            mon.detach()
+        return [p.detach().clone() for p in model.parameters()], events
+
+    bare, _ = run(False)
+    params, events = run(True)
+    told = [e for e in events if e.kind == "loss_divergence"]
+    assert told and not any(e.actions for e in told)
+    assert all(torch.equal(a, b) for a, b in zip(bare, params))
