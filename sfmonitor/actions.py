@@ -1055,7 +1055,7 @@ def relax_lr(ctx: ActionContext, loss: float | None = None) -> dict[str, Any]:
         best = ctx.lr_climb_best
         warming = ctx.lr_warmup is not None or proving  # (an LR never seen healthy: a warm-up's)
         rose = best is not None and _median_rose(ctx, median, best[0], cfg.halt_rise)
-        stalled = not rose and warming and best is not None and _stalled(ctx, median, best[1])
+        stalled = not rose and warming and best is not None and _stalled(ctx, median, best)
         if since > after and best is not None and (rose or stalled):
             old, at = ctx.lr_scale, ctx.lr_climb_best_at
             _cap_lr(ctx, min(best[1], old))
@@ -1139,20 +1139,21 @@ def halt_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
     )
 
 
-def _stalled(ctx: ActionContext, median: float, lowest_scale: float) -> bool:
-    """A warm-up's LR that stopped the loss falling and turned it back up: no lower median for
-    ``halt_stall`` steps while the LR rose to 2x ``lowest_scale`` (the scale of the lowest one),
-    and the median now ``halt_stall_rise`` x its own ``halt_stall`` steps before. (Not x the
+def _stalled(ctx: ActionContext, median: float, lowest: tuple[float, float]) -> bool:
+    """A warm-up's LR that stopped the loss falling and turned it back up: no lower median than
+    ``lowest`` (the climb's lowest median and its LR scale) for ``halt_stall`` steps while the LR
+    rose to 2x that scale, and the median now ``halt_stall_rise`` x its own ``halt_stall`` steps
+    before. (Not x the
     lowest: on a plateau the lowest median is one of its dips, which the median rises over and
     back.) Only after progress: the lowest median ``halt_stall_progress`` under the climb's first
     (a plateau from the start swings over its medians by chance)."""
     cfg = ctx.config.lr_drop
     at = ctx.lr_climb_best_at  # (None: a state saved before it was kept)
-    if not cfg.halt_stall or at is None or ctx.step - at < cfg.halt_stall or ctx.lr_scale < 2.0 * lowest_scale:
+    if not cfg.halt_stall or at is None or ctx.step - at < cfg.halt_stall or ctx.lr_scale < 2.0 * lowest[1]:
         return False
-    first, best = ctx.lr_climb_first, ctx.lr_climb_best
-    if cfg.halt_stall_progress and first is not None and best is not None:
-        if not _median_rose(ctx, first, best[0], 1.0 / (1.0 - cfg.halt_stall_progress)):
+    first = ctx.lr_climb_first  # (None: a state saved before it was kept)
+    if cfg.halt_stall_progress and first is not None:
+        if not _median_rose(ctx, first, lowest[0], 1.0 / (1.0 - cfg.halt_stall_progress)):
             return False  # (the climb never brought the loss down: a plateau's swings)
     earlier = _median_before(ctx, cfg.halt_stall)
     return earlier is not None and _median_rose(ctx, median, earlier, cfg.halt_stall_rise)

@@ -707,6 +707,7 @@ def test_the_lr_climbs_watch_survives_a_checkpoint(tmp_path, signed):
         "lr_climb",
         "lr_climb_best",
         "lr_climb_best_at",
+        "lr_climb_first",
         "losses_seen",
     )
     names = (*names, "loss_signed")

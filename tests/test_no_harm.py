@@ -1294,25 +1294,16 @@ def test_a_loss_weight_ramp_that_grows_the_loss_is_told_not_acted_on(tmp_path):
             }
         )
         opt = torch.optim.Adam(model.parameters(), 1e-3)
-        mon = (
-            sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), sinks=[], config={"console": False})
-            if monitored
-            else None
-        )
-        for t in range(450):
+
+        def loss_of(t):
             x = torch.randn(64, 10, generator=data)
             aux_target = torch.randn(64, 4, generator=data) + x[:, :4] ** 2
             h = torch.tanh(model["trunk"](x))
             weight = 0.0 if t < 300 else 10 * min(1.0, (t - 300) / 200)
-            loss = nn.functional.mse_loss(model["main"](h), x @ w) + weight * nn.functional.mse_loss(
-                model["aux"](h), aux_target
-            )
-            (mon.combine(loss) if mon else loss).backward()
-            opt.step()
-            opt.zero_grad()
-        events = [] if mon is None else list(mon.events)
-        if mon is not None:
-            mon.detach()
+            main = nn.functional.mse_loss(model["main"](h), x @ w)
+            return main + weight * nn.functional.mse_loss(model["aux"](h), aux_target)
+
+        events = train(tmp_path / str(monitored), model, opt, monitored, range(450), loss_of)
         return [p.detach().clone() for p in model.parameters()], events
 
     bare, _ = run(False)

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from _state import train
 from torch import nn
 
 import sfmonitor
@@ -346,22 +347,16 @@ def test_first_updates_larger_than_the_weights_are_undone_and_answered_by_a_warm
 
 
 def _regression(tmp_path, make, batches, held_out, config=QUIET):
-    """Train ``make() -> (model, optimizer)`` on ``batches`` ((x, y) pairs, MSE) with the monitor
-    attached with ``config``, or bare where it is None: (events, held_out(model))."""
+    """Train ``make() -> (model, optimizer)`` on ``batches`` ((x, y) pairs, MSE) through the twin
+    tests' loop (``_state.train``), monitored with ``config`` or bare where it is None:
+    (events, held_out(model))."""
     model, opt = make()
-    mon = None
-    if config is not None:
-        mon = sfmonitor.attach(
-            model, opt, run_dir=tmp_path / f"run{len(os.listdir(tmp_path))}", sinks=[], config=config
-        )
-    for x, y in batches:
-        loss = nn.functional.mse_loss(model(x), y)
-        (mon.combine(loss) if mon else loss).backward()
-        opt.step()
-        opt.zero_grad()
-    events = [] if mon is None else list(mon.events)
-    if mon is not None:
-        mon.detach()
+
+    def loss_of(i):
+        return nn.functional.mse_loss(model(batches[i][0]), batches[i][1])
+
+    run_dir = tmp_path / f"run{len(os.listdir(tmp_path))}"
+    events = train(run_dir, model, opt, config is not None, range(len(batches)), loss_of, config=config)
     with torch.no_grad():
         return events, held_out(model)
 
