@@ -51,6 +51,7 @@ from .checkpoint import (
     restore_state,
     save_checkpoint,
     state_dict_needs_every_rank,
+    tree_nbytes,
 )
 from .events import (
     ACCURACY_COLLAPSE,
@@ -71,6 +72,7 @@ from .events import (
     ZERO_GRAD,
     ConfigError,
     Decision,
+    Finding,
     StopTraining,
 )
 from .integrations.distributed import rank, world_size
@@ -444,6 +446,17 @@ class ActionContext:
     # After a warm-up's climb halted: the last step at which the LR it left is still watched, and
     # the median (log) loss at the halt, which a rise of halt_rise x lowers the LR from again
     lr_halt_watch: tuple[int, float] | None = None
+    # A trial drop (a finding whose cause the loss alone cannot tell: loss_divergence's, data
+    # "trial"): the step it was taken, the median (log) loss of the window before it, the log
+    # losses since, whether the cut stands for good once it is confirmed, and the drop's fields as
+    # they were before it (put back where the loss did not follow the LR). Kept after such a
+    # refutation ("refuted") until the median of the last halt_window losses is under the one
+    # before the trial: findings of a growing loss are told only until then. None: no trial.
+    lr_trial: dict[str, Any] | None = None
+    # The live state a trial's rollback left (CPU copies, as a snapshot), with the snapshots that
+    # rollback took out of the ring: put back where the loss did not follow (never saved: a run
+    # resumed mid-trial gives back the LR alone). None: nothing held.
+    lr_trial_held: dict[str, Any] | None = None
     losses_seen: list[float] = field(default_factory=list)
     loss_signed: bool = False
     # The LR per param group that the drop (or a halt of the climb) set, the level it holds the LR
@@ -908,6 +921,8 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     the LR back to that level instead: a fifth of a 300x LR is still 60x the LR the run was healthy
     at."""
     cfg = ctx.config.lr_drop
+    if decision.cause.data.get("trial_refuted"):
+        return _give_back_lr(ctx)
     factor = float(decision.params.get("factor", cfg.factor))
     rise = decision.cause.data.get("lr_rise")
     if not isinstance(rise, float) or rise * factor <= 1.0:
@@ -915,6 +930,11 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if rise is not None:
         factor = 1.0 / rise
     old = ctx.lr_scale
+    trial = bool(decision.cause.data.get("trial")) and rise is None
+    refuted = _refuted(ctx) if trial else None
+    if refuted is not None:
+        return {"applied": False, "reason": refuted}
+    saved = _drop_fields(ctx) if trial else None
     # An update larger than its weights before any of the group's updates landed: the run may
     # start at an LR too high for its initial weights (no warm-up). A hold at a fifth for 100 steps
     # left the damage of the first updates (a GPT at 20x its LR: 39% of the gap to its default LR
@@ -930,7 +950,8 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     # The trouble came back before the LR did: it stays cut (a drop sized to the user's raise
     # answers that raise, not this; a warm-up climbs back whatever recover_after says).
     # So did trouble at the LR a warm-up gave back, which was never seen healthy.
-    if not warmup and ((old < 1.0 and rise is None) or not cfg.recover_after or _proving(ctx)):
+    permanent = not warmup and ((old < 1.0 and rise is None) or not cfg.recover_after or _proving(ctx))
+    if permanent and saved is None:  # (a trial's cut is made permanent, if so, once it is confirmed)
         ctx.lr_permanent = True
     ctx.lr_proving_until = None
     ctx.lr_dropped_at, ctx.lr_drop_kind = ctx.step, decision.cause.kind
@@ -951,12 +972,124 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         facts["lr_rise"] = rise
     if warmup:
         facts["warmup_steps"] = cfg.warmup_steps
+    if saved is not None:
+        median = decision.cause.data.get("median")
+        before = math.log(median) if isinstance(median, float) and median > 0 else None
+        if before is None:  # (no median to judge the trial against: an ordinary drop)
+            ctx.lr_permanent = ctx.lr_permanent or permanent
+        else:
+            ctx.lr_trial = {
+                "at": ctx.step,
+                "before": before,
+                "losses": [],
+                "permanent": permanent,
+                "kind": decision.cause.kind,
+                "saved": saved,
+            }
+            facts.update(trial=True, judged_at_step=ctx.step + cfg.halt_window, recovers_from_step=None)
     if all(why_not):
         facts["applied"] = False
         facts["reason"] = f"no param group has an LR to lower: {why_not[0]}"
     else:
         ctx.lr_ceiling = list(facts["new_lr"])
     return facts
+
+
+def _refuted(ctx: ActionContext) -> str | None:
+    """Why a trial's actions are not taken (a trial before showed the loss does not follow the
+    LR, and it has not come back under that trial's level since), else None."""
+    trial = ctx.lr_trial
+    if trial is None or not trial.get("refuted"):
+        return None
+    return (
+        f"a trial at step {trial['at']} showed that the loss does not follow the LR: a growing loss is told, "
+        f"not answered, until its median is back under {math.exp(trial['before']):.4g}"
+    )
+
+
+def _drop_fields(ctx: ActionContext) -> dict[str, Any]:
+    """The LR drop's fields as they are (a trial drop puts them back where the loss did not follow)."""
+    return {
+        "scale": ctx.lr_scale,
+        "permanent": ctx.lr_permanent,
+        "warmup": ctx.lr_warmup,
+        "proving_until": ctx.lr_proving_until,
+        "dropped_at": ctx.lr_dropped_at,
+        "kind": ctx.lr_drop_kind,
+        "ceiling": None if ctx.lr_ceiling is None else list(ctx.lr_ceiling),
+        "halt_watch": None if ctx.lr_halt_watch is None else list(ctx.lr_halt_watch),
+    }
+
+
+def judge_trial(ctx: ActionContext, step: int, loss: float | None) -> Finding | None:
+    """Call once per step with the step's loss, before its decisions. A trial (``ctx.lr_trial``: a
+    drop, with the rollback taken beside it, for a finding whose cause the loss cannot tell) is
+    judged ``halt_window`` steps after it by the median of the losses made since: under the median
+    of the window before the trial, the loss followed (an LR past its edge: from the state before
+    the growth, at the lowered LR, the loss is back down within steps), and the drop stands as an
+    ordinary one: a finding told, no action. Else the growth has another cause (a loss weight or a
+    target that grows, noisier data): a finding whose enforced actions put back what the trial
+    changed (``rollback``: the state the trial's rollback left, ``lr_drop``: the LR as it was), so
+    the run goes on as if the trial had not been, but for the steps it took. Returns that finding,
+    else None. After a refutation, clears the trial once the median of the last ``halt_window``
+    losses is back under the one before it."""
+    trial = ctx.lr_trial
+    if trial is None:
+        return None
+    window = ctx.config.lr_drop.halt_window
+    if loss is not None and math.isfinite(loss) and step > trial["at"]:
+        trial["losses"] = [*trial["losses"][-(window - 1) :], math.log(loss) if loss > 0 else -math.inf]
+    if trial.get("refuted"):
+        if len(trial["losses"]) >= window and statistics.median(trial["losses"]) < trial["before"]:
+            ctx.lr_trial = None
+        return None
+    if ctx.lr_dropped_at != trial["at"]:  # (another drop, or a release, took over: no trial to judge)
+        ctx.lr_trial = ctx.lr_trial_held = None
+        return None
+    if step - trial["at"] < window:
+        return None
+    median = statistics.median(trial["losses"]) if trial["losses"] else None
+    held = ctx.lr_trial_held
+    facts: dict[str, Any] = {
+        "trial": True,
+        "trial_from_step": trial["at"],
+        "loss_median_before": math.exp(trial["before"]),
+        "loss_median_trial": None if median is None else math.exp(median),
+        "state_held": held is not None,
+    }
+    if median is not None and median < trial["before"]:
+        ctx.lr_trial = ctx.lr_trial_held = None  # (the snapshots its rollback took out stay out)
+        ctx.lr_permanent = ctx.lr_permanent or bool(trial["permanent"])
+        facts.update(
+            followed=True,
+            scale=ctx.lr_scale,
+            permanent=ctx.lr_permanent,
+            recovers_from_step=None if ctx.lr_permanent else trial["at"] + _recover_after(ctx),
+        )
+        return Finding(trial["kind"], trial_message(facts, ctx.config.lr_drop), data=facts, told=True)
+    facts.update(followed=False, trial_refuted=True)
+    enforced = (ROLLBACK, LR_DROP) if held is not None else (LR_DROP,)
+    return Finding(trial["kind"], trial_message(facts, ctx.config.lr_drop), data=facts, enforced=enforced)
+
+
+def _give_back_lr(ctx: ActionContext) -> dict[str, Any]:
+    """A refuted trial (``judge_trial``): the LR drop's fields as they were before it; further trials
+    wait until the loss is back under the level of this one."""
+    trial = ctx.lr_trial
+    if trial is None or trial.get("refuted"):
+        return {"applied": False, "reason": "no trial drop to give back"}
+    old, saved = ctx.lr_scale, trial["saved"]
+    ctx.lr_scale, ctx.lr_permanent, ctx.lr_warmup = float(saved["scale"]), bool(saved["permanent"]), saved["warmup"]
+    ctx.lr_proving_until, ctx.lr_dropped_at, ctx.lr_drop_kind = (
+        saved["proving_until"],
+        saved["dropped_at"],
+        saved["kind"],
+    )
+    ctx.lr_ceiling = None if saved["ceiling"] is None else list(saved["ceiling"])
+    watch = saved["halt_watch"]
+    ctx.lr_halt_watch = None if watch is None else (int(watch[0]), float(watch[1]))
+    trial["refuted"] = True
+    return {"old_scale": old, "new_scale": ctx.lr_scale, "given_back": True}
 
 
 def _proving(ctx: ActionContext) -> bool:
@@ -1136,6 +1269,32 @@ def halt_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
     return (
         f"the loss {what} {when}: the trouble came back with it; the LR stays at {facts['new_scale']:.3g}x the "
         "user's schedule, where the loss was lowest"
+    )
+
+
+def trial_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
+    """The message of a trial's judgement (``judge_trial``)."""
+    before, during = facts["loss_median_before"], facts["loss_median_trial"]
+    seen = (
+        f"its median over the {cfg.halt_window} steps of the trial, {during:.4g}, "
+        if during is not None
+        else f"no loss was seen in the {cfg.halt_window} steps of the trial, "
+    )
+    if facts["followed"]:
+        then = (
+            "for good (the trouble came back before the LR did)"
+            if facts["permanent"]
+            else f"and the LR climbs back from step {facts['recovers_from_step']}"
+        )
+        return (
+            f"the loss followed the LR: {seen}fell under its median before the trial at step "
+            f"{facts['trial_from_step']}, {before:.4g}. The LR was past its edge: the drop stands, {then}"
+        )
+    back = "the state from before the trial and the LR are put back" if facts["state_held"] else "the LR is given back"
+    return (
+        f"the loss did not follow the LR: {seen}is not under its median before the trial at step "
+        f"{facts['trial_from_step']}, {before:.4g}. Not the LR's doing (a loss weight or a target that grows, "
+        f"noisier data): {back}, and a growing loss is told, not answered, until its median is back under that level"
     )
 
 
@@ -1415,8 +1574,13 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     trouble is seen in step s, caused by the state step s starts from: a snapshot labelled < s.
     """
     cfg = ctx.config.rollback
-    ctx.skip = True
     cause = decision.cause
+    refuted = _refuted(ctx) if cause.data.get("trial") else None
+    if refuted is not None:
+        return {"restored": False, "reason": refuted}
+    ctx.skip = True
+    if cause.data.get("trial_refuted"):
+        return _put_back_held(ctx)
     if cause.before_update:
         target = ctx.step - 1
     else:
@@ -1430,9 +1594,17 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
             "reason": f"no snapshot at or before step {target} (snapshots held: {have})",
         }
     label, state = snap
-    _restore_snapshot(ctx, state, rng=cfg.restore_rng)
     assert ctx.snapshots is not None  # snap came from it
-    ctx.snapshots.discard_after(label)
+    trial: dict[str, Any] = {}
+    if cause.data.get("trial"):
+        # (a trial: the state left is held, with the snapshots taken out, until the loss says)
+        held = capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({}), rng=False)
+        ctx.lr_trial_held = {"at": ctx.step, "state": held, "popped": []}
+        trial = {"trial": True, "held_bytes": tree_nbytes(held)}
+    _restore_snapshot(ctx, state, rng=cfg.restore_rng)
+    popped = ctx.snapshots.pop_after(label)
+    if ctx.lr_trial_held is not None and trial:
+        ctx.lr_trial_held["popped"] = popped
     ctx.batches_to_skip += cfg.skip_batches
     return {
         "restored": True,
@@ -1440,6 +1612,26 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "steps_back": ctx.step - label,
         "skipped_step": ctx.step,
         "batches_to_skip": ctx.batches_to_skip,
+        **trial,
+    }
+
+
+def _put_back_held(ctx: ActionContext) -> dict[str, Any]:
+    """A refuted trial (``judge_trial``): the state its rollback left, and the snapshots that
+    rollback took out of the ring (those taken since, of the trial's steps, go); this step's update,
+    made from the trial's state, is skipped."""
+    held, ctx.lr_trial_held = ctx.lr_trial_held, None
+    if held is None:
+        return {"restored": False, "skipped_step": ctx.step, "reason": "no state held for the trial"}
+    _restore_snapshot(ctx, held["state"], rng=False)
+    if ctx.snapshots is not None:
+        ctx.snapshots.discard_after(held["at"])
+        ctx.snapshots.put_back(held["popped"])
+    return {
+        "restored": True,
+        "restored_from": held["at"],
+        "steps_back": ctx.step - held["at"],
+        "skipped_step": ctx.step,
     }
 
 

@@ -540,8 +540,29 @@ class SnapshotRing:
 
     def discard_after(self, label: int) -> None:
         """Drop every snapshot with a label greater than ``label``."""
+        self.pop_after(label)
+
+    def pop_after(self, label: int) -> list[tuple[int, dict[str, Any]]]:
+        """Take out every snapshot with a label greater than ``label``: (label, state), oldest first."""
+        popped: list[tuple[int, dict[str, Any]]] = []
         while self._ring and self._ring[-1][0] > label:
-            self._sizes.pop(id(self._ring.pop()[1]), None)
+            entry = self._ring.pop()
+            self._sizes.pop(id(entry[1]), None)
+            popped.append(entry)
+        return popped[::-1]
+
+    def put_back(self, entries: list[tuple[int, dict[str, Any]]]) -> None:
+        """Put back snapshots ``pop_after`` took out (after dropping those newer than the first of
+        them), oldest first, as the ring's size and byte budget allow."""
+        if not entries:
+            return
+        self.discard_after(entries[0][0] - 1)
+        for label, state in entries:
+            size = tree_nbytes(state)
+            if len(self._ring) == self.keep:
+                self._sizes.pop(id(self._ring[0][1]), None)
+            self._ring.append((label, state))
+            self._sizes[id(state)] = size
 
     def clear(self) -> None:
         self._ring.clear()

@@ -1007,11 +1007,14 @@ class LossSpike(_Windowed):
 
 # A loss that grows over spans of steps: an LR the run cannot take, or a healthy schedule (a loss
 # weight ramped up, KL annealing, a curriculum that raises the noise, targets that grow, TD
-# learning: a helper's probe, 11 healthy setups, 38 of 76 runs). The loss alone cannot tell them apart:
-# told, no action by default. Where a growing loss can only be divergence, its rescue is one
-# setting away (docs/policy.md): back to the newest snapshot from before the growth (the state is
-# damaged) and drop the LR (its cause); again within 300 steps, the drop is permanent.
-@register_detector("loss_divergence", config=LossDivergenceConfig, window=300, kinds={LOSS_DIVERGENCE: [(1, [])]})
+# learning: a helper's probe, 11 healthy setups, 38 of 76 runs). The loss alone cannot tell them
+# apart, so the answer is a trial (the finding's "trial"): back to the newest snapshot from before
+# the growth and the LR dropped, the state left held. Where the loss from there, at the lowered LR,
+# is back under its level within halt_window steps, the LR was the cause and the drop stands; else
+# the held state and the LR are put back (actions.judge_trial) and the growth is told only.
+@register_detector(
+    "loss_divergence", config=LossDivergenceConfig, window=300, kinds={LOSS_DIVERGENCE: [(1, [ROLLBACK, LR_DROP])]}
+)
 class LossDivergence(Detector):
     """The median of the last ``window`` training losses (their logs) ``growth`` x its value
     ``window`` steps before, ``spans`` times in a row, and ``factor`` x the lowest median of the run.
@@ -1082,6 +1085,9 @@ class LossDivergence(Detector):
                 "began_median": math.exp(low),
                 "at": step,
                 "step": began,
+                # the loss cannot tell an LR past its edge from a loss weight that grows: the LR drop
+                # that answers it is a trial, judged by whether the loss follows the LR
+                "trial": True,
             },
         )
         self.losses.clear()

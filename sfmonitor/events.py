@@ -119,6 +119,8 @@ class Finding:
     ladder at the first rung that acts, whatever the streak.
     told: recorded, never acted on: what its ladder would do is known to change nothing (a skip
     that would replay the same batch on the same state).
+    enforced: actions taken for it whatever its ladder says, and it does not enter its ladder (a
+    trial the loss did not bear out puts back what the trial changed: rollback, lr_drop).
     """
 
     kind: str
@@ -131,6 +133,7 @@ class Finding:
     handled_by_scaler: bool = False
     urgent: bool = False
     told: bool = False
+    enforced: tuple[str, ...] = ()
 
 
 @dataclass

@@ -104,7 +104,7 @@ from .integrations.distributed import (
 )
 from .policy import Policy
 from .record import Outcome, Phase, StepRecord
-from .registry import KINDS, register_kind
+from .registry import KINDS, action_order, register_kind
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
 from .summary import (
@@ -1726,6 +1726,12 @@ class Monitor:
                 watched = [f for f in watched if not f.data.get("nonfinite")]
             findings += watched
 
+        # A trial (a drop and a rollback for a loss that grows, loss_divergence) judged by the
+        # losses since: its verdict is a finding, told, or putting back what the trial changed.
+        verdict = A.judge_trial(self._live(), step, rec.stats.get(S.LOSS_TOTAL))
+        if verdict is not None:
+            findings.append(verdict)
+
         # A healthy step starts from a good state to come back to: snapshot it, at the first
         # healthy step once `snapshot_every` steps have passed since the last snapshot.
         if all(f.handled_by_scaler for f in findings):
@@ -1776,7 +1782,7 @@ class Monitor:
             rec.outcomes = outcomes
         # The scaler's own skips (finite loss, overflowing scaled gradients) are ordinary dynamic
         # loss scaling: recorded as events, never acted on.
-        actionable = [f for f in findings if not f.handled_by_scaler and not f.told]
+        actionable = [f for f in findings if not f.handled_by_scaler and not f.told and not f.enforced]
         nonfinite = [f for f in actionable if f.kind in (NONFINITE_LOSS, NONFINITE_GRAD, BAD_BATCH)]
         landed_bad = [f for f in actionable if f.kind == NONFINITE_PARAM]
         if (nonfinite or landed_bad) and self.config.strict:
@@ -1795,6 +1801,12 @@ class Monitor:
             raise NonFiniteError(f"step {step}: {message}", events[outcomes.index(by_finding(outcomes, first))])
         # 3. policy: findings -> decisions (ladders, cooldowns, budget).
         decisions = self._policy.decide(step, actionable)
+        enforced = [Decision(a, f, {"enforced": True}) for f in findings if f.enforced for a in f.enforced]
+        if enforced:  # (not the ladder's: what a refuted trial puts back; no rescue spent, one given back)
+            order = action_order()
+            decisions = sorted(decisions + enforced, key=lambda d: order.index(d.action))
+            if self._policy.credit():
+                enforced[-1].cause.data["budget_returned"] = 1
         if {d.action for d in decisions} & {UNDO, ROLLBACK}:
             # The state goes back: this step is skipped, and what the other findings saw of it (a
             # loss jump, a gradient spike, attention logits or activations its forward made, loss
@@ -2620,6 +2632,7 @@ class Monitor:
                     "losses_seen": list(ctx.losses_seen),
                     "signed": ctx.loss_signed,
                     "ceiling": list(ctx.lr_ceiling) if ctx.lr_ceiling is not None else None,
+                    "trial": copy.deepcopy(ctx.lr_trial),
                 }
                 if ctx
                 else self._pending_ctx.get("lr_recovery", {})
@@ -2798,6 +2811,8 @@ class Monitor:
             ctx.loss_signed = bool(recovery.get("signed", False))
             ceiling = recovery.get("ceiling")
             ctx.lr_ceiling = None if ceiling is None else [None if c is None else float(c) for c in ceiling]
+            trial = recovery.get("trial")
+            ctx.lr_trial = copy.deepcopy(dict(trial)) if trial is not None else None
             for name in sd.get("fp32_modules", []):
                 if name not in ctx.fp32_modules:
                     A.precision_fallback(

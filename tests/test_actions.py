@@ -219,6 +219,98 @@ def _climb(losses_at, halt_rise=1.5, steps=60):
     return ctx, [(step, facts, scale) for step, facts, scale in out if facts]
 
 
+def _trial(losses_at, already=1.0, steps=40):
+    """A trial drop (a loss_divergence finding, its median 8.0 before the drop) at step 0 with the
+    LR scale at ``already``, then each step judge_trial (its verdict's enforced actions applied) and
+    relax_lr (halt_window 5), the loss at each ``losses_at(step, scale)``: (ctx, the verdicts with
+    their actions' facts and the scale after them, the drop's facts)."""
+    ctx = ctx_for(Tri(), torch.optim.SGD(Tri().parameters(), lr=0.3))
+    ctx.config.lr_drop.halt_window = 5
+    ctx.lr_scale = already
+    facts = A.apply(ctx, D("lr_drop", kind="loss_divergence", before_update=False, median=8.0, trial=True))
+    verdicts = []
+    for step in range(1, steps):
+        ctx.step = step
+        loss = losses_at(step, ctx.lr_scale)
+        verdict = A.judge_trial(ctx, step, loss)
+        if verdict is not None:
+            done = {a: A.apply(ctx, Decision(a, verdict, {"enforced": True})) for a in verdict.enforced}
+            verdicts.append((step, verdict, done, ctx.lr_scale))
+        A.relax_lr(ctx, loss)
+    return ctx, verdicts, facts
+
+
+def test_a_trial_drop_stands_where_the_loss_follows_the_lr():
+    """A loss that grows over spans (loss_divergence) may be an LR past its edge or a loss weight
+    that grows: its drop is a trial. Where the loss falls under its median before the drop within
+    halt_window steps, the LR was the cause: a verdict told (no action), and the drop stands as an
+    ordinary one (it climbs back after recover_after; for good when the LR was already lowered)."""
+    ctx, verdicts, facts = _trial(lambda step, scale: 2.0 if scale < 1 else 20.0)
+    assert facts["trial"] and facts["judged_at_step"] == 5 and ctx.lr_scale == pytest.approx(0.2)
+    [(step, verdict, done, scale)] = verdicts
+    assert step == 5 and verdict.told and not verdict.enforced and done == {}
+    assert verdict.kind == "loss_divergence" and verdict.data["followed"] and not verdict.data["state_held"]
+    assert verdict.data["loss_median_trial"] == pytest.approx(2.0)
+    assert verdict.data["loss_median_before"] == pytest.approx(8.0)
+    assert scale == pytest.approx(0.2) and not verdict.data["permanent"] and verdict.data["recovers_from_step"] == 100
+    assert ctx.lr_trial is None and not ctx.lr_permanent
+    ctx, verdicts, _ = _trial(lambda step, scale: 2.0, already=0.5)  # (the LR was lowered already)
+    assert verdicts[0][1].data["permanent"] and ctx.lr_permanent
+
+
+def test_a_trial_drop_the_loss_does_not_follow_gives_the_lr_back_and_later_growth_is_told():
+    """Where the loss goes on growing at the lowered LR, the growth is not the LR's doing: the
+    verdict's enforced lr_drop gives the LR back as it was (scale, permanence, ceiling), and further
+    findings of a growing loss are told only (the drop not applied) until its median is back under
+    the level of the trial. (No state held: no rollback to put back.)"""
+    ctx, verdicts, _ = _trial(lambda step, scale: 10.0 * 1.1**step, already=0.5)
+    [(step, verdict, done, scale)] = verdicts
+    assert step == 5 and verdict.enforced == ("lr_drop",) and not verdict.told
+    assert verdict.data["followed"] is False and done["lr_drop"]["given_back"]
+    assert done["lr_drop"]["old_scale"] == pytest.approx(0.1) and done["lr_drop"]["new_scale"] == 0.5 and scale == 0.5
+    assert ctx.lr_trial["refuted"] and ctx.lr_dropped_at is None and ctx.lr_ceiling is None and not ctx.lr_permanent
+    again = A.apply(ctx, D("lr_drop", kind="loss_divergence", before_update=False, median=50.0, trial=True))
+    assert again["applied"] is False and "does not follow the LR" in again["reason"] and ctx.lr_scale == 0.5
+    other = A.apply(ctx, D("lr_drop", kind="loss_spike"))  # (other findings' drops: as ever)
+    assert other["new_scale"] == pytest.approx(0.1)
+    for step in range(40, 46):  # the loss back under the trial's level: trials again
+        assert A.judge_trial(ctx, step, 1.0) is None
+    assert ctx.lr_trial is None
+
+
+def test_a_trials_rollback_holds_the_state_it_left_and_a_refutation_puts_it_back(tmp_path):
+    """The trial's rollback (to the newest snapshot from before the growth) holds the state it
+    left, and the snapshots it took out of the ring. A refutation puts both back (the trial's own
+    snapshots go) and skips the step's update; a confirmation drops them."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ring = SnapshotRing(every=10, keep=3)
+    ctx = ctx_for(model, opt, snapshots=ring)
+    for label in (0, 10, 20):
+        with torch.no_grad():
+            model.weight.fill_(float(label))
+        ring.take(label, model, opt)
+    with torch.no_grad():
+        model.weight.fill_(25.0)  # the state the growth left
+    ctx.step = 25
+    cause = Finding("loss_divergence", "grows", data={"trial": True, "median": 8.0}, before_update=False, step=12)
+    facts = A.apply(ctx, Decision("rollback", cause))
+    assert facts["restored_from"] == 10 and facts["trial"] and facts["held_bytes"] > 0
+    assert model.weight.eq(10.0).all() and ring.labels == [0, 10] and ctx.lr_trial_held["at"] == 25
+    ctx.skip = False
+    ring.take(30, model, opt)  # (a snapshot of the trial's steps)
+    ctx.step = 45
+    refuted = Finding("loss_divergence", "not the LR", data={"trial_refuted": True})
+    back = A.apply(ctx, Decision("rollback", refuted, {"enforced": True}))
+    assert back["restored"] and back["restored_from"] == 25 and ctx.skip
+    assert model.weight.eq(25.0).all() and ring.labels == [0, 10, 20] and ctx.lr_trial_held is None
+    assert A.apply(ctx, Decision("rollback", refuted))["restored"] is False  # (nothing held any more)
+    ctx.lr_trial, ctx.skip = {"at": 25, "before": 2.0, "losses": [], "refuted": True}, False
+    told = A.apply(ctx, Decision("rollback", cause))  # (a growing loss after a refutation: told only)
+    assert told["restored"] is False and "does not follow the LR" in told["reason"] and not ctx.skip
+    assert model.weight.eq(25.0).all()
+
+
 def test_the_lr_climbs_back_while_the_loss_holds_and_halts_for_good_where_it_rises():
     ctx, told = _climb(lambda step, scale: 1.0 + 0.01 * (step % 3))  # noise, no rise: back to 1
     assert [(s, sorted(f)) for s, f, _ in told] == [
@@ -709,8 +801,12 @@ def test_the_lr_climbs_watch_survives_a_checkpoint(tmp_path, signed):
         "lr_climb_best_at",
         "lr_climb_first",
         "losses_seen",
+        "lr_trial",
     )
     names = (*names, "loss_signed")
+    saved = A._drop_fields(ctx)  # (a refuted trial: kept until the loss is back under its level)
+    ctx.lr_trial = {"at": 2, "before": 9.0, "losses": [0.5, 1.0], "permanent": False, "kind": "x", "saved": saved}
+    ctx.lr_trial["refuted"] = True
     for name in names:
         setattr(live, name, getattr(ctx, name))
     state = mon.state_dict()

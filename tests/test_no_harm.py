@@ -1274,14 +1274,19 @@ def test_a_buffer_the_forward_reassigns_is_put_back_by_a_skip(tmp_path):
     assert all(torch.equal(twin[k], state[k]) for k in twin)
 
 
-def test_a_loss_weight_ramp_that_grows_the_loss_is_told_not_acted_on(tmp_path):
+def test_a_loss_weight_ramp_that_grows_the_loss_gets_its_lr_back_after_a_trial(tmp_path):
     """A healthy loss can grow over many steps: an auxiliary loss's weight ramped from 0 to 10 after
     the main loss converged (a helper's probe found the same in KL annealing, curricula that raise
-    the noise, targets that grow, TD learning: 11 setups, 38 of 76 runs). loss_divergence tells
-    it, and takes no action by default: the run is bit-identical to the bare one. (With the
-    rollback and LR drop it acted on, a VAE whose KL weight rose exponentially ended 10x worse.)"""
+    the noise, targets that grow, TD learning: 11 setups, 38 of 76 runs). The loss alone cannot
+    tell it from an LR past its edge, so loss_divergence's answer is a trial: back to the state before
+    the growth, the LR dropped. The loss goes on growing, and after halt_window steps the state the
+    trial left and the LR are put back (the rescue's budget too; the growth that follows is told
+    only, tests/test_actions.py). The run ends where the bare one does. (A rollback and a
+    drop for good, as for a divergence, left a VAE whose KL weight rose exponentially 10x worse.)"""
     g = torch.Generator().manual_seed(200)
     w = torch.randn(10, 1, generator=g)
+    test = torch.randn(512, 10, generator=g)
+    test_aux = torch.randn(512, 4, generator=g) + test[:, :4] ** 2
 
     def run(monitored):
         torch.manual_seed(0)
@@ -1304,10 +1309,16 @@ def test_a_loss_weight_ramp_that_grows_the_loss_is_told_not_acted_on(tmp_path):
             return main + weight * nn.functional.mse_loss(model["aux"](h), aux_target)
 
         events = train(tmp_path / str(monitored), model, opt, monitored, range(450), loss_of)
-        return [p.detach().clone() for p in model.parameters()], events
+        with torch.no_grad():
+            h = torch.tanh(model["trunk"](test))
+            main = nn.functional.mse_loss(model["main"](h), test @ w)
+            return (main + nn.functional.mse_loss(model["aux"](h), test_aux)).item(), events
 
     bare, _ = run(False)
-    params, events = run(True)
-    told = [e for e in events if e.kind == "loss_divergence"]
-    assert told and not any(e.actions for e in told)
-    assert all(torch.equal(a, b) for a, b in zip(bare, params))
+    monitored, events = run(True)
+    trial, judged = [e for e in events if e.kind == "loss_divergence"]
+    assert trial.actions == ["rollback", "lr_drop"] and trial.data["action_results"]["lr_drop"]["trial"]
+    assert judged.data["followed"] is False and judged.data["budget_returned"] == 1
+    put_back = judged.data["action_results"]
+    assert put_back["rollback"]["restored_from"] == trial.data["at"] and put_back["lr_drop"]["new_scale"] == 1.0
+    assert abs(monitored / bare - 1) < 0.05

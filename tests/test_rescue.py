@@ -473,9 +473,9 @@ def test_a_loss_that_grows_over_spans_is_rolled_back_to_before_the_growth_and_it
     a step (bare: loss 1e10 and on to inf). No step is a spike: the spike tests' windows follow the
     growth, and before loss_divergence the monitor took no action from step 37 while the loss went
     from 7 to 3e10. Now the median of 20 steps grown 1.5x (and 3 standard errors of the batch noise)
-    three spans in a row, and 10x its lowest, is a divergence: told by default (a healthy schedule
-    grows a loss so too), and with its rescue ladder on, back to the newest snapshot from before the
-    growth began and the LR dropped; again, and the drop is for good."""
+    three spans in a row, and 10x its lowest, is a divergence, answered by a trial: back to the
+    newest snapshot from before the growth began, the LR dropped; the drop is not given back. (A drop alone, without the rollback, is not borne
+    out with momentum: the velocity the growth built carries the loss up 14x in the 20 steps.)"""
     x, y, _, held_out = _linear_task(5, outliers=0.01)
     batches = _draws(x, y, 8, 400, 3005)
 
@@ -486,17 +486,13 @@ def test_a_loss_that_grows_over_spans_is_rolled_back_to_before_the_growth_and_it
 
     _, bare = _regression(tmp_path, make, batches, held_out, config=None)
     assert not bare < 1e6  # (bare: inf, or far past it)
-    events, told = _regression(tmp_path, make, batches, held_out)
-    assert told > 1e3 and any(e.kind == "loss_divergence" and not e.actions for e in events)  # (the default)
-    rescue = {
-        "ladders": {"loss_divergence": {"rungs": [{"after": 1, "actions": ["rollback", "lr_drop"]}], "window": 300}}
-    }
-    events, monitored = _regression(tmp_path, make, batches, held_out, config=cfg(policy=rescue))
-    found = [e for e in events if e.kind == "loss_divergence"]
-    assert found and "rollback" in found[0].actions
-    rollback = found[0].data["action_results"]["rollback"]
-    assert rollback["restored"] and rollback["restored_from"] <= found[0].data["began"]
-    assert any("lr_drop" in e.actions for e in found)
+    events, monitored = _regression(tmp_path, make, batches, held_out)
+    trial, *later = [e for e in events if e.kind == "loss_divergence"]
+    assert trial.actions == ["rollback", "lr_drop"] and trial.data["action_results"]["lr_drop"]["trial"]
+    rollback = trial.data["action_results"]["rollback"]
+    assert rollback["restored"] and rollback["restored_from"] <= trial.data["began"]
+    # (here an update at the lowered LR still passed the ceiling 15 steps on: that drop took over)
+    assert not any(e.data.get("followed") is False for e in later)
     assert monitored < 9.0  # (predicting zero: ~9)
 
 
