@@ -1575,17 +1575,19 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     """
     cfg = ctx.config.rollback
     cause = decision.cause
-    refuted = _refuted(ctx) if cause.data.get("trial") else None
-    if refuted is not None:
-        return {"restored": False, "reason": refuted}
-    ctx.skip = True
     if cause.data.get("trial_refuted"):
+        ctx.skip = True
         return _put_back_held(ctx)
     if cause.before_update:
         target = ctx.step - 1
     else:
         target = cause.step if cause.step is not None else ctx.step
     snap = ctx.snapshots.latest_before(target) if ctx.snapshots is not None else None
+    trial = bool(cause.data.get("trial"))
+    why_not = (_refuted(ctx) or (_no_room_to_hold(ctx, snap[1]) if snap else None)) if trial else None
+    if why_not is not None:
+        return {"restored": False, "reason": why_not}
+    ctx.skip = True
     if snap is None:
         have = ctx.snapshots.labels if ctx.snapshots is not None else []
         return {
@@ -1595,16 +1597,14 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         }
     label, state = snap
     assert ctx.snapshots is not None  # snap came from it
-    trial: dict[str, Any] = {}
-    if cause.data.get("trial"):
-        # (a trial: the state left is held, with the snapshots taken out, until the loss says)
-        held = capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({}), rng=False)
-        ctx.lr_trial_held = {"at": ctx.step, "state": held, "popped": []}
-        trial = {"trial": True, "held_bytes": tree_nbytes(held)}
+    held: dict[str, Any] = {}
+    if trial:  # (the state left is held, with the snapshots taken out, until the loss says)
+        live = capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({}), rng=False)
+        held = ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": []}
     _restore_snapshot(ctx, state, rng=cfg.restore_rng)
     popped = ctx.snapshots.pop_after(label)
-    if ctx.lr_trial_held is not None and trial:
-        ctx.lr_trial_held["popped"] = popped
+    if held:
+        held["popped"] = popped
     ctx.batches_to_skip += cfg.skip_batches
     return {
         "restored": True,
@@ -1612,8 +1612,21 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "steps_back": ctx.step - label,
         "skipped_step": ctx.step,
         "batches_to_skip": ctx.batches_to_skip,
-        **trial,
+        **({"trial": True, "held_bytes": tree_nbytes(held["state"])} if held else {}),
     }
+
+
+def _no_room_to_hold(ctx: ActionContext, state: Mapping[str, Any]) -> str | None:
+    """Why a trial cannot hold the state it leaves beside the snapshots (one as large as
+    ``state``) within ``actions.rollback.max_host_mb``, else None."""
+    assert ctx.snapshots is not None
+    room = ctx.snapshots.max_bytes
+    if room is None or ctx.snapshots.nbytes + tree_nbytes(state) <= room:
+        return None
+    return (
+        f"no room under actions.rollback.max_host_mb ({room / 2**20:g} MiB, the snapshots hold "
+        f"{ctx.snapshots.nbytes / 2**20:.1f}) to hold the state a trial would put back: the trial drops the LR alone"
+    )
 
 
 def _put_back_held(ctx: ActionContext) -> dict[str, Any]:

@@ -305,6 +305,9 @@ def test_a_trials_rollback_holds_the_state_it_left_and_a_refutation_puts_it_back
     assert back["restored"] and back["restored_from"] == 25 and ctx.skip
     assert model.weight.eq(25.0).all() and ring.labels == [0, 10, 20] and ctx.lr_trial_held is None
     assert A.apply(ctx, Decision("rollback", refuted))["restored"] is False  # (nothing held any more)
+    ring.max_bytes, ctx.skip = ring.nbytes + 10, False  # no room beside the snapshots to hold a state
+    full = A.apply(ctx, Decision("rollback", cause))
+    assert full["restored"] is False and "no room" in full["reason"] and not ctx.skip and ring.labels == [0, 10, 20]
     ctx.lr_trial, ctx.skip = {"at": 25, "before": 2.0, "losses": [], "refuted": True}, False
     told = A.apply(ctx, Decision("rollback", cause))  # (a growing loss after a refutation: told only)
     assert told["restored"] is False and "does not follow the LR" in told["reason"] and not ctx.skip

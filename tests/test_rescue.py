@@ -474,8 +474,9 @@ def test_a_loss_that_grows_over_spans_is_rolled_back_to_before_the_growth_and_it
     growth, and before loss_divergence the monitor took no action from step 37 while the loss went
     from 7 to 3e10. Now the median of 20 steps grown 1.5x (and 3 standard errors of the batch noise)
     three spans in a row, and 10x its lowest, is a divergence, answered by a trial: back to the
-    newest snapshot from before the growth began, the LR dropped; the drop is not given back. (A drop alone, without the rollback, is not borne
-    out with momentum: the velocity the growth built carries the loss up 14x in the 20 steps.)"""
+    newest snapshot from before the growth began, the LR dropped; the drop is not given back. (A
+    drop alone, without the rollback, is not borne out with momentum: the velocity the growth built
+    carries the loss up 14x in the 20 steps.)"""
     x, y, _, held_out = _linear_task(5, outliers=0.01)
     batches = _draws(x, y, 8, 400, 3005)
 
