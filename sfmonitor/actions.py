@@ -915,7 +915,9 @@ def restore_lr(optimizer: torch.optim.Optimizer, saved: list[Any]) -> None:
 # Cooldown 20: one drop per incident, not one per finding of a burst.
 @register_action(LR_DROP, order=40, budgeted=True, cooldown=20, config=LRDropConfig)
 def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
-    """``ctx.lr_scale *= factor`` (not below ``min_scale``); effective LRs reported per group.
+    """``ctx.lr_scale *= factor`` (not below ``min_scale``); effective LRs reported per group. For a
+    finding whose data says ``trial`` (loss_divergence) the drop is a trial, judged by
+    ``judge_trial``: it is made permanent, if so, only once the loss bears it out.
     Where the user's LR is now more than 1 / ``factor`` x its level before, in every group (the
     finding's ``lr_rise``: a schedule bug that multiplies the LR for some steps), the scale takes
     the LR back to that level instead: a fifth of a 300x LR is still 60x the LR the run was healthy
@@ -1002,8 +1004,8 @@ def _refuted(ctx: ActionContext) -> str | None:
     if trial is None or not trial.get("refuted"):
         return None
     return (
-        f"a trial at step {trial['at']} showed that the loss does not follow the LR: a growing loss is told, "
-        f"not answered, until its median is back under {math.exp(trial['before']):.4g}"
+        f"a trial at step {trial['at']} showed that what grows the loss is outside the state and the LR: a growing "
+        f"loss is told, not answered, until its median is back under {math.exp(trial['before']):.4g}"
     )
 
 
@@ -1022,17 +1024,18 @@ def _drop_fields(ctx: ActionContext) -> dict[str, Any]:
 
 
 def judge_trial(ctx: ActionContext, step: int, loss: float | None) -> Finding | None:
-    """Call once per step with the step's loss, before its decisions. A trial (``ctx.lr_trial``: a
-    drop, with the rollback taken beside it, for a finding whose cause the loss cannot tell) is
-    judged ``halt_window`` steps after it by the median of the losses made since: under the median
-    of the window before the trial, the loss followed (an LR past its edge: from the state before
-    the growth, at the lowered LR, the loss is back down within steps), and the drop stands as an
-    ordinary one: a finding told, no action. Else the growth has another cause (a loss weight or a
-    target that grows, noisier data): a finding whose enforced actions put back what the trial
-    changed (``rollback``: the state the trial's rollback left, ``lr_drop``: the LR as it was), so
-    the run goes on as if the trial had not been, but for the steps it took. Returns that finding,
-    else None. After a refutation, clears the trial once the median of the last ``halt_window``
-    losses is back under the one before it."""
+    """Call once per step with the step's loss, before its decisions. A trial (``ctx.lr_trial``:
+    for a finding whose cause the loss cannot tell, loss_divergence's, a rollback to the newest
+    snapshot from before the growth and an LR drop, the state left held) is judged ``halt_window``
+    steps after it by the median of the losses made since. Under the median of the window before
+    the trial, the growth was the run's own (an LR past its edge: from the state before the growth,
+    at the lowered LR, the loss is back down at once and stays there): a finding told, no action,
+    and the drop stands as an ordinary one. Else what grows the loss is outside the state and the
+    LR (a loss weight or a target that grows, noisier data): a finding whose enforced actions put
+    back what the trial changed (``rollback``: the held state; ``lr_drop``: the LR as it was), so
+    the run goes on as if the trial had not been, but for its steps. Returns that finding, else
+    None. After a refutation, clears the trial once the median of the last ``halt_window`` losses
+    is back under the one before it (until then a growing loss is told only)."""
     trial = ctx.lr_trial
     if trial is None:
         return None
@@ -1280,6 +1283,7 @@ def trial_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
         if during is not None
         else f"no loss was seen in the {cfg.halt_window} steps of the trial, "
     )
+    start = "from the state before the growth, at the lowered LR, " if facts["state_held"] else "at the lowered LR, "
     if facts["followed"]:
         then = (
             "for good (the trouble came back before the LR did)"
@@ -1287,14 +1291,15 @@ def trial_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
             else f"and the LR climbs back from step {facts['recovers_from_step']}"
         )
         return (
-            f"the loss followed the LR: {seen}fell under its median before the trial at step "
-            f"{facts['trial_from_step']}, {before:.4g}. The LR was past its edge: the drop stands, {then}"
+            f"the trial bore the growth out as the run's own: {start}{seen}is under its median before the trial at "
+            f"step {facts['trial_from_step']}, {before:.4g} (an LR past its edge): the drop stands, {then}"
         )
-    back = "the state from before the trial and the LR are put back" if facts["state_held"] else "the LR is given back"
+    back = "the state the trial left and the LR are put back" if facts["state_held"] else "the LR is given back"
     return (
-        f"the loss did not follow the LR: {seen}is not under its median before the trial at step "
-        f"{facts['trial_from_step']}, {before:.4g}. Not the LR's doing (a loss weight or a target that grows, "
-        f"noisier data): {back}, and a growing loss is told, not answered, until its median is back under that level"
+        f"the trial did not bear the growth out as the run's own: {start}{seen}is not under its median before the "
+        f"trial at step {facts['trial_from_step']}, {before:.4g}. What grows the loss is outside the state and the LR "
+        f"(a loss weight, targets or data that change): {back}, and a growing loss is told, not answered, until its "
+        "median is back under that level"
     )
 
 

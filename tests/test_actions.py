@@ -270,7 +270,7 @@ def test_a_trial_drop_the_loss_does_not_follow_gives_the_lr_back_and_later_growt
     assert done["lr_drop"]["old_scale"] == pytest.approx(0.1) and done["lr_drop"]["new_scale"] == 0.5 and scale == 0.5
     assert ctx.lr_trial["refuted"] and ctx.lr_dropped_at is None and ctx.lr_ceiling is None and not ctx.lr_permanent
     again = A.apply(ctx, D("lr_drop", kind="loss_divergence", before_update=False, median=50.0, trial=True))
-    assert again["applied"] is False and "does not follow the LR" in again["reason"] and ctx.lr_scale == 0.5
+    assert again["applied"] is False and "outside the state and the LR" in again["reason"] and ctx.lr_scale == 0.5
     other = A.apply(ctx, D("lr_drop", kind="loss_spike"))  # (other findings' drops: as ever)
     assert other["new_scale"] == pytest.approx(0.1)
     for step in range(40, 46):  # the loss back under the trial's level: trials again
@@ -310,7 +310,7 @@ def test_a_trials_rollback_holds_the_state_it_left_and_a_refutation_puts_it_back
     assert full["restored"] is False and "no room" in full["reason"] and not ctx.skip and ring.labels == [0, 10, 20]
     ctx.lr_trial, ctx.skip = {"at": 25, "before": 2.0, "losses": [], "refuted": True}, False
     told = A.apply(ctx, Decision("rollback", cause))  # (a growing loss after a refutation: told only)
-    assert told["restored"] is False and "does not follow the LR" in told["reason"] and not ctx.skip
+    assert told["restored"] is False and "outside the state and the LR" in told["reason"] and not ctx.skip
     assert model.weight.eq(25.0).all()
 
 
