@@ -1589,7 +1589,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         target = cause.step if cause.step is not None else ctx.step
     snap = ctx.snapshots.latest_before(target) if ctx.snapshots is not None else None
     trial = bool(cause.data.get("trial"))
-    why_not = (_refuted(ctx) or (_no_room_to_hold(ctx, snap[1]) if snap else None)) if trial else None
+    why_not = (_refuted(ctx) or _cannot_hold(ctx, snap)) if trial else None
     if why_not is not None:
         return {"restored": False, "reason": why_not}
     ctx.skip = True
@@ -1621,17 +1621,24 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     }
 
 
-def _no_room_to_hold(ctx: ActionContext, state: Mapping[str, Any]) -> str | None:
-    """Why a trial cannot hold the state it leaves beside the snapshots (one as large as
-    ``state``) within ``actions.rollback.max_host_mb``, else None."""
-    assert ctx.snapshots is not None
-    room = ctx.snapshots.max_bytes
-    if room is None or ctx.snapshots.nbytes + tree_nbytes(state) <= room:
-        return None
-    return (
-        f"no room under actions.rollback.max_host_mb ({room / 2**20:g} MiB, the snapshots hold "
-        f"{ctx.snapshots.nbytes / 2**20:.1f}) to hold the state a trial would put back: the trial drops the LR alone"
-    )
+def _cannot_hold(ctx: ActionContext, snap: tuple[int, dict[str, Any]] | None) -> str | None:
+    """Why a trial rolls back on no rank (its drop goes on alone), else None: a rank holds no
+    snapshot from before the growth, or has no room beside its snapshots to hold the state it
+    would leave (one as large as the snapshot) within ``actions.rollback.max_host_mb``. Every rank
+    answers the same (one max collective: the ranks' rings may differ, ZeRO's shards in size)."""
+    ring = ctx.snapshots
+    room = ring.max_bytes if ring is not None else None
+    full = snap is not None and ring is not None and room is not None and ring.nbytes + tree_nbytes(snap[1]) > room
+    why = sharding.max_over_ranks(2.0 if snap is None else 1.0 if full else 0.0)
+    if why >= 2.0:
+        return "no snapshot from before the growth (on some rank): the trial drops the LR alone"
+    if why >= 1.0:
+        held = f"{ring.nbytes / 2**20:.1f} MiB here" if ring is not None else "none"
+        return (
+            f"no room under actions.rollback.max_host_mb (the snapshots hold {held}) to hold the state a trial "
+            "would put back, on some rank: the trial drops the LR alone"
+        )
+    return None
 
 
 def _put_back_held(ctx: ActionContext) -> dict[str, Any]:

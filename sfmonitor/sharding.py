@@ -282,6 +282,19 @@ def optimizer_state_by_index(
     }
 
 
+def max_over_ranks(value: float) -> float:
+    """The largest of ``value`` over the ranks (one max collective where the monitor sees more than
+    one rank; ``value`` itself otherwise): a choice every rank must make alike."""
+    if world_size() <= 1:
+        return value
+    d = torch.distributed
+    comm = torch.tensor([value], dtype=torch.float64)
+    if d.get_backend() == "nccl":
+        comm = comm.to(torch.device("cuda", torch.cuda.current_device()))
+    d.all_reduce(comm, op=d.ReduceOp.MAX)
+    return float(comm.item())
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite, on every rank when any of them is sharded
     (one max collective then; one host read either way), so every rank answers the same."""

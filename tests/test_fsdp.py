@@ -320,6 +320,55 @@ def test_rollback_restores_every_ranks_shards(tmp_path):
     assert not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(r0["local"], r1["local"]))
 
 
+def _trial_worker(rank, port, out):
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = _quiet(actions={"rollback": {"snapshot_every": 1, "skip_batches": 0}})
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=config)
+    for batch in _batches(4):  # healthy steps: snapshots at 1, 2, 3
+        x, y = _half(batch, rank)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    ctx = mon._live()
+    left = (_full_params(model), _full_opt(model, opt))
+    ctx.step = 4  # a loss that grew from step 1: the trial's rollback holds the state it leaves
+    grows = Finding("loss_divergence", "grows", data={"trial": True, "median": 8.0}, before_update=False, step=1)
+    trial = A.apply(ctx, Decision("rollback", grows))
+    rolled = _full_params(model)
+    ctx.step = 24  # the loss did not bear it out: the held state goes back
+    refuted = Finding("loss_divergence", "not the run's own", data={"trial_refuted": True})
+    back = A.apply(ctx, Decision("rollback", refuted, {"enforced": True}))
+    after = (_full_params(model), _full_opt(model, opt))
+    if rank == 1:  # no room to hold a state on rank 1 alone: no rank rolls back
+        ctx.snapshots.max_bytes = ctx.snapshots.nbytes
+    ctx.skip = False
+    full = A.apply(ctx, Decision("rollback", grows))
+    mon.detach()
+    torch.save(
+        {"trial": trial, "back": back, "full": full, "left": left, "rolled": rolled, "after": after},
+        os.path.join(out, f"rank{rank}.pt"),
+    )
+    _leave()
+
+
+def test_a_trials_rollback_and_its_put_back_move_every_ranks_shards_alike(tmp_path):
+    """loss_divergence's trial under FSDP2: its rollback holds each rank's shards of the state it
+    leaves, and a refutation puts them back on every rank (parameters and AdamW's moments equal to
+    before the trial). Where one rank has no room to hold them, no rank rolls back (the ranks' rings
+    may differ: one collective decides)."""
+    r0, r1 = _run(_trial_worker, tmp_path)
+    for r in (r0, r1):
+        assert r["trial"]["restored"] and r["trial"]["restored_from"] == 1 and r["trial"]["trial"]
+        assert r["back"]["restored"] and r["back"]["restored_from"] == 4
+        assert any(not torch.equal(r["rolled"][n], r["left"][0][n]) for n in r["left"][0])
+        params, opt = r["after"]
+        assert all(torch.equal(params[n], r["left"][0][n]) for n in params)
+        assert all(torch.equal(opt[n][k], r["left"][1][n][k]) for n in opt for k in opt[n])
+        assert r["full"]["restored"] is False and "no room" in r["full"]["reason"]
+
+
 # --------------------------------------------------------------------------------------------
 # emergency checkpoints: written by 2 ranks, read by 1
 # --------------------------------------------------------------------------------------------
