@@ -980,9 +980,15 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         if before is None:  # (no median to judge the trial against: an ordinary drop)
             ctx.lr_permanent = ctx.lr_permanent or permanent
         else:
+            # The trial's bar: midway (in logs) between that median and the one where the growth
+            # began: from a state before a growth of its own the loss comes back near where it
+            # began; a TD learner's bimodal loss, 5% under its median before, is no such return.
+            began = decision.cause.data.get("began_median")
+            low = math.log(began) if isinstance(began, float) and 0 < began < median else before
             ctx.lr_trial = {
                 "at": ctx.step,
                 "before": before,
+                "bar": (before + low) / 2,
                 "losses": [],
                 "permanent": permanent,
                 "kind": decision.cause.kind,
@@ -1027,9 +1033,10 @@ def judge_trial(ctx: ActionContext, step: int, loss: float | None) -> Finding | 
     """Call once per step with the step's loss, before its decisions. A trial (``ctx.lr_trial``:
     for a finding whose cause the loss cannot tell, loss_divergence's, a rollback to the newest
     snapshot from before the growth and an LR drop, the state left held) is judged ``halt_window``
-    steps after it by the median of the losses made since. Under the median of the window before
-    the trial, the growth was the run's own (an LR past its edge: from the state before the growth,
-    at the lowered LR, the loss is back down at once and stays there): a finding told, no action,
+    steps after it by the median of the losses made since. Back under the bar, midway (in logs)
+    from the median of the window before the trial to the one where the growth began, the growth
+    was the run's own (an LR past its edge: from the state before the growth, at the lowered LR,
+    the loss is back near where it began at once and stays there): a finding told, no action,
     and the drop stands as an ordinary one. Else what grows the loss is outside the state and the
     LR (a loss weight or a target that grows, noisier data): a finding whose enforced actions put
     back what the trial changed (``rollback``: the held state; ``lr_drop``: the LR as it was), so
@@ -1057,10 +1064,11 @@ def judge_trial(ctx: ActionContext, step: int, loss: float | None) -> Finding | 
         "trial": True,
         "trial_from_step": trial["at"],
         "loss_median_before": math.exp(trial["before"]),
+        "loss_median_bar": math.exp(trial.get("bar", trial["before"])),
         "loss_median_trial": None if median is None else math.exp(median),
         "state_held": held is not None,
     }
-    if median is not None and median < trial["before"]:
+    if median is not None and median < trial.get("bar", trial["before"]):
         ctx.lr_trial = ctx.lr_trial_held = None  # (the snapshots its rollback took out stay out)
         ctx.lr_permanent = ctx.lr_permanent or bool(trial["permanent"])
         facts.update(
@@ -1277,7 +1285,7 @@ def halt_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
 
 def trial_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
     """The message of a trial's judgement (``judge_trial``)."""
-    before, during = facts["loss_median_before"], facts["loss_median_trial"]
+    before, during, bar = facts["loss_median_before"], facts["loss_median_trial"], facts["loss_median_bar"]
     seen = (
         f"its median over the {cfg.halt_window} steps of the trial, {during:.4g}, "
         if during is not None
@@ -1291,13 +1299,15 @@ def trial_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
             else f"and the LR climbs back from step {facts['recovers_from_step']}"
         )
         return (
-            f"the trial bore the growth out as the run's own: {start}{seen}is under its median before the trial at "
-            f"step {facts['trial_from_step']}, {before:.4g} (an LR past its edge): the drop stands, {then}"
+            f"the trial bore the growth out as the run's own: {start}{seen}is back under {bar:.4g}, midway from its "
+            f"median before the trial at step {facts['trial_from_step']}, {before:.4g}, to where the growth began (an "
+            f"LR past its edge): the drop stands, {then}"
         )
     back = "the state the trial left and the LR are put back" if facts["state_held"] else "the LR is given back"
     return (
-        f"the trial did not bear the growth out as the run's own: {start}{seen}is not under its median before the "
-        f"trial at step {facts['trial_from_step']}, {before:.4g}. What grows the loss is outside the state and the LR "
+        f"the trial did not bear the growth out as the run's own: {start}{seen}is not back under {bar:.4g}, midway "
+        f"from its median before the trial at step {facts['trial_from_step']}, {before:.4g}, to where the growth "
+        "began. What grows the loss is outside the state and the LR "
         f"(a loss weight, targets or data that change): {back}, and a growing loss is told, not answered, until its "
         "median is back under that level"
     )

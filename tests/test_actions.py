@@ -220,14 +220,16 @@ def _climb(losses_at, halt_rise=1.5, steps=60):
 
 
 def _trial(losses_at, already=1.0, steps=40):
-    """A trial drop (a loss_divergence finding, its median 8.0 before the drop) at step 0 with the
-    LR scale at ``already``, then each step judge_trial (its verdict's enforced actions applied) and
-    relax_lr (halt_window 5), the loss at each ``losses_at(step, scale)``: (ctx, the verdicts with
-    their actions' facts and the scale after them, the drop's facts)."""
+    """A trial drop (a loss_divergence finding, its median 8.0 before the drop, 0.5 where the growth
+    began: the bar 2.0) at step 0 with the LR scale at ``already``, then each step judge_trial (its
+    verdict's enforced actions applied) and relax_lr (halt_window 5), the loss at each
+    ``losses_at(step, scale)``: (ctx, the verdicts with their actions' facts and the scale after
+    them, the drop's facts)."""
     ctx = ctx_for(Tri(), torch.optim.SGD(Tri().parameters(), lr=0.3))
     ctx.config.lr_drop.halt_window = 5
     ctx.lr_scale = already
-    facts = A.apply(ctx, D("lr_drop", kind="loss_divergence", before_update=False, median=8.0, trial=True))
+    grows = D("lr_drop", kind="loss_divergence", before_update=False, median=8.0, began_median=0.5, trial=True)
+    facts = A.apply(ctx, grows)
     verdicts = []
     for step in range(1, steps):
         ctx.step = step
@@ -245,17 +247,23 @@ def test_a_trial_drop_stands_where_the_loss_follows_the_lr():
     that grows: its drop is a trial. Where the loss falls under its median before the drop within
     halt_window steps, the LR was the cause: a verdict told (no action), and the drop stands as an
     ordinary one (it climbs back after recover_after; for good when the LR was already lowered)."""
-    ctx, verdicts, facts = _trial(lambda step, scale: 2.0 if scale < 1 else 20.0)
+    ctx, verdicts, facts = _trial(lambda step, scale: 1.5 if scale < 1 else 20.0)
     assert facts["trial"] and facts["judged_at_step"] == 5 and ctx.lr_scale == pytest.approx(0.2)
     [(step, verdict, done, scale)] = verdicts
     assert step == 5 and verdict.told and not verdict.enforced and done == {}
     assert verdict.kind == "loss_divergence" and verdict.data["followed"] and not verdict.data["state_held"]
-    assert verdict.data["loss_median_trial"] == pytest.approx(2.0)
-    assert verdict.data["loss_median_before"] == pytest.approx(8.0)
+    assert verdict.data["loss_median_trial"] == pytest.approx(1.5)
+    assert verdict.data["loss_median_before"] == pytest.approx(8.0) and verdict.data[
+        "loss_median_bar"
+    ] == pytest.approx(2)
     assert scale == pytest.approx(0.2) and not verdict.data["permanent"] and verdict.data["recovers_from_step"] == 100
     assert ctx.lr_trial is None and not ctx.lr_permanent
-    ctx, verdicts, _ = _trial(lambda step, scale: 2.0, already=0.5)  # (the LR was lowered already)
+    ctx, verdicts, _ = _trial(lambda step, scale: 1.5, already=0.5)  # (the LR was lowered already)
     assert verdicts[0][1].data["permanent"] and ctx.lr_permanent
+    # under the median before the trial but not back near where the growth began: a TD learner's
+    # bimodal loss, 5% under it (its LR cut by a trial it had not borne out: 7x its bare run)
+    _, verdicts, _ = _trial(lambda step, scale: 7.6)
+    assert verdicts[0][1].data["followed"] is False
 
 
 def test_a_trial_drop_the_loss_does_not_follow_gives_the_lr_back_and_later_growth_is_told():
