@@ -447,15 +447,16 @@ class ActionContext:
     # the median (log) loss at the halt, which a rise of halt_rise x lowers the LR from again
     lr_halt_watch: tuple[int, float] | None = None
     # A trial drop (a finding whose cause the loss alone cannot tell: loss_divergence's, data
-    # "trial"): the step it was taken, the median (log) loss of the window before it, the log
-    # losses since, whether the cut stands for good once it is confirmed, and the drop's fields as
-    # they were before it (put back where the loss did not follow the LR). Kept after such a
-    # refutation ("refuted") until the median of the last halt_window losses is under the one
-    # before the trial: findings of a growing loss are told only until then. None: no trial.
+    # "trial"): the step it was taken, the median (log) loss of the window before it and the bar
+    # the trial's median must come back under (judge_trial), the log losses since, whether the cut
+    # stands for good once borne out, and the drop's fields as they were before it (put back on a
+    # refutation). Kept after a refutation ("refuted") until the median of the last halt_window
+    # losses is under the one before the trial: a growing loss is told only until then. None: no
+    # trial.
     lr_trial: dict[str, Any] | None = None
     # The live state a trial's rollback left (CPU copies, as a snapshot), with the snapshots that
-    # rollback took out of the ring: put back where the loss did not follow (never saved: a run
-    # resumed mid-trial gives back the LR alone). None: nothing held.
+    # rollback took out of the ring: put back on a refutation (never saved: a run resumed
+    # mid-trial gives back the LR alone). None: nothing held.
     lr_trial_held: dict[str, Any] | None = None
     losses_seen: list[float] = field(default_factory=list)
     loss_signed: bool = False
@@ -984,7 +985,7 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
             # began: from a state before a growth of its own the loss comes back near where it
             # began; a TD learner's bimodal loss, 5% under its median before, is no such return.
             began = decision.cause.data.get("began_median")
-            low = math.log(began) if isinstance(began, float) and 0 < began < median else before
+            low = math.log(began) if isinstance(began, float) and 0 < began < math.exp(before) else before
             ctx.lr_trial = {
                 "at": ctx.step,
                 "before": before,
@@ -1004,8 +1005,8 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
 
 
 def _refuted(ctx: ActionContext) -> str | None:
-    """Why a trial's actions are not taken (a trial before showed the loss does not follow the
-    LR, and it has not come back under that trial's level since), else None."""
+    """Why a trial's actions are not taken (a trial before was not borne out, and the loss has
+    not come back under that trial's level since), else None."""
     trial = ctx.lr_trial
     if trial is None or not trial.get("refuted"):
         return None
@@ -1016,7 +1017,7 @@ def _refuted(ctx: ActionContext) -> str | None:
 
 
 def _drop_fields(ctx: ActionContext) -> dict[str, Any]:
-    """The LR drop's fields as they are (a trial drop puts them back where the loss did not follow)."""
+    """The LR drop's fields as they are (put back where a trial is not borne out)."""
     return {
         "scale": ctx.lr_scale,
         "permanent": ctx.lr_permanent,

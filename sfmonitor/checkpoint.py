@@ -553,7 +553,8 @@ class SnapshotRing:
 
     def put_back(self, entries: list[tuple[int, dict[str, Any]]]) -> None:
         """Put back snapshots ``pop_after`` took out (after dropping those newer than the first of
-        them), oldest first, as the ring's size and byte budget allow."""
+        them), oldest first; the ring keeps its ``keep`` newest (they were in it before, within its
+        byte budget)."""
         if not entries:
             return
         self.discard_after(entries[0][0] - 1)

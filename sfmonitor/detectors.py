@@ -1010,8 +1010,9 @@ class LossSpike(_Windowed):
 # learning: a helper's probe, 11 healthy setups, 38 of 76 runs). The loss alone cannot tell them
 # apart, so the answer is a trial (the finding's "trial"): back to the newest snapshot from before
 # the growth and the LR dropped, the state left held. Where the loss from there, at the lowered LR,
-# is back under its level within halt_window steps, the LR was the cause and the drop stands; else
-# the held state and the LR are put back (actions.judge_trial) and the growth is told only.
+# comes back near where the growth began within halt_window steps, the growth was the run's own and
+# the drop stands; else the held state and the LR are put back (actions.judge_trial) and the growth
+# is told only.
 @register_detector(
     "loss_divergence", config=LossDivergenceConfig, window=300, kinds={LOSS_DIVERGENCE: [(1, [ROLLBACK, LR_DROP])]}
 )
