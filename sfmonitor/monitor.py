@@ -1873,12 +1873,13 @@ class Monitor:
                     rec.restore_after = rec.closure_in_step and ctx.undo is not None and not ctx.stopped
                     if not rec.restore_after:
                         rec.hide_grads(ctx.optimizer)
-                    undone = any(o.results.get(UNDO, {}).get("restored") for o in outcomes)
+                    restored = ctx.restored_at == step  # (an undo or a rollback put the state back)
                     held = ctx.buffer_copy()
-                    if held is not None and held[0].label == step - 1 and not undone:
+                    if held is not None and held[0].label == step - 1 and not restored:
                         # What this step's forward wrote into the buffers (BatchNorm statistics of
                         # a NaN batch) goes too: a skipped batch is a batch never seen. (An undo
-                        # already put them back as they were before the undone step's forward.)
+                        # already put them back as they were before the undone step's forward; a
+                        # rollback, or a refuted trial's put-back, as its state held them.)
                         held[0].restore_buffers(held[1])
                 relaxed = A.relax_weights(ctx)
                 if relaxed.get("restored"):

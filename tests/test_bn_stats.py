@@ -483,3 +483,30 @@ def test_a_nan_batch_at_a_component_gradient_step_is_skipped_not_a_crash(tmp_pat
     assert (nan_at, "bad_batch", ["skip_step"]) in events
     for (n, a), b in zip(net.state_dict().items(), twin.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+def test_a_rollback_puts_back_the_running_statistics_of_its_snapshot(tmp_path):
+    """A rollback restores its snapshot whole, the BatchNorm buffers with the weights. The skip
+    that comes with it then put the buffers back from the undo copy (as they were just before the
+    step's forward, on the trajectory being left): weights from the snapshot, running statistics
+    from steps later. So did a refuted trial's put-back, over the state it held."""
+    data = batches(8)
+    net, opt = make()
+    seen = {}  # the running statistics just before each step's forward
+
+    def before(i):
+        seen[i] = [b.clone() for b in net.buffers()]
+
+    def loss_fn(out, y):  # step 5's loss NaN (a NaN input would be a bad batch, skipped)
+        return nn.functional.cross_entropy(out, y) * (float("nan") if len(seen) == 6 else 1.0)
+
+    config = {
+        "actions": {"rollback": {"snapshot_every": 3, "skip_batches": 0}},
+        "policy": {"ladders": {"nonfinite_loss": {"rungs": [{"after": 1, "actions": ["rollback"]}]}}},
+    }
+    _, mon = loop(net, opt, 6, lambda i: data[i], loss_fn, run_dir=tmp_path, config=config, before=before)
+    (rollback,) = [e.data["action_results"]["rollback"] for e in mon.events if e.actions]
+    assert rollback["restored"] and rollback["restored_from"] == 3
+    # the snapshot of step 3 holds the statistics after step 3's forward: those step 4 started from
+    assert not all(torch.equal(a, b) for a, b in zip(seen[4], seen[5]))
+    assert all(torch.equal(a, b) for a, b in zip(net.buffers(), seen[4]))
