@@ -436,6 +436,30 @@ def test_small_weights_grow_under_the_warm_up_whatever_the_batch_noise(tmp_path,
     assert bare < 0.1 and monitored < 1.5 * bare
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_drop_while_the_warm_up_climbs_is_a_warm_up_again_not_a_cut_for_good(tmp_path, seed):
+    """Weights from std 1e-3 under SGD at 0.01 with momentum 0.9 (healthy bare): the warm-up's
+    second update, momentum's, is still over the ceiling (1.18-1.44x the weights): the third in a
+    row, rolled back with a drop. That drop made the cut permanent (the LR was under 1: "the trouble
+    came back"), 0.01x the LR for good, held-out 1.6-2.2 against bare 0.014 / 0.0055. But the LR a
+    warm-up climbs through was never seen healthy, nor was it back: a drop there is a warm-up again,
+    from the lower scale, and the LR climbs back to the user's."""
+    x, y, _, held_out = _linear_task(seed)
+    batches = _draws(x, y, 64, 400, 3000 + seed)
+
+    def make():
+        return _small_linear(seed, 1e-3, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
+
+    _, bare = _regression(tmp_path, make, batches, held_out, config=None)
+    events, monitored = _regression(tmp_path, make, batches, held_out)
+    drops = [e.data["action_results"]["lr_drop"] for e in events if "lr_drop" in e.actions]
+    decided = [d for d in drops if "factor" in d]  # (not the climb's events)
+    assert any("rollback" in e.actions for e in events)  # (the third over the ceiling in a row)
+    assert len(decided) >= 2 and all(d["warmup_steps"] == 100 and not d["permanent"] for d in decided)
+    assert any(d.get("recovered") for d in drops)  # (back to the user's LR)
+    assert bare < 0.02 and monitored < 1.5 * bare
+
+
 def test_a_warm_up_on_a_plateau_from_the_start_climbs_back_to_the_users_lr(tmp_path):
     """An MLP regressing a teacher, its head initialised at std 1e-3, under SGD at 0.2: the head's
     first update moves it ~2x its norm (undone twice: the warm-up), and the loss sits on a plateau
