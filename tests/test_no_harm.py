@@ -1288,7 +1288,7 @@ def test_a_loss_weight_ramp_that_grows_the_loss_gets_its_lr_back_after_a_trial(t
     test = torch.randn(512, 10, generator=g)
     test_aux = torch.randn(512, 4, generator=g) + test[:, :4] ** 2
 
-    def run(monitored):
+    def run(monitored, config=None):
         torch.manual_seed(0)
         data = torch.Generator().manual_seed(201)
         model = nn.ModuleDict(
@@ -1308,7 +1308,8 @@ def test_a_loss_weight_ramp_that_grows_the_loss_gets_its_lr_back_after_a_trial(t
             main = nn.functional.mse_loss(model["main"](h), x @ w)
             return main + weight * nn.functional.mse_loss(model["aux"](h), aux_target)
 
-        events = train(tmp_path / str(monitored), model, opt, monitored, range(450), loss_of)
+        run_dir = tmp_path / f"{monitored}{config is not None}"
+        events = train(run_dir, model, opt, monitored, range(450), loss_of, **({"config": config} if config else {}))
         with torch.no_grad():
             h = torch.tanh(model["trunk"](test))
             main = nn.functional.mse_loss(model["main"](h), test @ w)
@@ -1322,3 +1323,7 @@ def test_a_loss_weight_ramp_that_grows_the_loss_gets_its_lr_back_after_a_trial(t
     put_back = judged.data["action_results"]
     assert put_back["rollback"]["restored_from"] == trial.data["at"] and put_back["lr_drop"]["new_scale"] == 1.0
     assert abs(monitored / bare - 1) < 0.05
+    # a run whose loss grows by design turns the trial off (guide.md): told, bit-identical to bare
+    off = {"console": False, "policy": {"ladders": {"loss_divergence": {"rungs": [{"after": 1, "actions": []}]}}}}
+    told, events = run(True, off)
+    assert told == bare and any(e.kind == "loss_divergence" and not e.actions for e in events)
