@@ -1071,11 +1071,11 @@ def judge_trial(ctx: ActionContext, step: int, loss: float | None) -> Finding | 
         "trial": True,
         "trial_from_step": trial["at"],
         "loss_median_before": math.exp(trial["before"]),
-        "loss_median_bar": math.exp(trial.get("bar", trial["before"])),
+        "loss_median_bar": math.exp(trial["bar"]),
         "loss_median_trial": None if median is None else math.exp(median),
         "state_held": held is not None,
     }
-    if median is not None and median < trial.get("bar", trial["before"]):
+    if median is not None and median < trial["bar"]:
         ctx.lr_trial = ctx.lr_trial_held = None  # (the snapshots its rollback took out stay out)
         ctx.lr_permanent = ctx.lr_permanent or bool(trial["permanent"])
         facts.update(
@@ -1619,14 +1619,14 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         }
     label, state = snap
     assert ctx.snapshots is not None  # snap came from it
-    held: dict[str, Any] = {}
-    if trial:  # (the state left is held, with the snapshots taken out, until the loss says)
-        live = capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({}), rng=False)
-        held = ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": []}
+    # (a trial: the state left is held, with the snapshots taken out, until the loss says)
+    live = (
+        capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({}), rng=False) if trial else None
+    )
     _restore_snapshot(ctx, state, rng=cfg.restore_rng)
     popped = ctx.snapshots.pop_after(label)
-    if held:
-        held["popped"] = popped
+    if live is not None:
+        ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": popped}
     ctx.batches_to_skip += cfg.skip_batches
     return {
         "restored": True,
@@ -1634,7 +1634,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "steps_back": ctx.step - label,
         "skipped_step": ctx.step,
         "batches_to_skip": ctx.batches_to_skip,
-        **({"trial": True, "held_bytes": tree_nbytes(held["state"])} if held else {}),
+        **({"trial": True, "held_bytes": tree_nbytes(live)} if live is not None else {}),
     }
 
 
@@ -1646,7 +1646,8 @@ def _cannot_hold(ctx: ActionContext, snap: tuple[int, dict[str, Any]] | None) ->
     ring = ctx.snapshots
     room = ring.max_bytes if ring is not None else None
     full = snap is not None and ring is not None and room is not None and ring.nbytes + tree_nbytes(snap[1]) > room
-    why = sharding.max_over_ranks(2.0 if snap is None else 1.0 if full else 0.0)
+    mine = torch.tensor(2.0 if snap is None else 1.0 if full else 0.0, dtype=torch.float64)
+    why = float(sharding.max_over_ranks(mine))
     if why >= 2.0:
         return "no snapshot from before the growth (on some rank): the trial drops the LR alone"
     if why >= 1.0:

@@ -282,17 +282,16 @@ def optimizer_state_by_index(
     }
 
 
-def max_over_ranks(value: float) -> float:
-    """The largest of ``value`` over the ranks (one max collective where the monitor sees more than
-    one rank; ``value`` itself otherwise): a choice every rank must make alike."""
+def max_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """``value`` maxed element by element over the ranks (one max collective where the monitor
+    sees more than one rank; ``value`` itself otherwise), on the device the backend needs; no host
+    read: a choice every rank must make alike."""
     if world_size() <= 1:
         return value
     d = torch.distributed
-    comm = torch.tensor([value], dtype=torch.float64)
-    if d.get_backend() == "nccl":
-        comm = comm.to(torch.device("cuda", torch.cuda.current_device()))
+    comm = value.to(torch.device("cuda", torch.cuda.current_device())) if d.get_backend() == "nccl" else value
     d.all_reduce(comm, op=d.ReduceOp.MAX)
-    return float(comm.item())
+    return comm
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
@@ -301,11 +300,8 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     if not tensors:
         return True
     bad = (~torch.isfinite(norms([local(t) for t in tensors]))).any().double()
-    if any(is_sharded(t) for t in tensors) and world_size() > 1:
-        d = torch.distributed
-        comm = bad.to(torch.device("cuda", torch.cuda.current_device())) if d.get_backend() == "nccl" else bad
-        d.all_reduce(comm, op=d.ReduceOp.MAX)
-        bad = comm
+    if any(is_sharded(t) for t in tensors):
+        bad = max_over_ranks(bad)
     return not bool(bad)
 
 

@@ -316,6 +316,10 @@ def test_a_trials_rollback_holds_the_state_it_left_and_a_refutation_puts_it_back
     ring.max_bytes, ctx.skip = ring.nbytes + 10, False  # no room beside the snapshots to hold a state
     full = A.apply(ctx, Decision("rollback", cause))
     assert full["restored"] is False and "no room" in full["reason"] and not ctx.skip and ring.labels == [0, 10, 20]
+    ring.max_bytes = None
+    ring.clear()  # no snapshot from before the growth: the trial is the drop alone, nothing skipped
+    bare = A.apply(ctx, Decision("rollback", cause))
+    assert bare["restored"] is False and "no snapshot" in bare["reason"] and not ctx.skip
     ctx.lr_trial, ctx.skip = {"at": 25, "before": 2.0, "losses": [], "refuted": True}, False
     told = A.apply(ctx, Decision("rollback", cause))  # (a growing loss after a refutation: told only)
     assert told["restored"] is False and "outside the state and the LR" in told["reason"] and not ctx.skip
