@@ -95,6 +95,7 @@ __all__ = [
 LOSS_PREFIX = S.LOSS.format("")
 GRAD_NORM_PREFIX = S.GRAD_NORM.format("")
 UPDATE_RATIO_PREFIX = S.UPDATE_RATIO.format("")
+WEIGHT_PREFIX = S.LOSS_WEIGHT.format("")
 UPDATE_STALE_PREFIX = S.UPDATE_STALE.format("")
 DEAD_UNITS_PREFIX = S.DEAD_UNITS.format("")
 ADAM_EPS_PREFIX = S.ADAM_EPS.format("")
@@ -1034,9 +1035,17 @@ class LossDivergence(Detector):
         self.medians: collections.deque[tuple[int, float]] = collections.deque(maxlen=self._horizon())
         self.lowest: float | None = None  # the run's lowest median (log)
         self.signed = False
+        # each step's loss components and their weights (combine() with two or more), as far back as
+        # the oldest median reaches: a growth the weights explain is the user's (_weights_explain)
+        self.parts: collections.deque[tuple[dict[str, float], dict[str, float]]] = collections.deque(
+            maxlen=self._reach()
+        )
 
     def _horizon(self) -> int:
         return self.config.spans * self.config.window + 1
+
+    def _reach(self) -> int:
+        return (self.config.spans + 1) * self.config.window
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         loss = stats.get(LOSS_TOTAL)
@@ -1047,6 +1056,9 @@ class LossDivergence(Detector):
             return []
         cfg = self.config
         self.losses.append(math.log(loss))
+        weights = {k[len(WEIGHT_PREFIX) :]: v for k, v in stats.items() if k.startswith(WEIGHT_PREFIX)}
+        parts = {c: stats.get(S.LOSS.format(c)) for c in weights}
+        self.parts.append(({c: float(v) for c, v in parts.items() if v is not None}, weights))
         if len(self.losses) < cfg.window:
             return []
         median = _median(list(self.losses)[-cfg.window :])
@@ -1060,8 +1072,8 @@ class LossDivergence(Detector):
         rises = [a - b for a, b in itertools.pairwise(spaced)]  # (newest first)
         if min(rises) < math.log(cfg.growth):
             return []
-        need = max(math.log(cfg.growth), cfg.z * self._median_se())  # (the noise: read only now)
-        if min(rises) < need:
+        need = max(math.log(cfg.growth), cfg.z * self._median_se(list(self.losses)))  # (the noise: read only now)
+        if min(rises) < need or self._weights_explain():
             return []
         began, low = min(self.medians, key=lambda m: m[1])
         per_span = [math.exp(r) for r in rises]
@@ -1093,14 +1105,40 @@ class LossDivergence(Detector):
         )
         self.losses.clear()
         self.medians.clear()
+        self.parts.clear()
         return [finding]
 
-    def _median_se(self) -> float:
-        """The standard error of a difference of two medians of ``window`` log-losses, from the noise
-        of one, sigma: 1.4826 x the median absolute difference of successive log-losses / sqrt(2) (a
-        steady growth moves every difference alike and barely widens it); a median's is 1.2533
-        sigma / sqrt(window)."""
-        logs = list(self.losses)
+    def _weights_explain(self) -> bool:
+        """Whether the user's loss weights changed over the steps the test read and, at the newest
+        weights, the loss of those steps did not grow (the same test on sum(w_now * component)): a
+        component whose weight is ramped in (KL annealing, an auxiliary loss) grows the total while
+        the model's losses fall. False where the weights stayed (the total is then that sum) or any
+        step lacks a component."""
+        cfg = self.config
+        parts = list(self.parts)
+        if len(parts) < self._reach() or not parts[-1][1]:
+            return False
+        weights = parts[-1][1]
+        if all(w == weights for _, w in parts):
+            return False
+        logs = []
+        for components, _ in parts:
+            if components.keys() != weights.keys():
+                return False
+            value = sum(weights[c] * components[c] for c in weights)
+            if not (math.isfinite(value) and value > 0):
+                return False
+            logs.append(math.log(value))
+        n = len(logs)
+        spaced = [_median(logs[n - (k + 1) * cfg.window : n - k * cfg.window]) for k in range(cfg.spans + 1)]
+        rises = [a - b for a, b in itertools.pairwise(spaced)]
+        return min(rises) < max(math.log(cfg.growth), cfg.z * self._median_se(logs[-self._horizon() :]))
+
+    def _median_se(self, logs: list[float]) -> float:
+        """The standard error of a difference of two medians of ``window`` log-losses (``logs``, the
+        last ones), from the noise of one, sigma: 1.4826 x the median absolute difference of
+        successive log-losses / sqrt(2) (a steady growth moves every difference alike and barely
+        widens it); a median's is 1.2533 sigma / sqrt(window)."""
         steps = [abs(b - a) for a, b in itertools.pairwise(logs)]
         if not steps:
             return 0.0
@@ -1111,6 +1149,7 @@ class LossDivergence(Detector):
         """A new level of the loss is no growth: the history starts afresh, the lowest with it."""
         self.losses.clear()
         self.medians.clear()
+        self.parts.clear()
         self.lowest = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -1119,6 +1158,7 @@ class LossDivergence(Detector):
             "medians": [list(m) for m in self.medians],
             "lowest": self.lowest,
             "signed": self.signed,
+            "parts": [[dict(c), dict(w)] for c, w in self.parts],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -1129,6 +1169,13 @@ class LossDivergence(Detector):
         lowest = state.get("lowest")
         self.lowest = None if lowest is None else float(lowest)
         self.signed = bool(state.get("signed", False))
+        self.parts = collections.deque(
+            (
+                ({str(k): float(v) for k, v in c.items()}, {str(k): float(v) for k, v in w.items()})
+                for c, w in state.get("parts", [])
+            ),
+            maxlen=self._reach(),
+        )
 
 
 @register_detector("grad_spike", config=GradSpikeConfig, kinds={GRAD_SPIKE: [(1, [CLIP])]})

@@ -476,6 +476,44 @@ def test_loss_divergence_is_silent_on_noise_level_shifts_and_signed_losses():
     assert det.lowest is None and not det.losses
 
 
+def test_loss_divergence_leaves_a_growth_the_loss_weights_explain():
+    """A total that grows because the user's weight of a component grows (KL annealing, an auxiliary
+    loss ramped in, given to combine() with its weights) is no divergence: at today's weights the loss
+    of the steps before did not grow. The same components at constant weights growing as fast are
+    one (the finding is the total's, unchanged)."""
+    rng = random.Random(2)
+
+    def stats(s, weight, main, aux):
+        return {
+            "loss/total": main + weight * aux,
+            "loss/main": main,
+            "loss/aux": aux,
+            "loss_weight/main": 1.0,
+            "loss_weight/aux": weight,
+        }
+
+    # the auxiliary loss falls as its weight rises 1.05x a step from 1e-4: the total grows ~100x
+    ramp = []
+    for s in range(400):
+        weight = min(1.0, 1e-4 * 1.05 ** max(0, s - 100))
+        main = 0.01 * math.exp(0.2 * rng.gauss(0, 1))
+        aux = (0.5 + 2.0 * 0.995**s) * math.exp(0.2 * rng.gauss(0, 1))
+        ramp.append((weight, main, aux))
+    det = D.LossDivergence()
+    assert [f for s, (w, m, a) in enumerate(ramp) for f in det.check(s, stats(s, w, m, a))] == []
+    # the totals alone, without their components, are a growth the loss cannot tell from a divergence
+    alone = D.LossDivergence()
+    assert [f for s, (w, m, a) in enumerate(ramp) for f in alone.check(s, {"loss/total": m + w * a})]
+    # the same totals made by a component that grows at a constant weight: found as before
+    const = D.LossDivergence()
+    found = [f for s, (w, m, a) in enumerate(ramp) for f in const.check(s, stats(s, 1.0, m, w * a))]
+    assert found and found[0].kind == "loss_divergence"
+    # the state round-trips, components and weights included
+    again = D.LossDivergence()
+    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert again.state_dict() == det.state_dict()
+
+
 def test_loss_spike_prior_takes_few_values_for_what_they_are():
     """A healthy batch-16 regression on noisy targets (its batch losses swing ~0.35 in log): the
     fifth loss, 2.2x the median of four, is noise that four values could not show (nor can five

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from _state import quiet, train
+from _state import assert_identical, quiet, snapshot, train
 from torch import nn
 
 import sfmonitor
@@ -1272,6 +1272,54 @@ def test_a_buffer_the_forward_reassigns_is_put_back_by_a_skip(tmp_path):
     state, events = run(True, nan_at=10)
     assert events == [(10, "bad_batch", ["skip_step"])]
     assert all(torch.equal(twin[k], state[k]) for k in twin)
+
+
+def test_a_loss_weight_ramp_given_to_combine_is_no_divergence(tmp_path):
+    """The same kind of ramp as below, with the weight given to combine(): the monitor sees the
+    total grow while, at today's weights, the loss of the steps before did not (the auxiliary loss
+    falls as its weight rises). Nothing to find: bit-identical to bare, no event of it."""
+    g = torch.Generator().manual_seed(200)
+    w = torch.randn(10, 1, generator=g)
+
+    def run(monitored):
+        torch.manual_seed(0)
+        data = torch.Generator().manual_seed(201)
+        model = nn.ModuleDict(
+            {
+                "trunk": nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64)),
+                "main": nn.Linear(64, 1),
+                "aux": nn.Linear(64, 4),
+            }
+        )
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
+        for t in range(450):
+            x = torch.randn(64, 10, generator=data)
+            aux_target = torch.randn(64, 4, generator=data) + x[:, :4] ** 2
+            h = torch.tanh(model["trunk"](x))
+            weight = 0.0 if t < 300 else 10 * min(1.0, (t - 300) / 200)
+            parts = {
+                "main": nn.functional.mse_loss(model["main"](h), x @ w),
+                "aux": nn.functional.mse_loss(model["aux"](h), aux_target),
+            }
+            weights = {"main": 1.0, "aux": weight}
+            if mon:
+                loss = mon.combine(parts, weights)
+            else:
+                loss = weights["main"] * parts["main"] + weights["aux"] * parts["aux"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        events = list(mon.events) if mon else []
+        if mon:
+            mon.detach()
+        return snapshot(model, opt), events
+
+    bare, _ = run(False)
+    state, events = run(True)
+    assert not [e for e in events if e.kind == "loss_divergence"]
+    assert not [e for e in events if e.actions]
+    assert_identical(bare, state)
 
 
 def test_a_loss_weight_ramp_that_grows_the_loss_gets_its_lr_back_after_a_trial(tmp_path):
