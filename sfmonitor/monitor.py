@@ -55,7 +55,7 @@ from . import stats as S
 from .attention import QK_CLIP
 from .checkpoint import SnapshotRing, state_dict_needs_every_rank
 from .config import MonitorConfig
-from .detectors import Detector, build_detectors
+from .detectors import Detector, _fmt, build_detectors
 from .events import (
     ACTIVATION_OVERFLOW,
     BAD_BATCH,
@@ -668,6 +668,7 @@ class Monitor:
         self._steps_closed = 0  # optimizer steps ended (batches() tells a step's micro-batches by it)
         self._bundle_next = False  # request_bundle(): write one for the next step
         self._regime_next: str | None = None  # new_regime(): its reason, for the next step's judgement
+        self._reweighted_at = -2  # the last step whose change of combine()'s weights was a new loss
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
         names = [d.name for d in self._detectors]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -1275,7 +1276,10 @@ class Monitor:
         base = {k: 1.0 if k in learnable else float(weights[k]) for k in losses}
         if base != self._base_weights:
             # New or changed base weights: rescues start over. Mutated in place: the action
-            # context shares these dicts.
+            # context shares these dicts. The loop changed its loss: the step's record keeps the
+            # weights before, to measure what the change did to the total (a new loss, not a spike).
+            if self._base_weights and self._record.losses.changed is None:
+                self._record.losses.changed = (dict(self._base_weights), dict(self._weights), dict(base))
             self._base_weights.clear()
             self._base_weights.update(base)
             self._weights.clear()
@@ -1691,6 +1695,13 @@ class Monitor:
                     data={"reason": reason or "", "step": step},
                 )
             )
+        reweighted = None if announced else self._loss_reweighted(rec)
+        if reweighted is not None:  # the loop changed its loss's weights: a new loss, no spike
+            announced = True
+            self._new_regime(step)
+            if self._reweighted_at != step - 1:  # (told once for a run of changes: a steep ramp's steps)
+                findings.append(reweighted)
+            self._reweighted_at = step
         detected = [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
@@ -2033,6 +2044,43 @@ class Monitor:
             raise TypeError(f"new_regime: reason must be a str, got {type(reason).__name__}")
         self._regime_next = reason
 
+    def _loss_reweighted(self, rec: StepRecord) -> Finding | None:
+        """A ``new_regime`` finding where the base weights given to ``combine()`` changed in this step
+        and moved the total beyond ``WEIGHTS_JUMP`` x what the weights before give on the step's own
+        components (an auxiliary loss switched on, a KL weight set from 0 to 1): the loop changed its
+        loss, and the detectors learn the new one afresh. A ramp's small steps are followed by the
+        detectors' windows as they are. None otherwise."""
+        changed = rec.losses.changed
+        old, total = rec.internal.get(S.LOSS_AT_OLD_WEIGHTS), rec.stats.get(S.LOSS_TOTAL)
+        if changed is None or old is None or total is None or not (S.finite(old) and S.finite(total)):
+            return None
+        if old > 0 and total > 0:
+            ratio = total / old
+            if max(ratio, 1 / ratio) <= self.WEIGHTS_JUMP:
+                return None
+        elif old == total:
+            return None
+        else:
+            ratio = math.nan  # (a signed loss: no ratio)
+        before, _, after = changed
+        moved = ", ".join(
+            f"{k} {_fmt(before.get(k, 0.0))} -> {_fmt(after[k])}" for k in after if before.get(k) != after[k]
+        )
+        return Finding(
+            NEW_REGIME,
+            f"the loss weights given to combine() changed ({moved}): the loss is {_fmt(total)}, "
+            + (f"{ratio:.3g}x" if math.isfinite(ratio) else "against")
+            + f" {_fmt(old)} at the weights before on this step's components. A new loss: the detectors "
+            "learn what is usual afresh from this step, and the update before it is not judged by its loss",
+            data={
+                "reason": "loss weights",
+                "weights_before": before,
+                "weights": after,
+                "ratio": ratio if math.isfinite(ratio) else None,
+                "step": rec.step,
+            },
+        )
+
     def _new_regime(self, step: int) -> None:
         """The data changed at ``step``: every detector that keeps what was usual forgets it."""
         for d in self._detectors:
@@ -2166,6 +2214,9 @@ class Monitor:
     # tensor (a loop may overfit one batch, then train on its data): after them, a skip or an
     # undo acts again, and finds it again or not.
     FIXED_BATCH_STEPS = 200
+    # A change of combine()'s base weights that moves the step's total beyond this factor (either
+    # way) against the weights before is a new loss (_loss_reweighted); a ramp's smaller steps are not
+    WEIGHTS_JUMP = 1.05
 
     def _fixed_batch(self, step: int, rec: StepRecord, findings: list[Finding]) -> None:
         """Full-batch training (the loop feeds the same batch every step: edge-of-stability

@@ -74,6 +74,9 @@ class LossAccumulator:
     def __init__(self) -> None:
         self.entries: list[_Entry] = []
         self.weights: dict[str, float | torch.Tensor] = {}
+        # The loop changed combine()'s base weights in this step: (base before, the weights in use
+        # before, base now). The total at the weights in use before rides in the step's read.
+        self.changed: tuple[dict[str, float], dict[str, float], dict[str, float]] | None = None
 
     @property
     def count(self) -> int:
@@ -117,6 +120,12 @@ class LossAccumulator:
         if len(means) > 1:
             for k, w in self.weights.items():
                 out[S.LOSS_WEIGHT.format(k)] = w if isinstance(w, torch.Tensor) else float(w)
+            # (every step with components, so that the read's layout is the same on every step and rank)
+            out[S.LOSS_AT_OLD_WEIGHTS] = (
+                out[S.LOSS_TOTAL]
+                if self.changed is None
+                else functools.reduce(operator.add, [self.changed[1].get(k, 0.0) * v for k, v in means.items()])
+            )
             for a, b in S.pair_keys(means, pairs):
                 out[S.LOSS_RATIO.format(a, b)] = S.ratio(means[a], means[b])
         return out

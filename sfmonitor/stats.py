@@ -133,6 +133,9 @@ GRADS_NOT_RESET = "internal/grads_not_reset"
 # 1 where the loop announced a change of data for this step (monitor.new_regime()), else 0: a
 # maximum across ranks, so that one rank's announce applies on every rank alike
 NEW_REGIME = "internal/new_regime"
+# The step's loss at combine()'s weights before the loop changed them in this step (the total where
+# they did not change): what the new weights did to the total (Monitor._loss_reweighted)
+LOSS_AT_OLD_WEIGHTS = "internal/loss_at_old_weights"
 # The BatchNorm layer (index in BatchVarRatio's list) with the largest bn_var_ratio this step
 BN_VAR_WORST = "internal/bn_var_worst"
 # Under torch.distributed only: a vector of 3 x world slots, one-hot per rank (rank r fills slot r
@@ -152,6 +155,7 @@ INTERNAL = frozenset(
         INPUT_FINGERPRINT,
         GRADS_NOT_RESET,
         NEW_REGIME,
+        LOSS_AT_OLD_WEIGHTS,
         BN_VAR_WORST,
     }
 )

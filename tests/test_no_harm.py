@@ -1319,6 +1319,57 @@ def test_a_loss_weight_ramp_given_to_combine_is_no_divergence(tmp_path):
     state, events = run(True)
     assert not [e for e in events if e.kind == "loss_divergence"]
     assert not [e for e in events if e.actions]
+    # the ramp's first steps move the total by more than WEIGHTS_JUMP each: a new loss, told once
+    assert [e.step for e in events if e.kind == "new_regime"] == [301]
+    assert_identical(bare, state)
+
+
+@pytest.mark.parametrize("after", [1.0, 10.0, 0.01])
+def test_a_loss_weight_switched_through_combine_is_a_new_loss_not_a_bad_batch(tmp_path, after):
+    """An auxiliary loss switched on (weight 0 -> 1 or 10) or turned down at step 60, its weights
+    given to combine(): the total jumps because the loop changed its loss, which the monitor is told.
+    Skipping the next 8 batches as loss spikes (before) was a false alarm. Now the detectors learn
+    the new loss afresh, told once as a new_regime naming the weights; bit-identical to bare."""
+
+    def run(monitored):
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(10, 1, generator=g)
+        model = nn.ModuleDict(
+            {"trunk": nn.Sequential(nn.Linear(10, 64), nn.Tanh()), "main": nn.Linear(64, 1), "aux": nn.Linear(64, 4)}
+        )
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
+        before = 1.0 if after < 1 else 0.0
+        for t in range(100):
+            x = torch.randn(32, 10, generator=g)
+            target = torch.randn(32, 4, generator=g) + x[:, :4] ** 2
+            h = model["trunk"](x)
+            parts = {
+                "main": nn.functional.mse_loss(model["main"](h), x @ w),
+                "aux": nn.functional.mse_loss(model["aux"](h), target),
+            }
+            weights = {"main": 1.0, "aux": before if t < 60 else after}
+            loss = (
+                mon.combine(parts, weights) if mon else weights["main"] * parts["main"] + weights["aux"] * parts["aux"]
+            )
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        events = list(mon.events) if mon else []
+        if mon:
+            mon.detach()
+        return snapshot(model, opt), events
+
+    bare, _ = run(False)
+    state, events = run(True)
+    assert not [e for e in events if e.actions]
+    told = [e for e in events if e.kind == "new_regime"]
+    if after > 1:
+        assert [e.step for e in told] == [60]
+        assert told[0].data["weights_before"] == {"main": 1.0, "aux": 0.0}
+        assert told[0].data["weights"] == {"main": 1.0, "aux": after} and told[0].data["ratio"] > 1.05
+        assert "loss weights" in told[0].message
     assert_identical(bare, state)
 
 
