@@ -599,6 +599,20 @@ def _positive_logs(stats: Mapping[str, float], keys: list[str], raw: Collection[
             yield key, value, math.log(value)
 
 
+# A batch under this share of the usual one (an epoch's short last batch) is judged, widened, but
+# kept out of the windows that say what is usual: its noise is not the run's.
+PARTIAL_BATCH = 0.5
+
+
+def _batch_widening(stats: Mapping[str, float]) -> tuple[float, bool]:
+    """How much noisier than usual the step's batch makes its loss and gradient, 1 / sqrt(share)
+    (``batch_share``: the monitor gives it where under 1), and whether it is a partial batch."""
+    share = stats.get(S.BATCH_SHARE, 1.0)
+    if not (0 < share < 1):
+        return 1.0, False
+    return 1.0 / math.sqrt(share), share < PARTIAL_BATCH
+
+
 def _median(values: list[float]) -> float:
     s = sorted(values)
     n = len(s)
@@ -799,6 +813,7 @@ class LossSpike(_Windowed):
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
+        widen, partial = _batch_widening(stats)
         for key, value, x in _positive_logs(stats, self._keys(stats), self.raw):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             if len(w) < cfg.prior_after:
@@ -837,6 +852,7 @@ class LossSpike(_Windowed):
                 # MAD-sigmas).
                 dev = sorted(abs(e - bias) for e in errors)
                 sigma = max(sigma, dev[int(0.95 * (len(dev) - 1))] / 1.96)
+            sigma *= widen  # (a short batch: its mean over fewer examples)
             z = (x - expected) / sigma
             if key in self.raw and expected - x > cfg.z * sigma:
                 # A loss below zero multiplied (a policy-gradient or likelihood loss x1e4) falls: a
@@ -848,8 +864,12 @@ class LossSpike(_Windowed):
                     continue
             if z <= cfg.z or self._small_setback(key, value, expected):
                 self.run.pop(key, None)
-                w.append(x)
-                errors.append(x - level)
+                if not partial:
+                    w.append(x)
+                    errors.append(x - level)
+                continue
+            if partial:  # a spike even for its size: no new level, nothing usual learnt from it
+                out.append(self._finding(key, value, step, level, expected, expected + cfg.z * sigma, sigma, widen))
                 continue
             run = self.run.setdefault(key, [expected])  # [expected before the jump, spikes...]
             run.append(x)
@@ -862,19 +882,30 @@ class LossSpike(_Windowed):
             # Clamped into the level's window (a run that moves to a new level is followed, slowly);
             # kept out of the errors, whose tail would otherwise grow with every spike.
             w.append(limit)
-            out.append(self._finding(key, value, step, level, expected, limit, sigma))
+            out.append(self._finding(key, value, step, level, expected, limit, sigma, widen))
         return out
 
     def _finding(
-        self, key: str, value: float, step: int, level: float, expected: float, limit: float, sigma: float = 0.0
+        self,
+        key: str,
+        value: float,
+        step: int,
+        level: float,
+        expected: float,
+        limit: float,
+        sigma: float = 0.0,
+        widen: float = 1.0,
     ) -> Finding:
         """A spike of ``key`` (logs of the level, the expected value and the limit; ``sigma`` 0:
-        the early test, before the prior judges, by ``early_factor``)."""
+        the early test, before the prior judges, by ``early_factor``; ``widen``: how much a short
+        batch widened sigma)."""
         cfg = self.config
         raw, out = key in self.raw, functools.partial(self._unscaled, key)
         z = ((value if raw else math.log(value)) - expected) / sigma if sigma else None
         if z is not None:
             why = f"is {z:.1f} sigma above its expected {_fmt(out(expected))} (threshold {cfg.z:g} sigma"
+            if widen > 1:
+                why = f"{why}, sigma widened {widen:.3g}x for a batch {1 / widen**2:.2g} of the usual size"
         else:
             why = f"is over {cfg.early_factor:g}x the largest loss so far {_fmt(out(level))} (threshold"
         return Finding(
@@ -890,6 +921,7 @@ class LossSpike(_Windowed):
                 "z": z,
                 "z_threshold": cfg.z if sigma else None,
                 "sigma" if raw else "sigma_log": sigma,
+                "batch_share": 1 / widen**2,
                 "step": step,
             },
         )
@@ -1200,16 +1232,22 @@ class GradSpike(Detector):
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
+        # A short batch's gradient is noisier: its norm up to 1 / sqrt(share) x a full batch's where
+        # the noise dominates. Judged against a mean raised by that much; kept out of what is usual.
+        widen, partial = _batch_widening(stats)
+        shift = math.log(widen)
         for key, value, x in _positive_logs(stats, self._keys(stats)):
             if key not in self.ema:
                 warm = self.warm.setdefault(key, [])
                 if len(warm) >= cfg.prior_after:  # the prior: the mean so far, a wide sigma floor
                     mean = sum(warm) / len(warm)
                     sigma = max(math.sqrt(sum((v - mean) ** 2 for v in warm) / len(warm)), cfg.prior_sigma)
-                    finding = self._finding(step, key, value, x, mean, sigma, "the mean of its first values")
+                    finding = self._finding(step, key, value, x, mean + shift, sigma, "the mean of its first values")
                     if finding is not None:
                         out.append(finding)
                         x = mean + cfg.z * sigma  # clamped, as after the warm-up
+                if partial:
+                    continue
                 warm.append(x)
                 if len(warm) >= cfg.warmup:
                     mean = sum(warm) / len(warm)
@@ -1219,10 +1257,12 @@ class GradSpike(Detector):
                 continue
             mean, var = self.ema[key]
             sigma = max(math.sqrt(var), cfg.min_sigma)
-            finding = self._finding(step, key, value, x, mean, sigma, "its EMA")
+            finding = self._finding(step, key, value, x, mean + shift, sigma, "its EMA")
             if finding is not None:
                 out.append(finding)
                 x = mean + cfg.z * sigma
+            if partial:
+                continue
             mean = cfg.alpha * mean + (1 - cfg.alpha) * x
             var = cfg.alpha * var + (1 - cfg.alpha) * (x - mean) ** 2
             self.ema[key] = [mean, var]
@@ -1330,6 +1370,8 @@ class UpdateRatioSpike(_Windowed):
     def _check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
+        # a short batch's update (SGD: its noisier gradient) is judged widened, not learnt from
+        widen, partial = _batch_widening(stats)
         loss = stats.get(LOSS_TOTAL)
         if loss is not None and S.finite(loss) and len(self.losses_seen) < 3:
             self.losses_seen.append(float(loss))
@@ -1377,7 +1419,7 @@ class UpdateRatioSpike(_Windowed):
             w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             med = _median(list(w)) if len(w) >= cfg.warmup else None
             judged_lr = lr if level is None else level
-            rel_limit = max(cfg.factor * med * judged_lr, cfg.min_ratio) if med is not None else math.inf
+            rel_limit = max(cfg.factor * med * judged_lr * widen, cfg.min_ratio) if med is not None else math.inf
             limit = min(rel_limit, math.inf if key in self.zero_init else cfg.ceiling)
             raise_limit = math.inf  # the raise's test: the update the LR before the raise would make
             if before is not None and med is not None and cfg.lr_excursion and lr >= cfg.lr_excursion * before:
@@ -1492,7 +1534,8 @@ class UpdateRatioSpike(_Windowed):
                     w.append(cfg.factor * med)  # clamped (per unit of LR, as the window)
                 continue
             self.large_runs.pop(key, None)
-            w.append(x)
+            if not partial:
+                w.append(x)
         if judged and not out and not raising_any and now is not None:
             self.recent_losses.append(now)  # (the loss before an update made at the usual LR)
         return out

@@ -317,6 +317,7 @@ class BatchRecorder:
         self.forwards = 0
         self._nonfinite: torch.Tensor | None = None
         self.fingerprint: torch.Tensor | None = None  # see _fingerprint
+        self.numel = 0  # elements of the step's input tensors: the batch's size (a short last batch)
         self.batches: list[dict[str, Any]] = []
         self.rng_state: dict[str, Any] | None = None
         self._handle: RemovableHandle | None = None
@@ -347,6 +348,7 @@ class BatchRecorder:
         self.batches = []
         self.rng_state = None
         self.forwards = 0
+        self.numel = 0
         self._nonfinite = self.fingerprint = None
         self._entry = None
 
@@ -368,6 +370,7 @@ class BatchRecorder:
         inputs = [args, kwargs]
         self._nonfinite = _add(self._nonfinite, _count_nonfinite(inputs))
         self.fingerprint = _add(self.fingerprint, _fingerprint(inputs))
+        self.numel += sum(t.numel() for _, t in _named_tensors(inputs, "") if _plain(t))  # (shapes: no read)
 
     def nonfinite_inputs(self) -> torch.Tensor | None:
         """How many floating input values of this step's micro-batches are NaN or inf, as a 0-d

@@ -28,6 +28,7 @@ docs/design.md walks through one step from hook to sink.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -55,7 +56,7 @@ from . import stats as S
 from .attention import QK_CLIP
 from .checkpoint import SnapshotRing, state_dict_needs_every_rank
 from .config import MonitorConfig
-from .detectors import Detector, _fmt, build_detectors
+from .detectors import Detector, _fmt, _median, build_detectors
 from .events import (
     ACTIVATION_OVERFLOW,
     BAD_BATCH,
@@ -669,6 +670,7 @@ class Monitor:
         self._bundle_next = False  # request_bundle(): write one for the next step
         self._regime_next: str | None = None  # new_regime(): its reason, for the next step's judgement
         self._reweighted_at = -2  # the last step whose change of combine()'s weights was a new loss
+        self._sizes: collections.deque[float] = collections.deque(maxlen=self.BATCH_SIZES)  # input elements a step
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
         names = [d.name for d in self._detectors]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -1670,6 +1672,7 @@ class Monitor:
             self._publish(last, {k[len("prev:") :]: values.pop(k) for k in prev})
         rec.internal = {k: values.pop(k) for k in list(values) if k in S.INTERNAL}
         rec.stats = values
+        rec.batch_share = self._batch_share(rec.internal.get(S.INPUT_SIZE, 0.0))
         # The scaler will skip this very step (itself, or inside a fused optimizer): count it in
         # this step's record and in the running total.
         rec.scaler_skips = rec.internal.get(S.AMP_FOUND_INF, 0.0) > 0
@@ -1702,7 +1705,8 @@ class Monitor:
             if self._reweighted_at != step - 1:  # (told once for a run of changes: a steep ramp's steps)
                 findings.append(reweighted)
             self._reweighted_at = step
-        detected = [f for d in self._detectors if not d.after_update for f in d.check(step, rec.stats)]
+        seen = rec.stats if rec.batch_share >= 1 else {**rec.stats, S.BATCH_SHARE: rec.batch_share}
+        detected = [f for d in self._detectors if not d.after_update for f in d.check(step, seen)]
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
@@ -2171,6 +2175,7 @@ class Monitor:
             tally = no_tally if tally is None else tally
         out[S.INPUT_NONFINITE] = bad_inputs
         out[S.INPUT_FINGERPRINT] = S.Vector(tally)
+        out[S.INPUT_SIZE] = float(self._recorder.numel)
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         every = self.config.stats.update_ratio_every
@@ -2217,6 +2222,8 @@ class Monitor:
     # A change of combine()'s base weights that moves the step's total beyond this factor (either
     # way) against the weights before is a new loss (_loss_reweighted); a ramp's smaller steps are not
     WEIGHTS_JUMP = 1.05
+    # Steps whose input sizes make the usual batch (their median) that a step's batch is a share of
+    BATCH_SIZES = 64
 
     def _fixed_batch(self, step: int, rec: StepRecord, findings: list[Finding]) -> None:
         """Full-batch training (the loop feeds the same batch every step: edge-of-stability
@@ -2607,7 +2614,18 @@ class Monitor:
         included), the user's LR of each group's update, and ``extra``."""
         seen = {**rec.stats, **{S.UPDATE_LR.format(g): lr for g, lr in rec.group_lr.items()}, **extra}
         seen[S.UPDATE_LR_SCALE] = rec.lr_scale
+        if rec.batch_share < 1:
+            seen[S.BATCH_SHARE] = rec.batch_share
         return [f for d in self._detectors if d.after_update for f in d.check(rec.step, seen)]
+
+    def _batch_share(self, size: float) -> float:
+        """The step's batch as a share of the usual one: its input elements over the median of the
+        last ``BATCH_SIZES`` steps' (capped at 1; 1 without inputs or history). An epoch's short last
+        batch (``drop_last=False``) is noisier by 1 / sqrt(share): the detectors widen by that."""
+        usual = _median(list(self._sizes)) if len(self._sizes) >= 3 else None
+        if size > 0:
+            self._sizes.append(size)
+        return min(1.0, size / usual) if usual and size > 0 else 1.0
 
     def _publish(self, rec: StepRecord, after: dict[str, float]) -> None:
         """The record's statistics are complete (its update ratios added): send them to the sinks."""

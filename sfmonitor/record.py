@@ -161,6 +161,7 @@ class StepRecord:
     saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
     group_lr: dict[str, float] = field(default_factory=dict)  # the user's LR of each group's update
     lr_scale: float = 1.0  # the monitor's LR drop the update was made under (1: none)
+    batch_share: float = 1.0  # the step's batch over the usual one (Monitor._batch_share)
     before_params: list[torch.Tensor] | None = None  # parameters before the update
     ratio_live: list[torch.Tensor] | None = None  # views of the parameters the update ratio measures (slices)
     before_norms: torch.Tensor | None = None  # their norms per group

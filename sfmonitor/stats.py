@@ -133,6 +133,12 @@ GRADS_NOT_RESET = "internal/grads_not_reset"
 # 1 where the loop announced a change of data for this step (monitor.new_regime()), else 0: a
 # maximum across ranks, so that one rank's announce applies on every rank alike
 NEW_REGIME = "internal/new_regime"
+# Elements of the step's input tensors (all its micro-batches; summed over ranks): the batch's size
+INPUT_SIZE = "internal/input_size"
+# The step's batch as a share of the usual one (its input elements over the median of the last
+# steps'), given to the detectors where under 1 (an epoch's short last batch), not published: its
+# loss and gradient are noisier by 1 / sqrt(share)
+BATCH_SHARE = "batch_share"
 # The step's loss at combine()'s weights before the loop changed them in this step (the total where
 # they did not change): what the new weights did to the total (Monitor._loss_reweighted)
 LOSS_AT_OLD_WEIGHTS = "internal/loss_at_old_weights"
@@ -155,6 +161,7 @@ INTERNAL = frozenset(
         INPUT_FINGERPRINT,
         GRADS_NOT_RESET,
         NEW_REGIME,
+        INPUT_SIZE,
         LOSS_AT_OLD_WEIGHTS,
         BN_VAR_WORST,
     }
@@ -191,6 +198,7 @@ REDUCTIONS: dict[str, Reduce] = {
     NONFINITE_BY_RANK: Reduce.SUM,
     INPUT_NONFINITE: Reduce.SUM,  # a bad batch on one rank is a bad step for all
     INPUT_FINGERPRINT: Reduce.SUM,  # every rank's batch the same as the step before, or not
+    INPUT_SIZE: Reduce.SUM,  # the global batch
     GRADS_NOT_RESET: Reduce.MAX,  # one rank's loop forgot: told on every rank
     NEW_REGIME: Reduce.MAX,  # one rank's loop announced it: applied on every rank
     BN_VAR_RATIO.format(""): Reduce.MAX,  # one rank's bad batch
