@@ -587,6 +587,19 @@ def _watched_keys(stats: Mapping[str, float], total: str, prefix: str, each: boo
     return [k for k in stats if k.startswith(prefix)]
 
 
+def _mix_slot(key: str, stats: Mapping[str, float], first: str | None) -> tuple[str, str | None]:
+    """Where a statistic of the whole step (the total loss, the gradient norm) is judged, and the
+    first set of components: ``key`` itself where the step's loss components (combine() given a
+    dict; none: a single loss) are the first set seen, else ``key|<names>``. A multi-task loop whose
+    batches each carry one task's loss judges each task's steps against that task's."""
+    mix = "+".join(sorted(k[len(LOSS_PREFIX) :] for k in stats if k.startswith(LOSS_PREFIX) and k != LOSS_TOTAL))
+    if not mix:
+        return key, first
+    if first is None:
+        first = mix
+    return (key if mix == first else f"{key}|{mix}"), first
+
+
 def _positive_logs(stats: Mapping[str, float], keys: list[str], raw: Collection[str] = ()):
     """(key, value, log value) of the finite, positive values: a NaN, an inf or a value <= 0 never
     enters a window (non-finite losses and gradients are the core's business). A ``raw`` key's
@@ -785,19 +798,32 @@ class LossSpike(_Windowed):
         self.signed: set[str] = set()  # components seen at or below zero: no log scale, not judged
         self.raw: set[str] = set()  # the total loss seen below zero: judged on its own scale
         self.shifted: dict[str, int] = {}  # key -> the step of its last level shift
+        # The components combine() was first given (names joined by "+"): a step given others (a
+        # multi-task loop, each batch one task's loss) has a total of another kind, judged in a
+        # window of its own ("loss/total|<names>"), not against the usual task's.
+        self.mix: str | None = None
+
+    def _slot(self, key: str, stats: Mapping[str, float]) -> str:
+        """The window ``key``'s value is judged in: the total of a step whose components are not
+        the first ones seen has one per set of components."""
+        if key != LOSS_TOTAL:
+            return key
+        slot, self.mix = _mix_slot(key, stats, self.mix)
+        return slot
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         keys = _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
         for key in keys:
             value = stats[key]
             if key == LOSS_TOTAL and key not in self.raw and S.finite(value) and value < 0:
-                self.raw.add(key)  # from logs to the values themselves, the window carried over
-                if key in self.windows:
-                    self.windows[key] = collections.deque(map(math.exp, self.windows[key]), maxlen=self.config.window)
-                if key in self.start:
-                    self.start[key] = math.exp(self.start[key])
-                self.errors.pop(key, None)
-                self.run.pop(key, None)
+                self.raw.add(key)  # from logs to the values themselves, the windows carried over
+                for slot in [k for k in self.windows if k.split("|")[0] == key]:
+                    self.windows[slot] = collections.deque(map(math.exp, self.windows[slot]), maxlen=self.config.window)
+                for slot in [k for k in self.start if k.split("|")[0] == key]:
+                    self.start[slot] = math.exp(self.start[slot])
+                for slot in [k for k in [*self.errors, *self.run] if k.split("|")[0] == key]:
+                    self.errors.pop(slot, None)
+                    self.run.pop(slot, None)
             if key != LOSS_TOTAL and key not in self.signed and S.finite(value) and value <= 0:
                 # A component that takes values at or below zero (a policy-gradient loss, a
                 # negative log-likelihood under a learnt variance) has no multiplicative scale: its
@@ -815,7 +841,8 @@ class LossSpike(_Windowed):
         out = []
         widen, partial = _batch_widening(stats)
         for key, value, x in _positive_logs(stats, self._keys(stats), self.raw):
-            w = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
+            slot = self._slot(key, stats)
+            w = self.windows.setdefault(slot, collections.deque(maxlen=cfg.window))
             if len(w) < cfg.prior_after:
                 top = max(w, default=math.inf)
                 early = (cfg.early_factor - 1) * abs(top) if key in self.raw else math.log(cfg.early_factor)
@@ -824,15 +851,15 @@ class LossSpike(_Windowed):
                 else:
                     w.append(x)
                 continue
-            if key not in self.start:
-                self.start[key] = max(w)
-            errors = self.errors.setdefault(key, collections.deque(maxlen=cfg.window))
+            if slot not in self.start:
+                self.start[slot] = max(w)
+            errors = self.errors.setdefault(slot, collections.deque(maxlen=cfg.window))
             level = _median(list(w)[-cfg.recent :])
             bias, mad = _median_mad(list(errors)) if len(errors) >= 2 else (0.0, 0.0)
             expected = level + bias
             # The sigma floors are shares of a log (relative moves); on a raw key, shares of the
             # loss's scale: the progress it made from its start, or its size.
-            unit = max(self.start[key] - level, abs(level)) if key in self.raw else 1.0
+            unit = max(self.start[slot] - level, abs(level)) if key in self.raw else 1.0
             sigma = max(MAD_TO_SIGMA * mad, cfg.min_sigma * unit)
             if len(errors) < cfg.warmup:
                 # The prior, until the errors' tail can judge (below; the errors start prior_after
@@ -862,8 +889,8 @@ class LossSpike(_Windowed):
                 if expected - x > cfg.early_factor * usual:
                     out.append(self._fall(key, value, step, expected, usual))
                     continue
-            if z <= cfg.z or self._small_setback(key, value, expected):
-                self.run.pop(key, None)
+            if z <= cfg.z or self._small_setback(key, slot, value, expected):
+                self.run.pop(slot, None)
                 if not partial:
                     w.append(x)
                     errors.append(x - level)
@@ -871,10 +898,10 @@ class LossSpike(_Windowed):
             if partial:  # a spike even for its size: no new level, nothing usual learnt from it
                 out.append(self._finding(key, value, step, level, expected, expected + cfg.z * sigma, sigma, widen))
                 continue
-            run = self.run.setdefault(key, [expected])  # [expected before the jump, spikes...]
+            run = self.run.setdefault(slot, [expected])  # [expected before the jump, spikes...]
             run.append(x)
             del run[1 : -(cfg.shift_after + 1)]  # only the last shift_after + 1 spikes can form a level
-            shift = self._level_shift(key, run, step)
+            shift = self._level_shift(key, slot, run, step)
             if shift is not None:
                 out.append(shift)
                 continue
@@ -949,7 +976,7 @@ class LossSpike(_Windowed):
             },
         )
 
-    def _level_shift(self, key: str, run: list[float], step: int) -> Finding | None:
+    def _level_shift(self, key: str, slot: str, run: list[float], step: int) -> Finding | None:
         """The finding of a level shift when the run (expected before the jump, then the spikes in
         a row, this value last) holds more than ``shift_after`` values that agree on a level: their
         logs lie in a band narrower than the gap between its bottom and the expected value before
@@ -967,14 +994,14 @@ class LossSpike(_Windowed):
         trend = _median(values[-half:]) - _median(values[:half])
         if spread >= min(values) - before or abs(trend) > spread / 2:
             return None  # no one level: a band wider than the jump, or a loss that climbs
-        del self.run[key]
-        self.windows[key] = collections.deque(values, maxlen=cfg.window)
+        del self.run[slot]
+        self.windows[slot] = collections.deque(values, maxlen=cfg.window)
         # The loss's start: the new level where it is above the old start (a new task to learn), the
         # old start where it is not (a level below it has not undone the progress made from there:
         # grokking's slingshots, each judged against its own level, were skipped, undone and rolled
         # back until the run no longer grokked)
-        self.start[key] = max(self.start.get(key, -math.inf), max(values))
-        self.shifted[key] = step
+        self.start[slot] = max(self.start.get(slot, -math.inf), max(values))
+        self.shifted[slot] = step
         skipped = len(values) - 1
         out = functools.partial(self._unscaled, key)
         within = f"{_fmt(spread)}" if key in self.raw else f"{math.exp(spread):.3g}x"
@@ -1007,11 +1034,11 @@ class LossSpike(_Windowed):
             for table in (self.windows, self.errors, self.start, self.run):
                 table.pop(key, None)
 
-    def _small_setback(self, key: str, value: float, expected: float) -> bool:
+    def _small_setback(self, key: str, slot: str, value: float, expected: float) -> bool:
         """The jump gives back less than ``min_setback`` of the progress since the start (a loss
         that never fell below its start makes no progress to give back: False)."""
         out = functools.partial(self._unscaled, key)
-        return not _gives_back(value, out(expected), out(self.start[key]), self.config.min_setback)
+        return not _gives_back(value, out(expected), out(self.start[slot]), self.config.min_setback)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -1021,12 +1048,15 @@ class LossSpike(_Windowed):
             "run": {k: list(r) for k, r in self.run.items()},
             "signed": sorted(self.signed),
             "raw": sorted(self.raw),
+            "mix": self.mix,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.signed = {str(k) for k in state.get("signed", [])}
         self.raw = {str(k) for k in state.get("raw", [])}
+        mix = state.get("mix")
+        self.mix = None if mix is None else str(mix)
         self.errors = {
             k: collections.deque((float(v) for v in e), maxlen=self.config.window)
             for k, e in state.get("errors", {}).items()
@@ -1223,8 +1253,9 @@ class GradSpike(Detector):
 
     def __init__(self, config: GradSpikeConfig | None = None):
         self.config = config or GradSpikeConfig()
-        self.ema: dict[str, list[float]] = {}  # key -> [mean, var]
+        self.ema: dict[str, list[float]] = {}  # key (or key|components: _mix_slot) -> [mean, var]
         self.warm: dict[str, list[float]] = {}  # key -> values seen during warm-up
+        self.mix: str | None = None  # the first set of loss components (a task's steps: _mix_slot)
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         return _watched_keys(stats, GRAD_NORM_TOTAL, GRAD_NORM_PREFIX, self.config.groups)
@@ -1237,8 +1268,9 @@ class GradSpike(Detector):
         widen, partial = _batch_widening(stats)
         shift = math.log(widen)
         for key, value, x in _positive_logs(stats, self._keys(stats)):
-            if key not in self.ema:
-                warm = self.warm.setdefault(key, [])
+            slot, self.mix = _mix_slot(key, stats, self.mix)
+            if slot not in self.ema:
+                warm = self.warm.setdefault(slot, [])
                 if len(warm) >= cfg.prior_after:  # the prior: the mean so far, a wide sigma floor
                     mean = sum(warm) / len(warm)
                     sigma = max(math.sqrt(sum((v - mean) ** 2 for v in warm) / len(warm)), cfg.prior_sigma)
@@ -1252,10 +1284,10 @@ class GradSpike(Detector):
                 if len(warm) >= cfg.warmup:
                     mean = sum(warm) / len(warm)
                     var = sum((v - mean) ** 2 for v in warm) / len(warm)
-                    self.ema[key] = [mean, var]
-                    del self.warm[key]
+                    self.ema[slot] = [mean, var]
+                    del self.warm[slot]
                 continue
-            mean, var = self.ema[key]
+            mean, var = self.ema[slot]
             sigma = max(math.sqrt(var), cfg.min_sigma)
             finding = self._finding(step, key, value, x, mean + shift, sigma, "its EMA")
             if finding is not None:
@@ -1265,7 +1297,7 @@ class GradSpike(Detector):
                 continue
             mean = cfg.alpha * mean + (1 - cfg.alpha) * x
             var = cfg.alpha * var + (1 - cfg.alpha) * (x - mean) ** 2
-            self.ema[key] = [mean, var]
+            self.ema[slot] = [mean, var]
         return out
 
     def _finding(
@@ -1302,11 +1334,17 @@ class GradSpike(Detector):
         self.ema, self.warm = {}, {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ema": {k: list(v) for k, v in self.ema.items()}, "warm": {k: list(v) for k, v in self.warm.items()}}
+        return {
+            "ema": {k: list(v) for k, v in self.ema.items()},
+            "warm": {k: list(v) for k, v in self.warm.items()},
+            "mix": self.mix,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.ema = {k: [float(a) for a in v] for k, v in state.get("ema", {}).items()}
         self.warm = {k: [float(a) for a in v] for k, v in state.get("warm", {}).items()}
+        mix = state.get("mix")
+        self.mix = None if mix is None else str(mix)
 
 
 # A spike seen after the update landed: undo exactly that update (one step lost). A second within

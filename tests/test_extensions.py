@@ -161,7 +161,7 @@ def test_detector_state_loads_by_name_never_into_another_detector():
         other.load_state_dict(saved)
     got = other.state_dict()["detectors"]
     assert got["update_ratio_spike"]["windows"] == window  # its own state
-    assert got["grad_spike"] == {"ema": {}, "warm": {}}  # nothing saved for it: fresh
+    assert got["grad_spike"] == {"ema": {}, "warm": {}, "mix": None}  # nothing saved for it: fresh
     assert "loss_spike" not in got
 
 
@@ -178,6 +178,7 @@ def test_detector_state_saved_as_a_list_by_an_older_version_is_ignored_with_a_wa
         "run": {},
         "signed": [],
         "raw": [],
+        "mix": None,
     }
 
 

@@ -453,3 +453,47 @@ def test_an_epochs_short_last_batch_is_no_spike(tmp_path, task):
     if task == "reg":
         _, events = _last_batch_run(tmp_path, True, 0, task, bad_epoch=20)
         assert events == [(20 * 17 + 16, "loss_spike", ["skip_step"])]
+
+
+def _multitask_run(tmp_path, monitored, seed, share=0.05, garbage_at=None):
+    """Two tasks on one trunk, each batch one task's (the rare one 5% of batches), its loss given to
+    combine() under the task's name: a regression whose loss is ~0.1 and a classification at ~1.5."""
+    g = torch.Generator().manual_seed(seed)
+    wa, wb = torch.randn(20, 1, generator=g), torch.randn(20, 5, generator=g)
+    torch.manual_seed(seed)
+    model = nn.ModuleDict(
+        {"trunk": nn.Sequential(nn.Linear(20, 64), nn.ReLU()), "a": nn.Linear(64, 1), "b": nn.Linear(64, 5)}
+    )
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"{monitored}{seed}", config=quiet()) if monitored else None
+    for t in range(600):
+        x = torch.randn(32, 20, generator=g)
+        h = model["trunk"](x)
+        if torch.rand(1, generator=g).item() < share:
+            y = (x @ wb + 2.0 * torch.randn(32, 5, generator=g)).argmax(1)
+            name, loss = "b", nn.functional.cross_entropy(model["b"](h), y)
+        else:
+            target = x @ wa if t != garbage_at else torch.randn(32, 1, generator=g) * 1e3
+            name, loss = "a", 0.1 * nn.functional.mse_loss(model["a"](h), target)
+        (mon.combine({name: loss}) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions] if mon else []
+    if mon:
+        mon.detach()
+    return snapshot(model, opt), events
+
+
+def test_a_rare_tasks_batches_are_judged_against_that_task(tmp_path):
+    """A multi-task loop whose batches each carry one task's loss, named in combine(): the rare
+    task's loss is 10-20x the usual one's. Judged against the usual task's, 16-27 of its ~30
+    batches in 600 steps were skipped as loss spikes (the task starved) and its gradients told or
+    clipped as spikes. Each set of components now has its own windows: no action, bit-identical;
+    a garbage batch of the usual task is still skipped."""
+    for seed in (0, 1):
+        bare, _ = _multitask_run(tmp_path, False, seed)
+        state, events = _multitask_run(tmp_path, True, seed)
+        assert events == [], (seed, events)
+        assert_identical(bare, state)
+    _, events = _multitask_run(tmp_path / "bad", True, 0, garbage_at=400)
+    assert events == [(400, "loss_spike", ["skip_step"])]
