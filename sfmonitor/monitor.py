@@ -2054,21 +2054,23 @@ class Monitor:
         components (an auxiliary loss switched on, a KL weight set from 0 to 1): the loop changed its
         loss, and the detectors learn the new one afresh. A ramp's small steps are followed by the
         detectors' windows as they are. None otherwise."""
-        changed = rec.losses.changed
+        # Decided on the values read (reduced across ranks: every rank decides alike); where the
+        # weights did not change, the total at the old weights is the total itself.
         old, total = rec.internal.get(S.LOSS_AT_OLD_WEIGHTS), rec.stats.get(S.LOSS_TOTAL)
-        if changed is None or old is None or total is None or not (S.finite(old) and S.finite(total)):
+        if old is None or total is None or not (S.finite(old) and S.finite(total)) or old == total:
             return None
         if old > 0 and total > 0:
             ratio = total / old
             if max(ratio, 1 / ratio) <= self.WEIGHTS_JUMP:
                 return None
-        elif old == total:
-            return None
         else:
             ratio = math.nan  # (a signed loss: no ratio)
-        before, _, after = changed
-        moved = ", ".join(
-            f"{k} {_fmt(before.get(k, 0.0))} -> {_fmt(after[k])}" for k in after if before.get(k) != after[k]
+        changed = rec.losses.changed
+        before, after = (changed[0], changed[2]) if changed is not None else ({}, dict(self._base_weights))
+        moved = (
+            ", ".join(f"{k} {_fmt(before.get(k, 0.0))} -> {_fmt(after[k])}" for k in after if before.get(k) != after[k])
+            if changed is not None
+            else "on another rank"
         )
         return Finding(
             NEW_REGIME,
