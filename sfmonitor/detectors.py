@@ -587,17 +587,19 @@ def _watched_keys(stats: Mapping[str, float], total: str, prefix: str, each: boo
     return [k for k in stats if k.startswith(prefix)]
 
 
-def _mix_slot(key: str, stats: Mapping[str, float], first: str | None) -> tuple[str, str | None]:
-    """Where a statistic of the whole step (the total loss, the gradient norm) is judged, and the
-    first set of components: ``key`` itself where the step's loss components (combine() given a
-    dict; none: a single loss) are the first set seen, else ``key|<names>``. A multi-task loop whose
-    batches each carry one task's loss judges each task's steps against that task's."""
+def _mix(stats: Mapping[str, float], first: str | None) -> tuple[str, str | None]:
+    """The step's set of loss components (combine() given a dict: their names joined by "+"; ""
+    for a single loss) and the first set seen (this one where none was before)."""
     mix = "+".join(sorted(k[len(LOSS_PREFIX) :] for k in stats if k.startswith(LOSS_PREFIX) and k != LOSS_TOTAL))
-    if not mix:
-        return key, first
-    if first is None:
-        first = mix
-    return (key if mix == first else f"{key}|{mix}"), first
+    return mix, (mix if first is None and mix else first)
+
+
+def _mix_slot(key: str, mix: str, first: str | None) -> str:
+    """Where a statistic of the whole step (the total loss, the gradient norm) is judged: ``key``
+    itself where the step's loss components are the first set seen (or none were given), else
+    ``key|<names>``. A multi-task loop whose batches each carry one task's loss judges each task's
+    steps against that task's."""
+    return key if not mix or mix == first else f"{key}|{mix}"
 
 
 def _positive_logs(stats: Mapping[str, float], keys: list[str], raw: Collection[str] = ()):
@@ -803,14 +805,6 @@ class LossSpike(_Windowed):
         # window of its own ("loss/total|<names>"), not against the usual task's.
         self.mix: str | None = None
 
-    def _slot(self, key: str, stats: Mapping[str, float]) -> str:
-        """The window ``key``'s value is judged in: the total of a step whose components are not
-        the first ones seen has one per set of components."""
-        if key != LOSS_TOTAL:
-            return key
-        slot, self.mix = _mix_slot(key, stats, self.mix)
-        return slot
-
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         keys = _watched_keys(stats, LOSS_TOTAL, LOSS_PREFIX, self.config.components)
         for key in keys:
@@ -840,8 +834,10 @@ class LossSpike(_Windowed):
         cfg = self.config
         out = []
         widen, partial = _batch_widening(stats)
+        mix, self.mix = _mix(stats, self.mix)
         for key, value, x in _positive_logs(stats, self._keys(stats), self.raw):
-            slot = self._slot(key, stats)
+            # the total of a step whose components are not the first set seen: a window per set
+            slot = _mix_slot(key, mix, self.mix) if key == LOSS_TOTAL else key
             w = self.windows.setdefault(slot, collections.deque(maxlen=cfg.window))
             if len(w) < cfg.prior_after:
                 top = max(w, default=math.inf)
@@ -1267,8 +1263,9 @@ class GradSpike(Detector):
         # the noise dominates. Judged against a mean raised by that much; kept out of what is usual.
         widen, partial = _batch_widening(stats)
         shift = math.log(widen)
+        mix, self.mix = _mix(stats, self.mix)
         for key, value, x in _positive_logs(stats, self._keys(stats)):
-            slot, self.mix = _mix_slot(key, stats, self.mix)
+            slot = _mix_slot(key, mix, self.mix)
             if slot not in self.ema:
                 warm = self.warm.setdefault(slot, [])
                 if len(warm) >= cfg.prior_after:  # the prior: the mean so far, a wide sigma floor
