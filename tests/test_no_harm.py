@@ -1373,6 +1373,43 @@ def test_a_loss_weight_switched_through_combine_is_a_new_loss_not_a_bad_batch(tm
     assert_identical(bare, state)
 
 
+def test_a_loss_component_added_mid_run_is_a_new_loss_not_a_bad_batch(tmp_path):
+    """An auxiliary loss added to combine()'s dict at step 60 (a new name, the total jumps): the
+    loop changed its loss. Before, its next 8 batches were skipped as spikes; now one told
+    new_regime (the new component's weight was 0 before it), bit-identical to bare."""
+
+    def run(monitored):
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(10, 1, generator=g)
+        model = nn.ModuleDict(
+            {"trunk": nn.Sequential(nn.Linear(10, 64), nn.Tanh()), "main": nn.Linear(64, 1), "aux": nn.Linear(64, 4)}
+        )
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
+        for t in range(100):
+            x = torch.randn(32, 10, generator=g)
+            target = torch.randn(32, 4, generator=g) + x[:, :4] ** 2
+            h = model["trunk"](x)
+            parts = {"main": nn.functional.mse_loss(model["main"](h), x @ w)}
+            if t >= 60:
+                parts["aux"] = nn.functional.mse_loss(model["aux"](h), target)
+            loss = mon.combine(parts) if mon else sum(parts.values())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        events = list(mon.events) if mon else []
+        if mon:
+            mon.detach()
+        return snapshot(model, opt), events
+
+    bare, _ = run(False)
+    state, events = run(True)
+    assert [(e.step, e.kind, e.actions) for e in events] == [(60, "new_regime", [])]
+    assert events[0].data["weights_before"] == {"main": 1.0} and events[0].data["weights"] == {"main": 1.0, "aux": 1.0}
+    assert_identical(bare, state)
+
+
 def test_a_loss_weight_ramp_that_grows_the_loss_gets_its_lr_back_after_a_trial(tmp_path):
     """A healthy loss can grow over many steps: an auxiliary loss's weight ramped from 0 to 10 after
     the main loss converged (a helper's probe found the same in KL annealing, curricula that raise
