@@ -37,6 +37,7 @@ import math
 import numbers
 import operator
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -56,7 +57,7 @@ from . import stats as S
 from .attention import QK_CLIP
 from .checkpoint import SnapshotRing, state_dict_needs_every_rank
 from .config import MonitorConfig
-from .detectors import Detector, _fmt, _median, build_detectors
+from .detectors import Detector, build_detectors
 from .events import (
     ACTIVATION_OVERFLOW,
     BAD_BATCH,
@@ -2068,15 +2069,15 @@ class Monitor:
         changed = rec.losses.changed
         before, after = (changed[0], changed[2]) if changed is not None else ({}, dict(self._base_weights))
         moved = (
-            ", ".join(f"{k} {_fmt(before.get(k, 0.0))} -> {_fmt(after[k])}" for k in after if before.get(k) != after[k])
+            ", ".join(f"{k} {before.get(k, 0.0):.4g} -> {after[k]:.4g}" for k in after if before.get(k) != after[k])
             if changed is not None
             else "on another rank"
         )
         return Finding(
             NEW_REGIME,
-            f"the loss weights given to combine() changed ({moved}): the loss is {_fmt(total)}, "
+            f"the loss weights given to combine() changed ({moved}): the loss is {total:.4g}, "
             + (f"{ratio:.3g}x" if math.isfinite(ratio) else "against")
-            + f" {_fmt(old)} at the weights before on this step's components. A new loss: the detectors "
+            + f" {old:.4g} at the weights before on this step's components. A new loss: the detectors "
             "learn what is usual afresh from this step, and the update before it is not judged by its loss",
             data={
                 "reason": "loss weights",
@@ -2624,7 +2625,7 @@ class Monitor:
         """The step's batch as a share of the usual one: its input elements over the median of the
         last ``BATCH_SIZES`` steps' (capped at 1; 1 without inputs or history). An epoch's short last
         batch (``drop_last=False``) is noisier by 1 / sqrt(share): the detectors widen by that."""
-        usual = _median(list(self._sizes)) if len(self._sizes) >= 3 else None
+        usual = statistics.median(self._sizes) if len(self._sizes) >= 3 else None
         if size > 0:
             self._sizes.append(size)
         return min(1.0, size / usual) if usual and size > 0 else 1.0
