@@ -401,6 +401,14 @@ def test_a_clamped_loss_that_repeats_its_cap_is_no_full_batch(tmp_path):
     assert acted == {50: ["skip_step"], 51: ["skip_step"]}
 
 
+def _finish(mon, model, opt):
+    """The run's state and the monitor's events that acted (none when bare), the monitor detached."""
+    events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions] if mon else []
+    if mon:
+        mon.detach()
+    return snapshot(model, opt), events
+
+
 def _last_batch_run(tmp_path, monitored, seed, task, bad_epoch=None):
     """A DataLoader with drop_last=False: 1027 examples in batches of 64, the epoch's last batch of 3."""
     g = torch.Generator().manual_seed(seed)
@@ -432,10 +440,7 @@ def _last_batch_run(tmp_path, monitored, seed, task, bad_epoch=None):
             (mon.combine(loss) if mon else loss).backward()
             opt.step()
             opt.zero_grad()
-    events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions] if mon else []
-    if mon:
-        mon.detach()
-    return snapshot(model, opt), events
+    return _finish(mon, model, opt)
 
 
 @pytest.mark.parametrize("task", ["cls", "reg"])
@@ -478,10 +483,7 @@ def _multitask_run(tmp_path, monitored, seed, share=0.05, garbage_at=None):
         (mon.combine({name: loss}) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
-    events = [(e.step, e.kind, e.actions) for e in mon.events if e.actions] if mon else []
-    if mon:
-        mon.detach()
-    return snapshot(model, opt), events
+    return _finish(mon, model, opt)
 
 
 def test_a_rare_tasks_batches_are_judged_against_that_task(tmp_path):

@@ -1274,6 +1274,32 @@ def test_a_buffer_the_forward_reassigns_is_put_back_by_a_skip(tmp_path):
     assert all(torch.equal(twin[k], state[k]) for k in twin)
 
 
+def _weighted_step(mon, opt, parts, weights):
+    """One step on the weighted sum of ``parts``: through combine() when monitored, else summed in
+    combine()'s order (the same floats)."""
+    if mon:
+        loss = mon.combine(parts, weights)
+    else:
+        loss = sum((weights[k] * v for k, v in parts.items()), start=torch.zeros(()))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _end(mon, model, opt):
+    """The run's state and the monitor's events (none when bare), the monitor detached."""
+    events = list(mon.events) if mon else []
+    if mon:
+        mon.detach()
+    return snapshot(model, opt), events
+
+
+def _aux_model(deep=False):
+    """A trunk with a main head (1 output) and an auxiliary one (4): the loss-weight tests' model."""
+    trunk = [nn.Linear(10, 64), nn.Tanh()] + ([nn.Linear(64, 64)] if deep else [])
+    return nn.ModuleDict({"trunk": nn.Sequential(*trunk), "main": nn.Linear(64, 1), "aux": nn.Linear(64, 4)})
+
+
 def test_a_loss_weight_ramp_given_to_combine_is_no_divergence(tmp_path):
     """The same kind of ramp as below, with the weight given to combine(): the monitor sees the
     total grow while, at today's weights, the loss of the steps before did not (the auxiliary loss
@@ -1284,13 +1310,7 @@ def test_a_loss_weight_ramp_given_to_combine_is_no_divergence(tmp_path):
     def run(monitored):
         torch.manual_seed(0)
         data = torch.Generator().manual_seed(201)
-        model = nn.ModuleDict(
-            {
-                "trunk": nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64)),
-                "main": nn.Linear(64, 1),
-                "aux": nn.Linear(64, 4),
-            }
-        )
+        model = _aux_model(deep=True)
         opt = torch.optim.Adam(model.parameters(), 1e-3)
         mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
         for t in range(450):
@@ -1302,18 +1322,8 @@ def test_a_loss_weight_ramp_given_to_combine_is_no_divergence(tmp_path):
                 "main": nn.functional.mse_loss(model["main"](h), x @ w),
                 "aux": nn.functional.mse_loss(model["aux"](h), aux_target),
             }
-            weights = {"main": 1.0, "aux": weight}
-            if mon:
-                loss = mon.combine(parts, weights)
-            else:
-                loss = weights["main"] * parts["main"] + weights["aux"] * parts["aux"]
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        events = list(mon.events) if mon else []
-        if mon:
-            mon.detach()
-        return snapshot(model, opt), events
+            _weighted_step(mon, opt, parts, {"main": 1.0, "aux": weight})
+        return _end(mon, model, opt)
 
     bare, _ = run(False)
     state, events = run(True)
@@ -1335,9 +1345,7 @@ def test_a_loss_weight_switched_through_combine_is_a_new_loss_not_a_bad_batch(tm
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(1)
         w = torch.randn(10, 1, generator=g)
-        model = nn.ModuleDict(
-            {"trunk": nn.Sequential(nn.Linear(10, 64), nn.Tanh()), "main": nn.Linear(64, 1), "aux": nn.Linear(64, 4)}
-        )
+        model = _aux_model()
         opt = torch.optim.Adam(model.parameters(), 1e-3)
         mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
         before = 1.0 if after < 1 else 0.0
@@ -1349,17 +1357,8 @@ def test_a_loss_weight_switched_through_combine_is_a_new_loss_not_a_bad_batch(tm
                 "main": nn.functional.mse_loss(model["main"](h), x @ w),
                 "aux": nn.functional.mse_loss(model["aux"](h), target),
             }
-            weights = {"main": 1.0, "aux": before if t < 60 else after}
-            loss = (
-                mon.combine(parts, weights) if mon else weights["main"] * parts["main"] + weights["aux"] * parts["aux"]
-            )
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        events = list(mon.events) if mon else []
-        if mon:
-            mon.detach()
-        return snapshot(model, opt), events
+            _weighted_step(mon, opt, parts, {"main": 1.0, "aux": before if t < 60 else after})
+        return _end(mon, model, opt)
 
     bare, _ = run(False)
     state, events = run(True)
@@ -1382,9 +1381,7 @@ def test_a_loss_component_added_mid_run_is_a_new_loss_not_a_bad_batch(tmp_path):
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(1)
         w = torch.randn(10, 1, generator=g)
-        model = nn.ModuleDict(
-            {"trunk": nn.Sequential(nn.Linear(10, 64), nn.Tanh()), "main": nn.Linear(64, 1), "aux": nn.Linear(64, 4)}
-        )
+        model = _aux_model()
         opt = torch.optim.Adam(model.parameters(), 1e-3)
         mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
         for t in range(100):
@@ -1394,14 +1391,8 @@ def test_a_loss_component_added_mid_run_is_a_new_loss_not_a_bad_batch(tmp_path):
             parts = {"main": nn.functional.mse_loss(model["main"](h), x @ w)}
             if t >= 60:
                 parts["aux"] = nn.functional.mse_loss(model["aux"](h), target)
-            loss = mon.combine(parts) if mon else sum(parts.values())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        events = list(mon.events) if mon else []
-        if mon:
-            mon.detach()
-        return snapshot(model, opt), events
+            _weighted_step(mon, opt, parts, dict.fromkeys(parts, 1.0))
+        return _end(mon, model, opt)
 
     bare, _ = run(False)
     state, events = run(True)
@@ -1427,13 +1418,7 @@ def test_a_loss_weight_ramp_that_grows_the_loss_gets_its_lr_back_after_a_trial(t
     def run(monitored, config=None):
         torch.manual_seed(0)
         data = torch.Generator().manual_seed(201)
-        model = nn.ModuleDict(
-            {
-                "trunk": nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64)),
-                "main": nn.Linear(64, 1),
-                "aux": nn.Linear(64, 4),
-            }
-        )
+        model = _aux_model(deep=True)
         opt = torch.optim.Adam(model.parameters(), 1e-3)
 
         def loss_of(t):
