@@ -1334,34 +1334,40 @@ def test_a_loss_weight_ramp_given_to_combine_is_no_divergence(tmp_path):
     assert_identical(bare, state)
 
 
+def _aux_switch_run(tmp_path, monitored, weights_at):
+    """100 steps of the auxiliary-loss model, ``weights_at(t)`` the weights given to combine() at
+    step t (a component it leaves out is not in the loss)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(10, 1, generator=g)
+    model = _aux_model()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
+    for t in range(100):
+        x = torch.randn(32, 10, generator=g)
+        target = torch.randn(32, 4, generator=g) + x[:, :4] ** 2
+        h = model["trunk"](x)
+        weights = weights_at(t)
+        parts = {"main": nn.functional.mse_loss(model["main"](h), x @ w)}
+        if "aux" in weights:
+            parts["aux"] = nn.functional.mse_loss(model["aux"](h), target)
+        _weighted_step(mon, opt, parts, weights)
+    return _end(mon, model, opt)
+
+
 @pytest.mark.parametrize("after", [1.0, 10.0, 0.01])
 def test_a_loss_weight_switched_through_combine_is_a_new_loss_not_a_bad_batch(tmp_path, after):
     """An auxiliary loss switched on (weight 0 -> 1 or 10) or turned down at step 60, its weights
     given to combine(): the total jumps because the loop changed its loss, which the monitor is told.
     Skipping the next 8 batches as loss spikes (before) was a false alarm. Now the detectors learn
     the new loss afresh, told once as a new_regime naming the weights; bit-identical to bare."""
+    before = 1.0 if after < 1 else 0.0
 
-    def run(monitored):
-        torch.manual_seed(0)
-        g = torch.Generator().manual_seed(1)
-        w = torch.randn(10, 1, generator=g)
-        model = _aux_model()
-        opt = torch.optim.Adam(model.parameters(), 1e-3)
-        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
-        before = 1.0 if after < 1 else 0.0
-        for t in range(100):
-            x = torch.randn(32, 10, generator=g)
-            target = torch.randn(32, 4, generator=g) + x[:, :4] ** 2
-            h = model["trunk"](x)
-            parts = {
-                "main": nn.functional.mse_loss(model["main"](h), x @ w),
-                "aux": nn.functional.mse_loss(model["aux"](h), target),
-            }
-            _weighted_step(mon, opt, parts, {"main": 1.0, "aux": before if t < 60 else after})
-        return _end(mon, model, opt)
+    def weights_at(t):
+        return {"main": 1.0, "aux": before if t < 60 else after}
 
-    bare, _ = run(False)
-    state, events = run(True)
+    bare, _ = _aux_switch_run(tmp_path, False, weights_at)
+    state, events = _aux_switch_run(tmp_path, True, weights_at)
     assert not [e for e in events if e.actions]
     told = [e for e in events if e.kind == "new_regime"]
     if after > 1:
@@ -1377,25 +1383,11 @@ def test_a_loss_component_added_mid_run_is_a_new_loss_not_a_bad_batch(tmp_path):
     loop changed its loss. Before, its next 8 batches were skipped as spikes; now one told
     new_regime (the new component's weight was 0 before it), bit-identical to bare."""
 
-    def run(monitored):
-        torch.manual_seed(0)
-        g = torch.Generator().manual_seed(1)
-        w = torch.randn(10, 1, generator=g)
-        model = _aux_model()
-        opt = torch.optim.Adam(model.parameters(), 1e-3)
-        mon = sfmonitor.attach(model, opt, run_dir=tmp_path / str(monitored), config=quiet()) if monitored else None
-        for t in range(100):
-            x = torch.randn(32, 10, generator=g)
-            target = torch.randn(32, 4, generator=g) + x[:, :4] ** 2
-            h = model["trunk"](x)
-            parts = {"main": nn.functional.mse_loss(model["main"](h), x @ w)}
-            if t >= 60:
-                parts["aux"] = nn.functional.mse_loss(model["aux"](h), target)
-            _weighted_step(mon, opt, parts, dict.fromkeys(parts, 1.0))
-        return _end(mon, model, opt)
+    def weights_at(t):
+        return {"main": 1.0} if t < 60 else {"main": 1.0, "aux": 1.0}
 
-    bare, _ = run(False)
-    state, events = run(True)
+    bare, _ = _aux_switch_run(tmp_path, False, weights_at)
+    state, events = _aux_switch_run(tmp_path, True, weights_at)
     assert [(e.step, e.kind, e.actions) for e in events] == [(60, "new_regime", [])]
     assert events[0].data["weights_before"] == {"main": 1.0} and events[0].data["weights"] == {"main": 1.0, "aux": 1.0}
     assert_identical(bare, state)
