@@ -614,6 +614,17 @@ def _positive_logs(stats: Mapping[str, float], keys: list[str], raw: Collection[
             yield key, value, math.log(value)
 
 
+def _name_mix(findings: list[Finding], mix: str, first: str | None, only: str | None = None) -> list[Finding]:
+    """Say, in each finding judged in a window of its own set of loss components (``_mix_slot``;
+    ``only``: the one key that is), which set that was."""
+    if mix and mix != first:
+        for f in findings:
+            if only is None or f.data.get("key") == only:
+                f.data["components"] = mix
+                f.message += f" (judged among the steps whose loss components are {mix.replace('+', ', ')})"
+    return findings
+
+
 # A batch under this share of the usual one (an epoch's short last batch) is judged, widened, but
 # kept out of the windows that say what is usual: its noise is not the run's.
 PARTIAL_BATCH = 0.5
@@ -906,7 +917,7 @@ class LossSpike(_Windowed):
             # kept out of the errors, whose tail would otherwise grow with every spike.
             w.append(limit)
             out.append(self._finding(key, value, step, level, expected, limit, sigma, widen))
-        return out
+        return _name_mix(out, mix, self.mix, LOSS_TOTAL)
 
     def _finding(
         self,
@@ -1295,7 +1306,7 @@ class GradSpike(Detector):
             mean = cfg.alpha * mean + (1 - cfg.alpha) * x
             var = cfg.alpha * var + (1 - cfg.alpha) * (x - mean) ** 2
             self.ema[slot] = [mean, var]
-        return out
+        return _name_mix(out, mix, self.mix)
 
     def _finding(
         self, step: int, key: str, value: float, x: float, mean: float, sigma: float, against: str

@@ -514,6 +514,28 @@ def test_loss_divergence_leaves_a_growth_the_loss_weights_explain():
     assert again.state_dict() == det.state_dict()
 
 
+def test_loss_spike_judges_each_set_of_components_in_its_own_window_and_names_it():
+    """Steps that carry another task's loss (another set of components given to combine()) are
+    judged among themselves: a task whose loss is 10x the usual one's is no spike of it, and a
+    spike of that task says which set it was judged in."""
+    rng = random.Random(3)
+    det = D.LossSpike()
+
+    def stats(name, value):
+        return {"loss/total": value, f"loss/{name}": value}
+
+    found = []
+    for step in range(300):
+        name, level = ("b", 10.0) if step % 10 == 9 else ("a", 1.0)
+        found += det.check(step, stats(name, level * math.exp(0.1 * rng.gauss(0, 1))))
+    assert found == []
+    assert {"loss/total", "loss/total|b"} <= set(det.windows)
+    (total,) = [f for f in det.check(300, stats("b", 1e4)) if f.kind == "loss_spike"]
+    assert total.data["components"] == "b" and "loss components are b" in total.message
+    (total,) = [f for f in det.check(301, stats("a", 1e4)) if f.kind == "loss_spike"]
+    assert "components" not in total.data
+
+
 def test_loss_spike_prior_takes_few_values_for_what_they_are():
     """A healthy batch-16 regression on noisy targets (its batch losses swing ~0.35 in log): the
     fifth loss, 2.2x the median of four, is noise that four values could not show (nor can five
