@@ -821,12 +821,16 @@ class LossSpike(_Windowed):
         for key in keys:
             value = stats[key]
             if key == LOSS_TOTAL and key not in self.raw and S.finite(value) and value < 0:
-                self.raw.add(key)  # from logs to the values themselves, the windows carried over
-                for slot in [k for k in self.windows if k.split("|")[0] == key]:
-                    self.windows[slot] = collections.deque(map(math.exp, self.windows[slot]), maxlen=self.config.window)
-                for slot in [k for k in self.start if k.split("|")[0] == key]:
-                    self.start[slot] = math.exp(self.start[slot])
-                for slot in [k for k in [*self.errors, *self.run] if k.split("|")[0] == key]:
+                self.raw.add(key)  # from logs to the values themselves, every set's window carried over
+                for slot in {
+                    k for k in [*self.windows, *self.start, *self.errors, *self.run] if k.split("|")[0] == key
+                }:
+                    if slot in self.windows:
+                        self.windows[slot] = collections.deque(
+                            map(math.exp, self.windows[slot]), maxlen=self.config.window
+                        )
+                    if slot in self.start:
+                        self.start[slot] = math.exp(self.start[slot])
                     self.errors.pop(slot, None)
                     self.run.pop(slot, None)
             if key != LOSS_TOTAL and key not in self.signed and S.finite(value) and value <= 0:
@@ -902,8 +906,9 @@ class LossSpike(_Windowed):
                     w.append(x)
                     errors.append(x - level)
                 continue
+            limit = expected + cfg.z * sigma
             if partial:  # a spike even for its size: no new level, nothing usual learnt from it
-                out.append(self._finding(key, value, step, level, expected, expected + cfg.z * sigma, sigma, widen))
+                out.append(self._finding(key, value, step, level, expected, limit, sigma, widen))
                 continue
             run = self.run.setdefault(slot, [expected])  # [expected before the jump, spikes...]
             run.append(x)
@@ -912,7 +917,6 @@ class LossSpike(_Windowed):
             if shift is not None:
                 out.append(shift)
                 continue
-            limit = expected + cfg.z * sigma
             # Clamped into the level's window (a run that moves to a new level is followed, slowly);
             # kept out of the errors, whose tail would otherwise grow with every spike.
             w.append(limit)
@@ -1125,9 +1129,9 @@ class LossDivergence(Detector):
             return []
         cfg = self.config
         self.losses.append(math.log(loss))
+        # (a weight comes with its component: "total" is no component's name)
         weights = {k[len(WEIGHT_PREFIX) :]: v for k, v in stats.items() if k.startswith(WEIGHT_PREFIX)}
-        parts = {c: stats.get(S.LOSS.format(c)) for c in weights}
-        self.parts.append(({c: float(v) for c, v in parts.items() if v is not None}, weights))
+        self.parts.append(({c: float(stats[S.LOSS.format(c)]) for c in weights}, weights))
         if len(self.losses) < cfg.window:
             return []
         median = _median(list(self.losses)[-cfg.window :])

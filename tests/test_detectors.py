@@ -536,6 +536,30 @@ def test_loss_spike_judges_each_set_of_components_in_its_own_window_and_names_it
     assert "components" not in total.data
 
 
+def test_a_short_batch_is_judged_widened_and_kept_out_of_what_is_usual():
+    """batch_share s < 1 (the monitor gives it for a batch smaller than the usual one): the loss
+    spike's sigma, the gradient spike's mean and the update ratio's relative limit widen by
+    1 / sqrt(s); under half the usual size the value enters no window. The same value at a full
+    batch is a spike."""
+    rng = random.Random(4)
+    loss, grad, upd = D.LossSpike(), D.GradSpike(), D.UpdateRatioSpike()
+    for step in range(200):
+        noise = math.exp(0.05 * rng.gauss(0, 1))
+        assert loss.check(step, {"loss/total": noise}) == []
+        assert grad.check(step, {"grad_norm/total": noise}) == []
+        assert upd.check(step, {"update_ratio/g": 1e-3 * noise}) == []
+    windows = (list(loss.windows["loss/total"]), dict(grad.ema), list(upd.windows["update_ratio/g"]))
+    short = {"batch_share": 1 / 64}  # widened 8x
+    assert loss.check(200, {"loss/total": 1.8, **short}) == []
+    assert grad.check(200, {"grad_norm/total": 4.0, **short}) == []
+    assert upd.check(200, {"update_ratio/g": 4e-2, **short}) == []
+    assert (list(loss.windows["loss/total"]), dict(grad.ema), list(upd.windows["update_ratio/g"])) == windows
+    (f,) = loss.check(201, {"loss/total": 1.8})
+    assert f.kind == "loss_spike" and f.data["batch_share"] == 1.0
+    assert [f.kind for f in grad.check(201, {"grad_norm/total": 4.0})] == ["grad_spike"]
+    assert [f.kind for f in upd.check(201, {"update_ratio/g": 4e-2})] == ["update_ratio_spike"]
+
+
 def test_loss_spike_prior_takes_few_values_for_what_they_are():
     """A healthy batch-16 regression on noisy targets (its batch losses swing ~0.35 in log): the
     fifth loss, 2.2x the median of four, is noise that four values could not show (nor can five
