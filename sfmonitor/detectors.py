@@ -408,8 +408,9 @@ class LossDivergenceConfig(Section):
     stability whose oscillation grows a few percent a step (SGD with momentum at 0.03 on a linear
     regression whose inputs hold 1% outliers went from loss 0.66 to 1e10 over 300 steps). The spike
     tests' windows follow such a growth, so each step looks like the last. The median of the last
-    ``window`` losses ``growth`` x the median ``window`` steps before, ``spans`` times in a row, and
-    ``factor`` x the run's lowest median."""
+    ``window`` losses ``growth`` x the median ``window`` steps before, ``spans`` times in a row,
+    ``factor`` x the run's lowest median, and ``min_setback`` of the progress from the start given
+    back."""
 
     enabled: bool = option(True, "watch loss/total for a growth sustained over spans x window steps")
     window: int = option(20, "steps whose median loss is compared (the LR drop's halt_window)", lo=2)
@@ -438,6 +439,15 @@ class LossDivergenceConfig(Section):
         "batch losses swings by chance, by several times where single batches swing 3-100x (batch 1, heavy "
         "tails; measured on log-normal noise of sigma 1.5 without it: a finding in 16 of 20 runs of 5000 steps)",
         lo=0,
+    )
+    min_setback: float = option(
+        0.05,
+        "and the growth gives back at least this share of the progress since the start (the first median: "
+        "median - lowest >= min_setback * (start - lowest)), as loss_spike.min_setback: a model memorising "
+        "random targets took its loss from 1 to 3.5e-6 and wobbled back 100x, 0.03% of it (a trial, on a "
+        "healthy run). 0: off",
+        lo=0,
+        hi=1,
     )
 
 
@@ -1107,6 +1117,7 @@ class LossDivergence(Detector):
         # (step, median of the window ending there), the last spans * window + 1 of them
         self.medians: collections.deque[tuple[int, float]] = collections.deque(maxlen=self._horizon())
         self.lowest: float | None = None  # the run's lowest median (log)
+        self.start: float | None = None  # the run's first median (log): the progress is from there
         self.signed = False
         # each step's loss components and their weights (combine() with two or more), as far back as
         # the oldest median reaches: a growth the weights explain is the user's (_weights_explain)
@@ -1137,10 +1148,14 @@ class LossDivergence(Detector):
         median = _median(list(self.losses)[-cfg.window :])
         self.medians.append((step, median))
         self.lowest = median if self.lowest is None else min(self.lowest, median)
+        if self.start is None:
+            self.start = median
         if len(self.medians) < self._horizon():
             return []
         if median - self.lowest < math.log(cfg.factor):
             return []
+        if not _gives_back(math.exp(median), math.exp(self.lowest), math.exp(self.start), cfg.min_setback):
+            return []  # (a wobble at a loss floor)
         spaced = [self.medians[-1 - k * cfg.window][1] for k in range(cfg.spans + 1)]
         rises = [a - b for a, b in itertools.pairwise(spaced)]  # (newest first)
         if min(rises) < math.log(cfg.growth):
@@ -1223,13 +1238,14 @@ class LossDivergence(Detector):
         self.losses.clear()
         self.medians.clear()
         self.parts.clear()
-        self.lowest = None
+        self.lowest = self.start = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "losses": list(self.losses),
             "medians": [list(m) for m in self.medians],
             "lowest": self.lowest,
+            "start": self.start,
             "signed": self.signed,
             "parts": [[dict(c), dict(w)] for c, w in self.parts],
         }
@@ -1239,8 +1255,9 @@ class LossDivergence(Detector):
         self.medians = collections.deque(
             ((int(s), float(m)) for s, m in state.get("medians", [])), maxlen=self._horizon()
         )
-        lowest = state.get("lowest")
+        lowest, start = state.get("lowest"), state.get("start")
         self.lowest = None if lowest is None else float(lowest)
+        self.start = None if start is None else float(start)
         self.signed = bool(state.get("signed", False))
         self.parts = collections.deque(
             (

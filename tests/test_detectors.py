@@ -476,6 +476,29 @@ def test_loss_divergence_is_silent_on_noise_level_shifts_and_signed_losses():
     assert det.lowest is None and not det.losses
 
 
+def test_loss_divergence_near_a_loss_floor_must_give_back_part_of_the_progress():
+    """A model memorising its data (random regression targets under Adam) takes its loss from ~1
+    to 3.5e-6 and wobbles back up 100x to 3.5e-4: 0.03% of the progress, Adam's usual wobble at a
+    floor. Found as a divergence, it was answered by a rollback and an LR drop on a healthy run. As
+    a loss spike must (``loss_spike.min_setback``), a growth must give back ``min_setback`` of the
+    progress since the run's start; the same growth carried on to a fifth of the start is found."""
+    rng = random.Random(3)
+    fall = [math.exp(math.log(3.5e-6) * s / 300) for s in range(300)]
+    wobble = [3.5e-6 * 1.05 ** (s - 300) for s in range(300, 400)]  # 3.5e-6 -> 4.6e-4
+    on = [wobble[-1] * 1.05 ** (s - 400) for s in range(400, 600)]  # -> 0.8
+    noisy = [v * math.exp(0.2 * rng.gauss(0, 1)) for v in fall + wobble + on]
+    det = D.LossDivergence()
+    found = [(s, f) for s, v in enumerate(noisy) for f in det.check(s, {"loss/total": v})]
+    assert found and found[0][0] >= 400, [(s, f.message) for s, f in found[:1]]
+    assert found[0][1].data["median"] - found[0][1].data["lowest_median"] >= 0.05 * (1.0 - 3.5e-6) * 0.5
+    # off: found while it is still a wobble at the floor
+    off = D.LossDivergence(D.LossDivergenceConfig(min_setback=0.0))
+    assert any(s < 400 for s, v in enumerate(noisy) for _ in off.check(s, {"loss/total": v}))
+    again = D.LossDivergence()
+    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert again.state_dict() == det.state_dict()
+
+
 def test_loss_divergence_leaves_a_growth_the_loss_weights_explain():
     """A total that grows because the user's weight of a component grows (KL annealing, an auxiliary
     loss ramped in, given to combine() with its weights) is no divergence: at today's weights the loss
