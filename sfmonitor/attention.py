@@ -50,6 +50,7 @@ from . import stats as S
 from .errors import ConfigError
 from .events import Decision, Finding
 from .integrations.distributed import world_size
+from .loopwrites import own_write
 from .registry import register_action, register_kind
 from .schema import Section, option
 from .sharding import is_sharded, scale_slice_
@@ -556,6 +557,7 @@ def apply_qk_clip(model: nn.Module, spec: QKSpec, q_scale: list[float], k_scale:
         for name in spec.k_extra:
             p = params[name]
             _rows_scale(p, 0, p.shape[-1], k_scale, dim=p.ndim - 1)
+    own_write([params[n] for n in _qk_names(spec)])  # (not the loop's change of the weights)
 
 
 def _update_will_be_skipped(ctx: Any) -> bool:
@@ -724,6 +726,7 @@ def _clip_after_update(
             with torch.no_grad():
                 for t, copy_ in saved:
                     t.copy_(copy_)
+            own_write([t for t, _ in saved])
             reason = (
                 f"QK-Clip did not lower {module!r}'s logits (max {max(after):.4g}, {max(check):.4g} after a clip "
                 f"sized for {max(left):.4g}): its queries and keys do not scale with {spec.q_weight} and "
@@ -736,12 +739,17 @@ def _clip_after_update(
         watch.clipped(module, max(left), max(after) > cap)
 
 
+def _qk_names(spec: QKSpec) -> list[str]:
+    """The names of the parameters a clip of ``spec`` scales, each once."""
+    names = [spec.q_weight, spec.k_weight, spec.q_bias, spec.k_bias, *spec.k_extra]
+    return [n for n in dict.fromkeys(names) if n is not None]
+
+
 def _qk_tensors(model: nn.Module, spec: QKSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(parameter, copy) of every tensor a clip of ``spec`` scales, to put them back exactly."""
     params = dict(model.named_parameters())
-    names = [spec.q_weight, spec.k_weight, spec.q_bias, spec.k_bias, *spec.k_extra]
     with torch.no_grad():
-        return [(params[n], params[n].detach().clone()) for n in dict.fromkeys(names) if n is not None]
+        return [(params[n], params[n].detach().clone()) for n in _qk_names(spec)]
 
 
 # Clips waiting for their optimizer's step to land, and the one post-hook per optimizer that

@@ -318,6 +318,8 @@ class BatchRecorder:
         self._nonfinite: torch.Tensor | None = None
         self.fingerprint: torch.Tensor | None = None  # see _fingerprint
         self.numel = 0  # elements of the step's input tensors: the batch's size (a short last batch)
+        # the shapes per example (all but the first dimension) of each forward's input tensors
+        self.shapes: set[tuple[tuple[int, ...], ...]] = set()
         self.batches: list[dict[str, Any]] = []
         self.rng_state: dict[str, Any] | None = None
         self._handle: RemovableHandle | None = None
@@ -349,6 +351,7 @@ class BatchRecorder:
         self.rng_state = None
         self.forwards = 0
         self.numel = 0
+        self.shapes = set()
         self._nonfinite = self.fingerprint = None
         self._entry = None
 
@@ -370,7 +373,9 @@ class BatchRecorder:
         inputs = [args, kwargs]
         self._nonfinite = _add(self._nonfinite, _count_nonfinite(inputs))
         self.fingerprint = _add(self.fingerprint, _fingerprint(inputs))
-        self.numel += sum(t.numel() for _, t in _named_tensors(inputs, "") if _plain(t))  # (shapes: no read)
+        plain = [t for _, t in _named_tensors(inputs, "") if _plain(t)]
+        self.numel += sum(t.numel() for t in plain)  # (shapes: no read)
+        self.shapes.add(tuple(tuple(t.shape[1:]) for t in plain))
 
     def nonfinite_inputs(self) -> torch.Tensor | None:
         """How many floating input values of this step's micro-batches are NaN or inf, as a 0-d

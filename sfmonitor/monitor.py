@@ -104,6 +104,7 @@ from .integrations.distributed import (
     unwrap,
     world_size,
 )
+from .loopwrites import LoopWrites
 from .policy import Policy
 from .record import Outcome, Phase, StepRecord
 from .registry import KINDS, action_order, register_kind
@@ -671,7 +672,13 @@ class Monitor:
         self._bundle_next = False  # request_bundle(): write one for the next step
         self._regime_next: str | None = None  # new_regime(): its reason, for the next step's judgement
         self._reweighted_at = -2  # the last step whose change of combine()'s weights was a new loss
+        self._loop_writes = LoopWrites()  # parameters the loop changed between two steps
+        self._loop_changed_at: int | None = None  # the last step before which the loop changed some
         self._sizes: collections.deque[float] = collections.deque(maxlen=self.BATCH_SIZES)  # input elements a step
+        # the input shapes per example of the last BATCH_SIZES steps, and how many of them had each
+        self._shape_steps: collections.deque[frozenset[Any]] = collections.deque()
+        self._shape_counts: collections.Counter[Any] = collections.Counter()
+        self._shapes_new: list[Any] = []  # the step's shapes none of them had (this rank's)
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
         names = [d.name for d in self._detectors]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -1658,6 +1665,9 @@ class Monitor:
         reset = self._grad_reset.take()
         tensors[S.GRADS_NOT_RESET] = -1.0 if reset is None else float(reset)
         reason, self._regime_next = self._regime_next, None  # (new_regime(): any rank's, for all)
+        changed_by_loop = self._weights_changed_by_loop(step)
+        if reason is None:
+            reason = changed_by_loop
         tensors[S.NEW_REGIME] = float(reason is not None)
         self._watch.check_sight(trained=bool(grad_index))
         last = self._last if self._last is not None and self._last.after else None
@@ -1691,11 +1701,16 @@ class Monitor:
         if announced:  # (before the detectors see the new data)
             self._new_regime(step)
             why = f" ({reason})" if reason else ("" if reason is not None else " (on another rank)")
+            told = (
+                reason
+                if reason is not None and reason is changed_by_loop
+                else f"the loop announced a change of data{why}"
+            )
             findings.append(
                 Finding(
                     NEW_REGIME,
-                    f"the loop announced a change of data{why}: the detectors learn what is usual afresh "
-                    "from this step, and the update before it is not judged by its loss",
+                    f"{told}: the detectors learn what is usual afresh from this step, and the update before it "
+                    "is not judged by its loss",
                     data={"reason": reason or "", "step": step},
                 )
             )
@@ -1708,6 +1723,13 @@ class Monitor:
             self._reweighted_at = step
         seen = rec.stats if rec.batch_share >= 1 else {**rec.stats, S.BATCH_SHARE: rec.batch_share}
         detected = [f for d in self._detectors if not d.after_update for f in d.check(step, seen)]
+        if not announced and rec.internal.get(S.NEW_INPUT_SHAPE, 0.0) > 0:
+            jumped = [f for f in detected if f.kind in self._NEW_DATA_JUMPS]
+            if jumped:  # new inputs, and the loss or the gradient jumped with them: new data
+                announced = True
+                self._new_regime(step)
+                detected = [f for f in detected if all(f is not j for j in jumped)]
+                findings.append(self._new_shape_finding(step, jumped))
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
@@ -2088,6 +2110,69 @@ class Monitor:
             },
         )
 
+    def _weights_changed_by_loop(self, step: int) -> str | None:
+        """The reason of a new regime where the loop changed the weights since the last step ended
+        (``loopwrites``: a head re-initialised, a checkpoint loaded, shrink and perturb): the step's
+        loss measures that change, neither its batch nor the update before it (judged as bad
+        batches on a sound state, the batches after a re-initialised head were skipped until
+        their level had been seen 8 times). A change within ``LOOP_HABIT`` steps of the loop's
+        last one is its habit, its training and not a change of it (a WGAN critic's clamp after
+        every step): told once, when it starts. None otherwise. Local: one rank's change applies on
+        every rank through the read (``S.NEW_REGIME``)."""
+        changed = self._loop_writes.changed(self._params)
+        if not changed:
+            return None
+        last, self._loop_changed_at = self._loop_changed_at, step
+        if last is not None and step - last <= self.LOOP_HABIT:
+            return None
+        groups = list(dict.fromkeys(self._group_names[self._param_group[i]] for i in changed))
+        return (
+            f"the loop changed the weights of {', '.join(groups)} since the last step "
+            f"({len(changed)} of {len(self._params)} parameter tensors)"
+        )
+
+    # Findings of a step whose inputs came in a new shape that say the new data's doing, not a bad batch's
+    _NEW_DATA_JUMPS = frozenset({LOSS_SPIKE, LOSS_COMPONENT_SPIKE, GRAD_SPIKE})
+
+    def _input_shapes_new(self) -> bool:
+        """Whether the step's inputs came in a shape per example (all but the first dimension of
+        each input tensor) that none of the last ``BATCH_SIZES`` steps had: images resized, a
+        longer sequence length. The step's shapes join theirs. False without inputs or history."""
+        shapes = frozenset(self._recorder.shapes)
+        if not shapes:
+            self._shapes_new = []
+            return False
+        counts = self._shape_counts
+        self._shapes_new = [s for s in shapes if s not in counts] if self._shape_steps else []
+        if len(self._shape_steps) >= self.BATCH_SIZES:
+            counts.subtract(self._shape_steps.popleft())
+            counts += collections.Counter()  # (drops those no step has now)
+        self._shape_steps.append(shapes)
+        counts.update(shapes)
+        return bool(self._shapes_new)
+
+    def _new_shape_finding(self, step: int, jumped: list[Finding]) -> Finding:
+        """``new_regime`` for a step whose inputs came in a new shape and whose loss or gradient
+        norm jumped with them (``jumped``: the findings that said so, dropped): progressive
+        resizing, a sequence-length curriculum. Judged as bad batches on a sound state, the 8
+        batches after images went from 16 to 32 pixels were skipped (held-out loss 1.015-1.051x
+        bare); a garbage batch of the usual shape is skipped as before."""
+        shapes = [" x ".join(map(str, s[0])) if len(s) == 1 else str([list(t) for t in s]) for s in self._shapes_new]
+        where = f" ({'; '.join(shapes)} per example)" if shapes else " (on another rank)"
+        kinds = ", ".join(dict.fromkeys(f.kind for f in jumped))
+        return Finding(
+            NEW_REGIME,
+            f"the inputs came in a shape the last {len(self._shape_steps) - 1} steps did not have{where}, and "
+            f"{kinds} with them: new data (images resized, a longer sequence), not a bad batch. The detectors "
+            "learn what is usual afresh from this step, and the update before it is not judged by its loss",
+            data={
+                "reason": "input shape",
+                "shapes": [[list(t) for t in s] for s in self._shapes_new],
+                "jumps": [f.kind for f in jumped],
+                "step": step,
+            },
+        )
+
     def _new_regime(self, step: int) -> None:
         """The data changed at ``step``: every detector that keeps what was usual forgets it."""
         for d in self._detectors:
@@ -2179,6 +2264,7 @@ class Monitor:
         out[S.INPUT_NONFINITE] = bad_inputs
         out[S.INPUT_FINGERPRINT] = S.Vector(tally)
         out[S.INPUT_SIZE] = float(self._recorder.numel)
+        out[S.NEW_INPUT_SHAPE] = float(self._input_shapes_new())
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         every = self.config.stats.update_ratio_every
@@ -2227,6 +2313,9 @@ class Monitor:
     WEIGHTS_JUMP = 1.05
     # Steps whose input sizes make the usual batch (their median) that a step's batch is a share of
     BATCH_SIZES = 64
+    # A change the loop makes to the weights within this many steps of its last one is its habit
+    # (a constraint applied after every step, Lookahead's sync every k), not a change of its training
+    LOOP_HABIT = 50
 
     def _fixed_batch(self, step: int, rec: StepRecord, findings: list[Finding]) -> None:
         """Full-batch training (the loop feeds the same batch every step: edge-of-stability
@@ -2521,6 +2610,7 @@ class Monitor:
             self._record = StepRecord(step=self.step)
             self._watch.reset(self.step)
             self._recorder.clear()
+            self._loop_writes.close(self._params)  # (what the loop changes from here is its own)
             self._own_seconds += time.perf_counter() - started
 
     def _stale_shares(self, rec: StepRecord, before: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> None:

@@ -135,6 +135,9 @@ GRADS_NOT_RESET = "internal/grads_not_reset"
 NEW_REGIME = "internal/new_regime"
 # Elements of the step's input tensors (all its micro-batches; summed over ranks): the batch's size
 INPUT_SIZE = "internal/input_size"
+# 1 where the step's inputs have a shape per example (all but the first dimension) that none of the
+# last steps' had (images resized, a longer sequence length), else 0: a maximum across ranks
+NEW_INPUT_SHAPE = "internal/new_input_shape"
 # The step's batch as a share of the usual one (its input elements over the median of the last
 # steps'), given to the detectors where under 1 (an epoch's short last batch), not published: its
 # loss and gradient are noisier by 1 / sqrt(share)
@@ -162,6 +165,7 @@ INTERNAL = frozenset(
         GRADS_NOT_RESET,
         NEW_REGIME,
         INPUT_SIZE,
+        NEW_INPUT_SHAPE,
         LOSS_AT_OLD_WEIGHTS,
         BN_VAR_WORST,
     }
@@ -199,6 +203,7 @@ REDUCTIONS: dict[str, Reduce] = {
     INPUT_NONFINITE: Reduce.SUM,  # a bad batch on one rank is a bad step for all
     INPUT_FINGERPRINT: Reduce.SUM,  # every rank's batch the same as the step before, or not
     INPUT_SIZE: Reduce.SUM,  # the global batch
+    NEW_INPUT_SHAPE: Reduce.MAX,  # new inputs on one rank: new data for the step on every rank
     GRADS_NOT_RESET: Reduce.MAX,  # one rank's loop forgot: told on every rank
     NEW_REGIME: Reduce.MAX,  # one rank's loop announced it: applied on every rank
     BN_VAR_RATIO.format(""): Reduce.MAX,  # one rank's bad batch

@@ -595,6 +595,9 @@ def test_monitor_clips_a_growing_module_and_holds_it_near_tau(tmp_path):
     # after the first clip the module is sampled every step and stays near tau (one step of growth)
     assert max(clipped[first:]) < 1.5 * tau
     assert max(clipped[first:]) < max(bare[first:])
+    # its clips between the steps (after an update, before a held module's forward) are the
+    # monitor's own writes to the weights, not the loop's (loopwrites): no new regime
+    assert not [e for e in mon.events if e.kind == "new_regime"]
 
 
 def test_attention_turning_one_hot_under_tau_is_told_before_the_logits_reach_it():

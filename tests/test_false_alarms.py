@@ -3,6 +3,7 @@ hard batches. The monitor may tell, but it must not cut, undo or cost the run it
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -499,3 +500,130 @@ def test_a_rare_tasks_batches_are_judged_against_that_task(tmp_path):
         assert_identical(bare, state)
     _, events = _multitask_run(tmp_path / "bad", True, 0, garbage_at=400)
     assert events == [(400, "loss_spike", ["skip_step"])]
+
+
+def _surgery_run(tmp_path, monitored, seed, surgery, at=200, steps=320, garbage_at=None):
+    """An MLP classifier under Adam whose loop changes the weights itself at step ``at``, between
+    two optimizer steps: ``reset`` re-initialises the head (``reset_parameters()``), ``load`` loads
+    the model and the optimizer from copies taken 100 steps before (``load_state_dict``),
+    ``shrink`` halves every weight and adds noise (shrink and perturb), ``clamp`` clamps every
+    weight into [-0.2, 0.2] after every step from ``at`` on (a constraint the loop keeps). The
+    batch of ``garbage_at`` has its inputs x100."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(20, 5, generator=g)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"{monitored}{seed}", config=quiet()) if monitored else None
+    saved = None
+    for t in range(steps):
+        if surgery == "load" and t == at - 100:
+            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        with torch.no_grad():
+            if t == at and surgery == "reset":
+                model[2].reset_parameters()
+            elif t == at and surgery == "load" and saved is not None:
+                model.load_state_dict(saved[0])
+                opt.load_state_dict(saved[1])
+            elif t == at and surgery == "shrink":
+                for p in model.parameters():
+                    p.mul_(0.5).add_(0.01 * torch.randn(p.shape, generator=g))
+            elif t >= at and surgery == "clamp":
+                for p in model.parameters():
+                    p.clamp_(-0.2, 0.2)
+        x = torch.randn(64, 20, generator=g)
+        y = (x @ w + 0.5 * torch.randn(64, 5, generator=g)).argmax(1)
+        loss = nn.functional.cross_entropy(model(x * 100 if t == garbage_at else x), y)
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    told = [(e.step, e.kind, e.data.get("reason", "")) for e in mon.events if not e.actions] if mon else []
+    return (*_finish(mon, model, opt), told)
+
+
+@pytest.mark.parametrize("surgery", ["reset", "load", "shrink"])
+def test_weights_the_loop_changes_between_steps_are_a_new_regime_not_bad_batches(tmp_path, surgery):
+    """A head re-initialised, a checkpoint loaded, shrink and perturb: the loop itself changed the
+    weights after the last update, and the loss jumps (2-4x). Judged as bad batches on a sound
+    state, the 8 batches after the change were skipped (level shift, then learnt afresh): held-out
+    loss 1.001-1.005x bare. The parameters' version counters show the change: the detectors learn
+    what is usual afresh from that step (told `new_regime`), no action, bit-identical; a garbage
+    batch 80 steps later is still skipped."""
+    for seed in (0, 1):
+        bare, _, _ = _surgery_run(tmp_path / "b", False, seed, surgery)
+        state, events, told = _surgery_run(tmp_path / "m", True, seed, surgery)
+        assert events == [], (seed, events)
+        assert_identical(bare, state)
+        regimes = [(s, r) for s, k, r in told if k == "new_regime"]
+        assert len(regimes) == 1 and regimes[0][0] == 200 and "weights" in regimes[0][1], told
+    _, events, _ = _surgery_run(tmp_path / "g", True, 0, surgery, garbage_at=280)
+    assert events == [(280, "loss_spike", ["skip_step"])]
+
+
+def test_a_constraint_the_loop_applies_after_every_step_is_no_new_regime_each_time(tmp_path):
+    """Weights clamped after every step (a WGAN critic's constraint, a max-norm projection): the
+    loop changes them between every two steps, and that is its training, not a change of it. Told
+    once, when it starts; a garbage batch is still skipped."""
+    bare, _, _ = _surgery_run(tmp_path / "b", False, 0, "clamp")
+    state, events, told = _surgery_run(tmp_path / "m", True, 0, "clamp")
+    assert events == []
+    assert_identical(bare, state)
+    assert [s for s, k, _ in told if k == "new_regime"] == [200]
+    _, events, _ = _surgery_run(tmp_path / "g", True, 0, "clamp", garbage_at=280)
+    assert events == [(280, "loss_spike", ["skip_step"])]
+
+
+def _resize_run(tmp_path, monitored, seed, at=150, steps=260, garbage_at=None):
+    """Progressive resizing: a BatchNorm CNN with global pooling classifies noisy class templates
+    at 16x16 until ``at``, then at 32x32 (the same images, sharper): the loss jumps ~4x and the
+    model relearns. The batch of ``garbage_at`` has random labels and its inputs x30."""
+    g = torch.Generator().manual_seed(seed)
+    templates = nn.functional.interpolate(torch.randn(10, 3, 8, 8, generator=g), size=32, mode="bilinear")
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1, stride=2),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1, stride=2),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"{monitored}{seed}", config=quiet()) if monitored else None
+    for t in range(steps):
+        y = torch.randint(0, 10, (32,), generator=g)
+        x = 0.6 * templates[y] + torch.randn(32, 3, 32, 32, generator=g)
+        x = torch.roll(x, shifts=tuple(torch.randint(-3, 4, (2,), generator=g).tolist()), dims=(2, 3))
+        if t < at:
+            x = nn.functional.interpolate(x, size=16, mode="bilinear", antialias=True)
+        if t == garbage_at:
+            x, y = 30 * x, torch.randint(0, 10, (32,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        (mon.combine(loss) if mon else loss).backward()
+        opt.step()
+        opt.zero_grad()
+    told = [(e.step, e.kind, e.data.get("reason", "")) for e in mon.events if not e.actions] if mon else []
+    return (*_finish(mon, model, opt), told)
+
+
+def test_inputs_of_a_new_shape_that_move_the_loss_are_new_data_not_bad_batches(tmp_path):
+    """Progressive resizing (images 16 -> 32 pixels mid-run, fast.ai and FFCV recipes) or a longer
+    sequence length: the loss jumps with the inputs' shape. Judged as bad batches on a sound
+    state, the 8 batches after the change were skipped (held-out loss 1.015-1.051x bare). The
+    inputs' shape per example is one the last steps did not have: a spike that comes with it is
+    the new data's, and the detectors learn what is usual afresh (told `new_regime`); no action,
+    bit-identical. A garbage batch of the usual shape is still skipped."""
+    for seed in (0, 1):
+        bare, _, _ = _resize_run(tmp_path / "b", False, seed)
+        state, events, told = _resize_run(tmp_path / "m", True, seed)
+        assert events == [], (seed, events)
+        assert_identical(bare, state)
+        assert [(s, r) for s, k, r in told if k == "new_regime"] == [(150, "input shape")], told
+    _, events, _ = _resize_run(tmp_path / "g", True, 0, garbage_at=220)
+    assert events == [(220, "loss_spike", ["skip_step"])]
