@@ -678,7 +678,8 @@ class Monitor:
         # the input shapes per example of the last BATCH_SIZES steps, and how many of them had each
         self._shape_steps: collections.deque[frozenset[Any]] = collections.deque()
         self._shape_counts: collections.Counter[Any] = collections.Counter()
-        self._shapes_new: list[Any] = []  # the step's shapes none of them had (this rank's)
+        self._shapes_new: list[Any] = []  # the step's shapes new to them, recently (this rank's)
+        self._shapes_since: dict[Any, int] = {}  # shapes new lately -> the step they first came
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
         names = [d.name for d in self._detectors]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -1730,6 +1731,8 @@ class Monitor:
                 self._new_regime(step)
                 detected = [f for f in detected if all(f is not j for j in jumped)]
                 findings.append(self._new_shape_finding(step, jumped))
+                for shape in self._shapes_new:  # (taken as new data: later jumps are judged as usual)
+                    self._shapes_since.pop(shape, None)
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
@@ -2127,23 +2130,33 @@ class Monitor:
             return None
         groups = list(dict.fromkeys(self._group_names[self._param_group[i]] for i in changed))
         return (
-            f"the loop changed the weights of {', '.join(groups)} since the last step "
+            f"the loop changed the weights of {'group' if len(groups) == 1 else 'groups'} {', '.join(groups)} "
+            "since the last step "
             f"({len(changed)} of {len(self._params)} parameter tensors)"
         )
 
     # Findings of a step whose inputs came in a new shape that say the new data's doing, not a bad batch's
     _NEW_DATA_JUMPS = frozenset({LOSS_SPIKE, LOSS_COMPONENT_SPIKE, GRAD_SPIKE})
 
-    def _input_shapes_new(self) -> bool:
+    def _input_shapes_new(self, step: int) -> bool:
         """Whether the step's inputs came in a shape per example (all but the first dimension of
-        each input tensor) that none of the last ``BATCH_SIZES`` steps had: images resized, a
-        longer sequence length. The step's shapes join theirs. False without inputs or history."""
+        each input tensor) that none of the last ``BATCH_SIZES`` steps had before it first came, at
+        most ``NEW_SHAPE_STEPS`` steps ago: images resized, a longer sequence length (the jump may
+        come a step or two after the first batch of the new data). The step's shapes join theirs.
+        False without inputs or history."""
         shapes = frozenset(self._recorder.shapes)
+        since = self._shapes_since
+        for old in [s for s, at in since.items() if step - at >= self.NEW_SHAPE_STEPS]:
+            del since[old]
         if not shapes:
             self._shapes_new = []
             return False
         counts = self._shape_counts
-        self._shapes_new = [s for s in shapes if s not in counts] if self._shape_steps else []
+        if self._shape_steps:
+            for new in shapes:
+                if new not in counts:
+                    since[new] = step
+        self._shapes_new = [s for s in shapes if s in since]
         if len(self._shape_steps) >= self.BATCH_SIZES:
             counts.subtract(self._shape_steps.popleft())
             counts += collections.Counter()  # (drops those no step has now)
@@ -2162,7 +2175,7 @@ class Monitor:
         kinds = ", ".join(dict.fromkeys(f.kind for f in jumped))
         return Finding(
             NEW_REGIME,
-            f"the inputs came in a shape the last {len(self._shape_steps) - 1} steps did not have{where}, and "
+            f"the inputs came in a shape the steps before did not have{where}, and "
             f"{kinds} with them: new data (images resized, a longer sequence), not a bad batch. The detectors "
             "learn what is usual afresh from this step, and the update before it is not judged by its loss",
             data={
@@ -2264,7 +2277,7 @@ class Monitor:
         out[S.INPUT_NONFINITE] = bad_inputs
         out[S.INPUT_FINGERPRINT] = S.Vector(tally)
         out[S.INPUT_SIZE] = float(self._recorder.numel)
-        out[S.NEW_INPUT_SHAPE] = float(self._input_shapes_new())
+        out[S.NEW_INPUT_SHAPE] = float(self._input_shapes_new(rec.step))
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
             out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
         every = self.config.stats.update_ratio_every
@@ -2313,6 +2326,9 @@ class Monitor:
     WEIGHTS_JUMP = 1.05
     # Steps whose input sizes make the usual batch (their median) that a step's batch is a share of
     BATCH_SIZES = 64
+    # A step whose inputs come in a shape none of the last BATCH_SIZES steps had before it first came,
+    # at most this many steps ago, is new data where its loss jumps (_input_shapes_new)
+    NEW_SHAPE_STEPS = 8
     # A change the loop makes to the weights within this many steps of its last one is its habit
     # (a constraint applied after every step, Lookahead's sync every k), not a change of its training
     LOOP_HABIT = 50
