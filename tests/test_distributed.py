@@ -387,10 +387,15 @@ def test_a_change_of_data_one_rank_announces_applies_on_every_rank(tmp_path):
 
 def _causes_worker(rank, world, port, out_dir):
     """Two named losses whose weights rank 0's loop alone changes at step 20 (0 -> 10 on the
-    second), every 8th batch a short one (2 of 16 rows) on every rank: what the reduced values say."""
+    second), every 8th batch a short one (2 of 16 rows) on every rank, and rank 0's loop alone
+    writing a weight in place before step 30 (x1: the ranks' weights stay equal): what the reduced
+    values say."""
     model, opt, mon = _ddp_mlp(rank, world, port)
     g = torch.Generator().manual_seed(rank)
     for step in range(40):
+        if step == 30 and rank == 0:
+            with torch.no_grad():
+                next(model.parameters()).mul_(1.0)
         x = torch.randn(2 if step % 8 == 7 else 16, 4, generator=g)
         out = model(x)
         parts = {"fit": (out - x.sum(1, keepdim=True).tanh()).pow(2).mean(), "aux": out.pow(2).mean() + 1.0}
@@ -407,10 +412,11 @@ def _causes_worker(rank, world, port, out_dir):
 def test_a_loss_reweighted_and_short_batches_are_judged_alike_on_every_rank(tmp_path):
     """The total at the weights before a change, and each batch's size, ride in the step's
     reduction: a change of weights one rank's loop makes is a new loss on every rank in the same
-    step, a short batch widens every rank's tests alike, and the detectors' states stay equal."""
+    step, a short batch widens every rank's tests alike, a parameter one rank's loop writes between
+    two steps is a new regime on every rank, and the detectors' states stay equal."""
     mp.spawn(_causes_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
-    assert r0["events"] == r1["events"] == [(20, "new_regime", [])]
+    assert r0["events"] == r1["events"] == [(20, "new_regime", []), (30, "new_regime", [])]
     assert r0["detectors"] == r1["detectors"]
 
 
