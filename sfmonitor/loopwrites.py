@@ -5,8 +5,9 @@ A loop may change the weights itself after an update: a head re-initialised
 constraint applied after every step (a WGAN critic's clamp, a max-norm projection). The next
 step's loss then measures that change, not its batch, and not the update before it.
 
-Every in-place write to a tensor moves its version counter, and a tensor replaced (``p.data =
-...``, ``model.to(...)``) changes its storage: ``LoopWrites`` keeps both for each parameter as a step
+Every in-place write to a tensor moves its version counter (FSDP2: the DTensor's, or its local
+shard's where the write went through ``to_local()``), and a tensor replaced (``p.data = ...``,
+``model.to(...)``) changes its storage: ``LoopWrites`` keeps both for each parameter as a step
 leaves it (``close``) and names those that moved by the next step's pipeline (``changed``). A
 forward and a backward write neither. The monitor's own writes between the steps (QK-Clip after
 the update, or before a held module's forward) are marked with ``own_write`` and do not count.
@@ -30,24 +31,26 @@ __all__ = ["LoopWrites", "own_write"]
 # id(parameter) -> (the parameter, its version counter right after the monitor's last write to it);
 # by id with a weak reference (a tensor's == is elementwise: no WeakKeyDictionary), a few entries
 # (the tensors QK-Clip scales)
-_OWN: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+_OWN: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int]]] = {}
 
 
-def _mark(p: torch.Tensor) -> tuple[int, int]:
-    """(storage address, version counter) of a parameter (FSDP2: of its local shard)."""
+def _mark(p: torch.Tensor) -> tuple[int, int, int]:
+    """(storage address, version counters) of a parameter. FSDP2: its local shard's address, and
+    both counters: an in-place op on the DTensor moves the DTensor's own (the op runs on the shard
+    below autograd, whose counter stays), a write through ``to_local()`` moves the shard's."""
     t = local(p)
-    return t.data_ptr(), t._version
+    return t.data_ptr(), t._version, p._version if t is not p else 0
 
 
 def own_write(params: Sequence[torch.Tensor]) -> None:
     """The monitor just wrote ``params`` in place (between two steps): not the loop's change."""
     for p in params:
-        _OWN[id(p)] = weakref.ref(p), _mark(p)[1]
+        _OWN[id(p)] = weakref.ref(p), _mark(p)[1:]
     for key in [k for k, (ref, _) in _OWN.items() if ref() is None]:
         del _OWN[key]
 
 
-def _own_version(p: torch.Tensor) -> int | None:
+def _own_version(p: torch.Tensor) -> tuple[int, int] | None:
     held = _OWN.get(id(p))
     return held[1] if held is not None and held[0]() is p else None
 
@@ -56,7 +59,7 @@ class LoopWrites:
     """Which parameters the loop changed since the last step ended."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[int, int]] = {}  # id(parameter) -> its mark as the step left it
+        self._seen: dict[int, tuple[int, int, int]] = {}  # id(parameter) -> its mark as the step left it
 
     def close(self, params: Sequence[torch.Tensor]) -> None:
         """The step ended: remember every parameter as it is now."""
@@ -73,6 +76,6 @@ class LoopWrites:
             if before is None:
                 continue
             now = _mark(p)
-            if now != before and not (now[0] == before[0] and _own_version(p) == now[1]):
+            if now != before and not (now[0] == before[0] and _own_version(p) == now[1:]):
                 out.append(i)
         return out

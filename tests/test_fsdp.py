@@ -1004,3 +1004,39 @@ def test_an_update_the_stride_left_unmeasured_is_measured_on_every_rank_alike(tm
     assert [(s, k, a) for s, k, a, _ in r0["events"] if a] == [(5, "update_ratio_spike", ["undo"])]
     for n in r0["params"]:
         assert torch.equal(r0["params"][n], r1["params"][n])
+
+
+# --------------------------------------------------------------------------------------------
+# weights the loop changes between two steps
+# --------------------------------------------------------------------------------------------
+
+
+def _reinit_worker(rank, port, out):
+    """The loop re-initialises the head through its DTensor (``normal_`` on the parameter, not on
+    ``to_local()``) between steps 3 and 4, on both ranks."""
+    _join(rank, port)
+    model = _sharded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+    for i, batch in enumerate(_batches(6)):
+        if i == 4:
+            with torch.no_grad():
+                model[4].weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(7))
+        x, y = _half(batch, rank)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    events = _events(mon)
+    mon.detach()
+    torch.save({"events": events}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_a_write_through_a_dtensor_parameter_is_the_loops_change_on_every_rank(tmp_path):
+    """An in-place op on an FSDP2 parameter moves the DTensor's version counter, not its local
+    shard's (DTensor runs it on the shard below autograd): read from the shard alone, a head the
+    loop re-initialised went unseen, and the jump it made was skipped 8 times (a helper's probe:
+    held-out 1.11x bare). Both counters are read: one `new_regime` on both ranks, at that step."""
+    r0, r1 = _run(_reinit_worker, tmp_path)
+    assert r0["events"] == r1["events"]
+    assert [(s, k) for s, k, _, _ in r0["events"]] == [(4, "new_regime")], r0["events"]
