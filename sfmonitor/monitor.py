@@ -675,11 +675,10 @@ class Monitor:
         self._loop_writes = LoopWrites()  # parameters the loop changed between two steps
         self._loop_changed_at: int | None = None  # the last step before which the loop changed some
         self._sizes: collections.deque[float] = collections.deque(maxlen=self.BATCH_SIZES)  # input elements a step
-        # the input shapes per example of the last BATCH_SIZES steps, and how many of them had each
-        self._shape_steps: collections.deque[frozenset[Any]] = collections.deque()
-        self._shape_counts: collections.Counter[Any] = collections.Counter()
-        self._shapes_new: list[Any] = []  # the step's shapes new to them, recently (this rank's)
-        self._shapes_since: dict[Any, int] = {}  # shapes new lately -> the step they first came
+        # input shapes per example -> the last step that had each, and those new lately -> the step
+        # they first came (_input_shapes_new)
+        self._shapes_last: dict[Any, int] = {}
+        self._shapes_since: dict[Any, int] = {}
         self.bundles: list[str] = []  # bundles written on request (anomaly bundles: in their events)
         names = [d.name for d in self._detectors]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -1731,7 +1730,7 @@ class Monitor:
                 self._new_regime(step)
                 detected = [f for f in detected if all(f is not j for j in jumped)]
                 findings.append(self._new_shape_finding(step, jumped))
-                for shape in self._shapes_new:  # (taken as new data: later jumps are judged as usual)
+                for shape in self._recorder.shapes:  # (taken as new data: later jumps are judged as usual)
                     self._shapes_since.pop(shape, None)
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
@@ -2142,27 +2141,23 @@ class Monitor:
         """Whether the step's inputs came in a shape per example (all but the first dimension of
         each input tensor) that none of the last ``BATCH_SIZES`` steps had before it first came, at
         most ``NEW_SHAPE_STEPS`` steps ago: images resized, a longer sequence length (the jump may
-        come a step or two after the first batch of the new data). The step's shapes join theirs.
-        False without inputs or history."""
-        shapes = frozenset(self._recorder.shapes)
-        since = self._shapes_since
+        come a step or two after the first batch of the new data). False without inputs or history."""
+        last, since = self._shapes_last, self._shapes_since
         for old in [s for s, at in since.items() if step - at >= self.NEW_SHAPE_STEPS]:
             del since[old]
-        if not shapes:
-            self._shapes_new = []
-            return False
-        counts = self._shape_counts
-        if self._shape_steps:
-            for new in shapes:
-                if new not in counts:
-                    since[new] = step
-        self._shapes_new = [s for s in shapes if s in since]
-        if len(self._shape_steps) >= self.BATCH_SIZES:
-            counts.subtract(self._shape_steps.popleft())
-            counts += collections.Counter()  # (drops those no step has now)
-        self._shape_steps.append(shapes)
-        counts.update(shapes)
-        return bool(self._shapes_new)
+        shapes = self._recorder.shapes
+        for shape in shapes:
+            if last and step - last.get(shape, -math.inf) > self.BATCH_SIZES:
+                since[shape] = step
+            last[shape] = step
+        if len(last) > 4 * self.BATCH_SIZES:  # (a bucketed loop's many lengths: forget the long gone)
+            for old in [s for s, at in last.items() if step - at > self.BATCH_SIZES]:
+                del last[old]
+        return any(shape in since for shape in shapes)
+
+    def _shapes_new(self) -> list[Any]:
+        """The step's input shapes that ``_input_shapes_new`` found new (this rank's)."""
+        return [shape for shape in self._recorder.shapes if shape in self._shapes_since]
 
     def _new_shape_finding(self, step: int, jumped: list[Finding]) -> Finding:
         """``new_regime`` for a step whose inputs came in a new shape and whose loss or gradient
@@ -2170,7 +2165,8 @@ class Monitor:
         resizing, a sequence-length curriculum. Judged as bad batches on a sound state, the 8
         batches after images went from 16 to 32 pixels were skipped (held-out loss 1.015-1.051x
         bare); a garbage batch of the usual shape is skipped as before."""
-        shapes = [" x ".join(map(str, s[0])) if len(s) == 1 else str([list(t) for t in s]) for s in self._shapes_new]
+        new = self._shapes_new()
+        shapes = [" x ".join(map(str, s[0])) if len(s) == 1 else str([list(t) for t in s]) for s in new]
         where = f" ({'; '.join(shapes)} per example)" if shapes else " (on another rank)"
         kinds = ", ".join(dict.fromkeys(f.kind for f in jumped))
         return Finding(
@@ -2180,7 +2176,7 @@ class Monitor:
             "learn what is usual afresh from this step, and the update before it is not judged by its loss",
             data={
                 "reason": "input shape",
-                "shapes": [[list(t) for t in s] for s in self._shapes_new],
+                "shapes": [[list(t) for t in s] for s in new],
                 "jumps": [f.kind for f in jumped],
                 "step": step,
             },

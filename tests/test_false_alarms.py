@@ -573,10 +573,11 @@ def test_a_constraint_the_loop_applies_after_every_step_is_no_new_regime_each_ti
     assert events == [(280, "loss_spike", ["skip_step"])]
 
 
-def _resize_run(tmp_path, monitored, seed, at=150, steps=260, garbage_at=None):
+def _resize_run(tmp_path, monitored, seed, at=150, steps=260, garbage_at=None, spike_at=None):
     """Progressive resizing: a BatchNorm CNN with global pooling classifies noisy class templates
     at 16x16 until ``at``, then at 32x32 (the same images, sharper): the loss jumps ~4x and the
-    model relearns. The batch of ``garbage_at`` has random labels and its inputs x30."""
+    model relearns. The batch of ``garbage_at`` has random labels and its inputs x30; that of
+    ``spike_at`` a loss x1000."""
     g = torch.Generator().manual_seed(seed)
     templates = nn.functional.interpolate(torch.randn(10, 3, 8, 8, generator=g), size=32, mode="bilinear")
     torch.manual_seed(seed)
@@ -604,7 +605,7 @@ def _resize_run(tmp_path, monitored, seed, at=150, steps=260, garbage_at=None):
             x = nn.functional.interpolate(x, size=16, mode="bilinear", antialias=True)
         if t == garbage_at:
             x, y = 30 * x, torch.randint(0, 10, (32,), generator=g)
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = nn.functional.cross_entropy(model(x), y) * (1000.0 if t == spike_at else 1.0)
         (mon.combine(loss) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
@@ -627,3 +628,20 @@ def test_inputs_of_a_new_shape_that_move_the_loss_are_new_data_not_bad_batches(t
         assert [(s, r) for s, k, r in told if k == "new_regime"] == [(150, "input shape")], told
     _, events, _ = _resize_run(tmp_path / "g", True, 0, garbage_at=220)
     assert events == [(220, "loss_spike", ["skip_step"])]
+    # the new shape, once its jump was taken as new data, is judged as usual: a garbage batch of
+    # it two steps later (judged by the fresh windows' prior: a gross one) is skipped
+    _, events, _ = _resize_run(tmp_path / "g2", True, 0, spike_at=152)
+    assert events == [(152, "loss_spike", ["skip_step"])]
+
+
+def test_a_shape_is_new_for_a_few_steps_after_it_first_comes():
+    """An input shape the last 64 steps did not have stays new for 8 steps from its first batch
+    (a sequence-length curriculum's jump came at its third batch); shapes seen lately, and a step
+    with no history before it, are not new; a shape gone for more than 64 steps is new again."""
+    mon = sfmonitor.Monitor(config=quiet())
+    seen = []
+    for step in range(200):
+        shape = ((16,),) if step < 100 or 180 <= step < 190 else ((64,),)  # (64 back at 190: seen lately)
+        mon._recorder.shapes = {shape}
+        seen.append(mon._input_shapes_new(step))
+    assert [s for s, new in enumerate(seen) if new] == list(range(100, 108)) + list(range(180, 188))
