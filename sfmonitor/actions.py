@@ -42,6 +42,7 @@ from .checkpoint import (
     DEFAULT_SNAPSHOT_KEEP,
     EXTRA,
     INNER,
+    MODEL,
     OPTIMIZER,
     TRACKED,
     SnapshotRing,
@@ -59,6 +60,7 @@ from .events import (
     CLIP,
     GRAD_NOISE,
     GRAD_SPIKE,
+    LOSS_LEVEL_RETURN,
     LOSS_SPIKE,
     LR_DROP,
     NONFINITE_PARAM,
@@ -461,6 +463,10 @@ class ActionContext:
     # rollback took out of the ring: put back on a refutation (never saved: a run resumed
     # mid-trial gives back the LR alone). None: nothing held.
     lr_trial_held: dict[str, Any] | None = None
+    # The state a level shift of the loss started from (loss_level_shift, hold_before_shift: CPU
+    # copies, as a snapshot), put back should the shift end soon (loss_level_return: the steps since
+    # were a stretch of bad batches). Never saved. None: nothing held.
+    shift_held: dict[str, Any] | None = None
     losses_seen: list[float] = field(default_factory=list)
     loss_signed: bool = False
     # The LR per param group that the drop (or a halt of the climb) set, the level it holds the LR
@@ -1598,8 +1604,11 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     cfg = ctx.config.rollback
     cause = decision.cause
     if cause.data.get("trial_refuted"):
-        ctx.skip = True
-        return _put_back_held(ctx)
+        held, ctx.lr_trial_held = ctx.lr_trial_held, None
+        return _put_back_held(ctx, held, "trial")
+    if cause.kind == LOSS_LEVEL_RETURN:
+        held, ctx.shift_held = ctx.shift_held, None
+        return _put_back_held(ctx, held, "level shift")
     if cause.before_update:
         target = ctx.step - 1
     else:
@@ -1624,6 +1633,8 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({}), rng=False) if trial else None
     )
     _restore_snapshot(ctx, state, rng=cfg.restore_rng)
+    if ctx.shift_held is not None and label < ctx.shift_held["at"]:
+        ctx.shift_held = None  # (a state from before the shift: a later put-back would jump forward)
     popped = ctx.snapshots.pop_after(label)
     if live is not None:
         ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": popped}
@@ -1659,23 +1670,58 @@ def _cannot_hold(ctx: ActionContext, snap: tuple[int, dict[str, Any]] | None) ->
     return None
 
 
-def _put_back_held(ctx: ActionContext) -> dict[str, Any]:
-    """A refuted trial (``judge_trial``): the state its rollback left, and the snapshots that
-    rollback took out of the ring (those taken since, of the trial's steps, go); this step's update,
-    made from the trial's state, is skipped."""
-    held, ctx.lr_trial_held = ctx.lr_trial_held, None
+def _put_back_held(ctx: ActionContext, held: dict[str, Any] | None, what: str) -> dict[str, Any]:
+    """Put back a state held on the host (``held``: ``at``, the step it was taken in, ``state``
+    and, for a trial, ``popped``). A refuted trial (``judge_trial``): the state its rollback left,
+    and the snapshots that rollback took out of the ring. A level shift that ended
+    (``loss_level_return``): the state the shift's step started from, and ``monitor.batches()``
+    yields this step's batch again (its gradients came from the state left; the batch is good).
+    The snapshots taken since, of the abandoned steps, go; this step's update is skipped."""
+    ctx.skip = True
     if held is None:
-        return {"restored": False, "skipped_step": ctx.step, "reason": "no state held for the trial"}
+        return {"restored": False, "skipped_step": ctx.step, "reason": f"no state held for the {what}"}
     _restore_snapshot(ctx, held["state"], rng=False)
     if ctx.snapshots is not None:
         ctx.snapshots.discard_after(held["at"])
-        ctx.snapshots.put_back(held["popped"])
+        ctx.snapshots.put_back(held.get("popped", []))
+    if held.get("repeat_batch"):
+        ctx.repeat_batch = True
     return {
         "restored": True,
         "restored_from": held["at"],
         "steps_back": ctx.step - held["at"],
         "skipped_step": ctx.step,
     }
+
+
+def hold_before_shift(ctx: ActionContext, step: int) -> dict[str, Any]:
+    """A level shift of the loss at ``step`` (``loss_level_shift`` that may end: its data
+    ``returnable``): hold the state this step starts from (``ctx.shift_held``, CPU copies as a
+    snapshot; the buffers as they were before this step's forward, whose batch is the shift's),
+    to be put back should the shift end (``loss_level_return``). Held beside the snapshots within
+    ``actions.rollback.max_host_mb``, and only with rollback snapshots on; every rank answers the
+    same (one max collective). Returns the facts: ``held`` and its bytes, or why not."""
+    ring = ctx.snapshots
+    if ring is None:
+        return {"held": False, "reason": "no rollback snapshots: nothing is held to put back"}
+    state = capture_state(ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({}), rng=False)
+    copy = ctx.buffer_copy()
+    if copy is not None and copy[0].label == step - 1:
+        names = {id(b): name for name, b in ctx.model.named_buffers()}
+        for live, before in zip(copy[1], copy[0].buffers_before_forward()):
+            kept = state[MODEL].get(names.get(id(live)))
+            if isinstance(kept, torch.Tensor) and kept.shape == before.shape:
+                kept.copy_(before)
+    size = tree_nbytes(state)
+    full = ring.max_bytes is not None and ring.nbytes + size > ring.max_bytes
+    if float(sharding.max_over_ranks(torch.tensor(float(full), dtype=torch.float64))) > 0:
+        return {
+            "held": False,
+            "reason": f"no room under actions.rollback.max_host_mb beside the snapshots ({ring.nbytes / 2**20:.1f} "
+            "MiB here), on some rank: nothing is held to put back",
+        }
+    ctx.shift_held = {"at": step, "state": state, "repeat_batch": True}
+    return {"held": True, "held_bytes": size}
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from .events import (
     LARGE_UPDATE,
     LOSS_COMPONENT_SPIKE,
     LOSS_DIVERGENCE,
+    LOSS_LEVEL_RETURN,
     LOSS_LEVEL_SHIFT,
     LOSS_RATIO_IMBALANCE,
     LOSS_SCALE_FLOOR,
@@ -175,6 +176,15 @@ class LossSpikeConfig(Section):
         "in log under their jump), the next value at that level is a level shift (the data or the task "
         "changed: event loss_level_shift, no action), and the detector follows the new level. 0: never "
         "(a level is only followed through the clamped values, ~20-30 steps)",
+        lo=0,
+    )
+    return_within: int = option(
+        64,
+        "a level shift of loss/total that ends this soon: the loss falls back in one step by more than half "
+        "the shift's jump, to nearer its level before than the shift's (event loss_level_return), and the "
+        "steps trained at the shifted level were a stretch of bad batches longer than shift_after (a "
+        "corrupted shard): the state from before the shift, held on the host meanwhile, is put back. 0: "
+        "never (nothing held)",
         lo=0,
     )
 
@@ -775,6 +785,8 @@ class _Told(_Windowed):
         LOSS_SPIKE: [(1, [SKIP_STEP]), (3, [ROLLBACK, LR_DROP])],
         LOSS_COMPONENT_SPIKE: [(1, [])],
         LOSS_LEVEL_SHIFT: [(1, [])],
+        # (the put-back of the state from before the shift is the finding's own, enforced: no ladder)
+        LOSS_LEVEL_RETURN: [(1, [])],
     },
 )
 class LossSpike(_Windowed):
@@ -801,6 +813,16 @@ class LossSpike(_Windowed):
     run's values and the loss's start is the new level. Spikes that disagree (a loss that climbs
     or swings) never form a level; the policy's ladder goes on judging them.
 
+    A level shift of ``loss/total`` that ends within ``return_within`` steps, the loss falling back
+    in one step by more than half the shift's jump to nearer its level before than the shift's,
+    was a stretch of bad batches longer than ``shift_after`` (a corrupted shard, a run of random
+    labels), not new data: kind ``loss_level_return``, the window before the first jump back. The
+    monitor holds the state from before the shift's step meanwhile and puts it back. Only a shift
+    above the loss's start is held (batches whose loss is worse than the untrained model's undo
+    the progress made; a level below it is the run's own excursion, grokking's slingshots). A
+    learnt new task comes down gradually, and a level that came back once is new data the next
+    time it comes (alternating tasks): no state is held for it again.
+
     Watches ``loss/total`` (kind ``loss_spike``) and, with ``components``, every ``loss/<c>``
     (kind ``loss_component_spike``). A total loss seen below zero (a Gaussian or flow negative
     log-likelihood, a loss with a negative constant; a cross-entropy of exactly 0 is no such loss)
@@ -821,6 +843,12 @@ class LossSpike(_Windowed):
         self.signed: set[str] = set()  # components seen at or below zero: no log scale, not judged
         self.raw: set[str] = set()  # the total loss seen below zero: judged on its own scale
         self.shifted: dict[str, int] = {}  # key -> the step of its last level shift
+        # loss/total's window and errors as they were when its spikes in a row began (what a level
+        # shift that ends put back), the shift awaiting its end (return_within), and the levels
+        # (logs) of the shifts that ended: a level that comes again is data, not a bad stretch
+        self.before_run: dict[str, tuple[list[float], list[float]]] = {}
+        self.pending: dict[str, dict[str, Any]] = {}
+        self.returned: dict[str, list[float]] = {}
         # The components combine() was first given (names joined by "+"): a step given others (a
         # multi-task loop, each batch one task's loss) has a total of another kind, judged in a
         # window of its own ("loss/total|<names>"), not against the usual task's.
@@ -864,6 +892,10 @@ class LossSpike(_Windowed):
             # the total of a step whose components are not the first set seen: a window per set
             slot = _mix_slot(key, mix, self.mix) if key == LOSS_TOTAL else key
             w = self.windows.setdefault(slot, collections.deque(maxlen=cfg.window))
+            back = self._level_return(key, slot, x, step) if slot in self.pending else None
+            if back is not None:
+                out.append(back)
+                continue
             if len(w) < cfg.prior_after:
                 top = max(w, default=math.inf)
                 early = (cfg.early_factor - 1) * abs(top) if key in self.raw else math.log(cfg.early_factor)
@@ -912,6 +944,7 @@ class LossSpike(_Windowed):
                     continue
             if z <= cfg.z or self._small_setback(key, slot, value, expected):
                 self.run.pop(slot, None)
+                self.before_run.pop(slot, None)
                 if not partial:
                     w.append(x)
                     errors.append(x - level)
@@ -920,6 +953,8 @@ class LossSpike(_Windowed):
             if partial:  # a spike even for its size: no new level, nothing usual learnt from it
                 out.append(self._finding(key, value, step, level, expected, limit, sigma, widen))
                 continue
+            if slot == LOSS_TOTAL and cfg.return_within and slot not in self.run:
+                self.before_run[slot] = (list(w), list(errors))
             run = self.run.setdefault(slot, [expected])  # [expected before the jump, spikes...]
             run.append(x)
             del run[1 : -(cfg.shift_after + 1)]  # only the last shift_after + 1 spikes can form a level
@@ -1016,6 +1051,22 @@ class LossSpike(_Windowed):
         if spread >= min(values) - before or abs(trend) > spread / 2:
             return None  # no one level: a band wider than the jump, or a loss that climbs
         del self.run[slot]
+        held = self.before_run.pop(slot, None)
+        # Held for a return only where the batches undo the progress made from the loss's start
+        # (above it: what they teach is worse than the untrained model): a level below it is the
+        # run's own excursion (grokking's slingshots), nor is a level that came back before (within
+        # half this jump: alternating tasks, new data again).
+        seen = any(abs(level - r) < (min(values) - before) / 2 for r in self.returned.get(slot, []))
+        if held is not None and not seen and level > self.start.get(slot, math.inf):
+            self.pending[slot] = {
+                "at": step,
+                "before": before,
+                "level": level,
+                "last": values[-1],
+                "window": held[0],
+                "errors": held[1],
+                "start": self.start.get(slot),
+            }
         self.windows[slot] = collections.deque(values, maxlen=cfg.window)
         # The loss's start: the new level where it is above the old start (a new task to learn), the
         # old start where it is not (a level below it has not undone the progress made from there:
@@ -1034,6 +1085,12 @@ class LossSpike(_Windowed):
                 f"jumped) for {len(values)} steps, within {within} of each other: a new level "
                 f"(the data or the task changed), not a spike. The detector follows it from here "
                 f"({skipped} jumps before it were judged as spikes)"
+                + (
+                    f"; should the loss fall back to its level before within {cfg.return_within} steps, "
+                    "the state from before this step is put back"
+                    if slot in self.pending
+                    else ""
+                )
             ),
             data={
                 "key": key,
@@ -1043,6 +1100,53 @@ class LossSpike(_Windowed):
                 "spread" if key in self.raw else "spread_factor": spread if key in self.raw else math.exp(spread),
                 "steps": len(values),
                 "skipped": skipped,
+                "returnable": slot in self.pending,
+                "step": step,
+            },
+        )
+
+    def _level_return(self, key: str, slot: str, x: float, step: int) -> Finding | None:
+        """The finding of a level shift that ended (``x``, this step's log loss, fell back in one
+        step from the last by more than half the shift's jump, to nearer the level before it than
+        the shift's), with the window, errors and start from before its first jump put back; else
+        None (and the shift no longer awaited past ``return_within`` steps)."""
+        held = self.pending[slot]
+        if step - held["at"] > self.config.return_within:
+            del self.pending[slot]
+            return None
+        before, level, last = held["before"], held["level"], held["last"]
+        half = (level - before) / 2
+        if not (x < before + half and last - x > half):
+            held["last"] = x
+            return None
+        del self.pending[slot]
+        self.windows[slot] = collections.deque(held["window"], maxlen=self.config.window)
+        self.errors[slot] = collections.deque(held["errors"], maxlen=self.config.window)
+        if held["start"] is None:
+            self.start.pop(slot, None)
+        else:
+            self.start[slot] = held["start"]
+        self.run.pop(slot, None)
+        self.before_run.pop(slot, None)
+        self.shifted[slot] = step  # (kept through the new regime this step starts)
+        self.returned.setdefault(slot, []).append(level)
+        out = functools.partial(self._unscaled, key)
+        return Finding(
+            kind=LOSS_LEVEL_RETURN,
+            where=key[len(LOSS_PREFIX) :],
+            message=(
+                f"{key} = {_fmt(out(x))} fell back from {_fmt(out(last))} to near its level before the shift "
+                f"at step {held['at']} ({_fmt(out(before))}; the shift's level {_fmt(out(level))}) after "
+                f"{step - held['at']} steps: those steps were a stretch of bad batches, not new data"
+            ),
+            data={
+                "key": key,
+                "value": out(x),
+                "last": out(last),
+                "level_before": out(before),
+                "level": out(level),
+                "shift_step": held["at"],
+                "steps_at_level": step - held["at"],
                 "step": step,
             },
         )
@@ -1052,7 +1156,7 @@ class LossSpike(_Windowed):
         prior), but a key whose level shift at this very step told of it (it follows that level
         already)."""
         for key in [k for k in self.windows if self.shifted.get(k) != step]:
-            for table in (self.windows, self.errors, self.start, self.run):
+            for table in (self.windows, self.errors, self.start, self.run, self.before_run, self.pending):
                 table.pop(key, None)
 
     def _small_setback(self, key: str, slot: str, value: float, expected: float) -> bool:

@@ -67,6 +67,7 @@ from .events import (
     GRAD_SPIKE,
     LARGE_UPDATE,
     LOSS_COMPONENT_SPIKE,
+    LOSS_LEVEL_RETURN,
     LOSS_LEVEL_SHIFT,
     LOSS_RATIO_IMBALANCE,
     LOSS_SPIKE,
@@ -1756,8 +1757,9 @@ class Monitor:
             for f in findings:
                 if f.kind == BN_VAR_SPIKE and f.where == self._group_names[gi]:
                     f.data["module"] = name
-        if any(f.kind == LOSS_LEVEL_SHIFT and f.where == _TOTAL for f in findings):
+        if any(f.kind in (LOSS_LEVEL_SHIFT, LOSS_LEVEL_RETURN) and f.where == _TOTAL for f in findings):
             self._new_regime(step)  # the data changed: what was usual before no longer is
+        self._level_shift_held(step, findings, announced)
         self._bad_batches_on_a_sound_state(findings)
         self._fixed_batch(step, rec, findings)
         if self._watch.attached:
@@ -1810,6 +1812,9 @@ class Monitor:
         # as in flight from here: whatever ends it (hook, scaler, integration, exception) closes it.
         rec.phase = Phase.DECIDED
         self._decide_and_act(step, findings, rec)
+        held = self._live().shift_held
+        if held is not None and held["at"] == step and self._live().restored_at == step:
+            self._live().shift_held = None  # (this step went back to an older state: the hold is of no state)
         self._expect_replay(step, rec)
         self._bn.rebase()  # the running statistics the next forward starts from (a skip put them back)
 
@@ -1845,7 +1850,7 @@ class Monitor:
         if enforced:  # (not the ladder's: what a refuted trial puts back; no rescue spent, one given back)
             order = action_order()
             decisions = sorted(decisions + enforced, key=lambda d: order.index(d.action))
-            if self._policy.credit():
+            if any(d.cause.data.get("trial_refuted") for d in enforced) and self._policy.credit():
                 enforced[-1].cause.data["budget_returned"] = 1
         if {d.action for d in decisions} & {UNDO, ROLLBACK}:
             # The state goes back: this step is skipped, and what the other findings saw of it (a
@@ -2111,6 +2116,33 @@ class Monitor:
                 "step": rec.step,
             },
         )
+
+    def _level_shift_held(self, step: int, findings: list[Finding], announced: bool) -> None:
+        """The state held across a level shift of the loss (``actions.hold_before_shift``): taken
+        at a shift that may end (its finding's data ``returnable``; the facts go into its data),
+        put back at its end (``loss_level_return``: the put-back is the finding's own, enforced;
+        told where nothing is held), and let go ``return_within`` steps after the shift or at a
+        change of data the loop made or announced (the detectors forget the shift then too)."""
+        ctx = self._live()
+        held = ctx.shift_held
+        if held is not None and (announced or step - held["at"] > self.config.detectors.loss_spike.return_within):
+            ctx.shift_held = held = None
+        for f in findings:
+            if f.where != _TOTAL:
+                continue
+            if f.kind == LOSS_LEVEL_SHIFT and f.data.get("returnable"):
+                facts = A.hold_before_shift(ctx, step)
+                f.data.update(facts)
+                if not facts["held"]:
+                    f.message = f"{f.message.split('; should the loss')[0]} ({facts['reason']})"
+            elif f.kind == LOSS_LEVEL_RETURN:
+                if held is not None and held["at"] == f.data["shift_step"]:
+                    f.enforced = (ROLLBACK,)
+                    f.message += ": the state from before the shift is put back"
+                else:
+                    ctx.shift_held = None
+                    f.told = True
+                    f.message += " (no state from before the shift is held: nothing to put back)"
 
     def _weights_changed_by_loop(self, step: int) -> str | None:
         """The reason of a new regime where the loop changed the weights since the last step ended

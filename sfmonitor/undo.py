@@ -358,6 +358,11 @@ class UndoState:
             self.changed = {}
             self._note(buffers)
 
+    def buffers_before_forward(self) -> list[torch.Tensor]:
+        """The copies of the model's buffers as they were just before the step after the capture
+        ran its first forward (``restore_buffers``), by position."""
+        return [self.changed.get(i, b) for i, b in enumerate(self.buffers)]
+
     @torch.no_grad()
     def restore_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Put the model's buffers back as they were just before the step after the capture ran
@@ -365,8 +370,7 @@ class UndoState:
         wrote (``mark_forward``), which keep what it wrote (a skipped step's forward moved
         BatchNorm's running statistics; a NaN batch made them NaN)."""
         if self.buffers and len(self.buffers) == len(buffers):
-            src = [self.changed.get(i, b) for i, b in enumerate(self.buffers)]
-            torch._foreach_copy_([local(b) for b in buffers], src)
+            torch._foreach_copy_([local(b) for b in buffers], self.buffers_before_forward())
             if not self.changed:  # as the capture holds them: no write since (none to copy at a forward)
                 self._note(buffers)
 

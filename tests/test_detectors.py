@@ -818,6 +818,47 @@ def test_loss_that_jumps_and_stays_is_a_level_shift_after_shift_after_spikes():
     assert "loss_level_shift" not in {f.kind for _, f in _level_run(det, after, 200)}
 
 
+def test_a_level_shift_that_ends_in_one_step_soon_after_is_a_return_and_a_learnt_level_is_not():
+    """After a level shift of loss/total, a fall back in one step by more than half the jump, to
+    nearer the old level than the new one, within ``return_within`` steps, is a loss_level_return,
+    and the window from before the first jump is back (the next old-level value is no spike, a
+    jump from there is). A new task learnt down to the old level step by step, a fall after
+    ``return_within`` steps, and a shift to a level that came back before (alternating tasks:
+    not held, ``returnable`` False) are not; return_within 0 never holds one."""
+    rng = np.random.default_rng(7)
+    before = (0.5 * np.exp(rng.normal(0, 0.05, 200))).tolist()
+    high = (5.0 * np.exp(rng.normal(0, 0.05, 12))).tolist()
+
+    def shifted(config=None):
+        det = D.LossSpike(config)
+        _level_run(det, before)
+        fired = _level_run(det, high, 200)
+        assert [f.kind for _, f in fired][-1] == "loss_level_shift"
+        return det, fired[-1][1]
+
+    det, shift = shifted()
+    assert shift.data["returnable"] and "should the loss fall back" in shift.message
+    fired = _level_run(det, [0.52, 0.5, 0.49], 212)
+    assert [(s, f.kind) for s, f in fired] == [(212, "loss_level_return")]
+    back = fired[0][1]
+    assert back.data["shift_step"] == 208 and back.data["steps_at_level"] == 4 and back.data["level_before"] < 0.6
+    assert [f.kind for _, f in _level_run(det, [2.0], 215)] == [LOSS_SPIKE]  # judged by the old window
+
+    det, _ = shifted()  # a new task learnt, down to the old level over 30 steps
+    learnt = np.exp(np.linspace(np.log(5.0), np.log(0.5), 30)).tolist()
+    assert "loss_level_return" not in {f.kind for _, f in _level_run(det, learnt, 212)}
+    det, _ = shifted()  # the same fall, after return_within
+    _level_run(det, high[:4] * 17, 212)
+    assert "loss_level_return" not in {f.kind for _, f in _level_run(det, [0.5], 280)}
+
+    det, _ = shifted()
+    _level_run(det, [0.5] * 40, 212)  # (returned: the old level's window)
+    again = _level_run(det, high, 252)
+    assert [f.kind for _, f in again][-1] == "loss_level_shift" and not again[-1][1].data["returnable"]
+    det, shift = shifted(D.LossSpikeConfig(return_within=0))
+    assert not shift.data["returnable"] and det.pending == {}
+
+
 def test_a_level_shift_below_the_runs_start_keeps_the_progress_made_from_it():
     """Grokking's slingshots (AdamW, mini-batches): the loss fell from ~4 to ~0.01, jumps to ~0.5
     and stays a while (a level shift), falls back, and jumps again. A level below the run's start
