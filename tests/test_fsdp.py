@@ -369,6 +369,53 @@ def test_a_trials_rollback_and_its_put_back_move_every_ranks_shards_alike(tmp_pa
         assert r["full"]["restored"] is False and "no room" in r["full"]["reason"]
 
 
+def _stretch_worker(rank, port, out):
+    _join(rank, port)
+    batches, bad = _batches(100), set(range(60, 72))
+
+    def train(monitored, twin):
+        model = _sharded()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+            if monitored
+            else None
+        )
+        stream = [i for i in range(100) if not (twin and i in bad)]
+        for i in mon.batches(stream) if mon else stream:
+            x, y = _half(batches[i], rank)
+            loss = nn.functional.mse_loss(model(x), y * 30 + 10 if i in bad else y)  # (targets off their scale)
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        events = []
+        if mon is not None:
+            events = [(s, k, a) for s, k, a, _ in _events(mon)]
+            held = [e.data.get("held") for e in mon.events if e.kind == "loss_level_shift"]
+            events.append(("held", held, None))
+            mon.detach()
+        return _full_params(model), _full_opt(model, opt), events
+
+    mon, twin = train(True, False), train(False, True)
+    torch.save({"mon": mon, "twin": twin}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_a_stretch_of_bad_batches_put_back_after_its_level_shift_moves_every_ranks_shards(tmp_path):
+    """Twelve batches with targets off their scale on both ranks of a sharded MLP: eight skipped,
+    the ninth taken as a level shift and its state held on each rank (its shards), the stretch's
+    end a loss_level_return on both that puts those shards back: parameters and AdamW's moments
+    equal to the twin that never saw the stretch, on every rank."""
+    r0, r1 = _run(_stretch_worker, tmp_path)
+    assert r0["mon"][2] == r1["mon"][2]
+    told = [e for e in r0["mon"][2] if e[1] not in ("loss_spike", "grad_spike")]  # (its gradients jump too)
+    assert told == [(68, "loss_level_shift", []), (72, "loss_level_return", ["rollback"]), ("held", [True], None)]
+    for r in (r0, r1):
+        (params, opt, _), (twin_params, twin_opt, _) = r["mon"], r["twin"]
+        assert all(torch.equal(params[n], twin_params[n]) for n in params)
+        assert all(torch.equal(opt[n][k], twin_opt[n][k]) for n in opt for k in opt[n])
+
+
 # --------------------------------------------------------------------------------------------
 # emergency checkpoints: written by 2 ranks, read by 1
 # --------------------------------------------------------------------------------------------
