@@ -1171,6 +1171,9 @@ class LossSpike(_Windowed):
             "errors": {k: list(e) for k, e in self.errors.items()},
             "start": dict(self.start),
             "run": {k: list(r) for k, r in self.run.items()},
+            "before_run": {k: [list(w), list(e)] for k, (w, e) in self.before_run.items()},
+            "pending": {k: dict(p) for k, p in self.pending.items()},
+            "returned": {k: list(r) for k, r in self.returned.items()},
             "signed": sorted(self.signed),
             "raw": sorted(self.raw),
             "mix": self.mix,
@@ -1187,6 +1190,11 @@ class LossSpike(_Windowed):
             for k, e in state.get("errors", {}).items()
         }
         self.run = {k: [float(v) for v in r] for k, r in state.get("run", {}).items()}
+        self.before_run = {
+            k: ([float(v) for v in w], [float(v) for v in e]) for k, (w, e) in state.get("before_run", {}).items()
+        }
+        self.pending = {k: dict(p) for k, p in state.get("pending", {}).items()}
+        self.returned = {k: [float(v) for v in r] for k, r in state.get("returned", {}).items()}
         if "start" in state:
             self.start = {k: float(v) for k, v in state["start"].items()}
         else:  # saved by a version that kept no start: the window's largest value stands in

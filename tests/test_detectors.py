@@ -838,6 +838,10 @@ def test_a_level_shift_that_ends_in_one_step_soon_after_is_a_return_and_a_learnt
 
     det, shift = shifted()
     assert shift.data["returnable"] and "should the loss fall back" in shift.message
+    det = copy.deepcopy(det)
+    again = D.LossSpike()  # (what awaits the shift's end is part of the state: it round-trips)
+    again.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert [(s, f.kind) for s, f in _level_run(again, [0.52], 212)] == [(212, "loss_level_return")]
     fired = _level_run(det, [0.52, 0.5, 0.49], 212)
     assert [(s, f.kind) for s, f in fired] == [(212, "loss_level_return")]
     back = fired[0][1]
