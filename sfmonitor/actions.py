@@ -518,6 +518,11 @@ class ActionContext:
             if name in tracked:
                 m.load_state_dict(sharding.rebuild(tracked[name]))  # (copies in: the snapshot stays intact)
 
+    def held_bytes(self) -> int:
+        """Bytes of the states held on the host beside the snapshots (``lr_trial_held``,
+        ``shift_held``), which share ``actions.rollback.max_host_mb`` with them."""
+        return sum(held["bytes"] for held in (self.lr_trial_held, self.shift_held) if held is not None)
+
     def buffer_copy(self) -> tuple[UndoState, list[torch.Tensor]] | None:
         """The copy that holds the model's buffers as they were before the step's forward, with the
         buffers it holds: the undo copy's (every buffer), else the running statistics' copy (the lean
@@ -1637,7 +1642,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         ctx.shift_held = None  # (a state from before the shift: a later put-back would jump forward)
     popped = ctx.snapshots.pop_after(label)
     if live is not None:
-        ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": popped}
+        ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": popped, "bytes": tree_nbytes(live)}
     ctx.batches_to_skip += cfg.skip_batches
     return {
         "restored": True,
@@ -1656,7 +1661,12 @@ def _cannot_hold(ctx: ActionContext, snap: tuple[int, dict[str, Any]] | None) ->
     answers the same (one max collective: the ranks' rings may differ, ZeRO's shards in size)."""
     ring = ctx.snapshots
     room = ring.max_bytes if ring is not None else None
-    full = snap is not None and ring is not None and room is not None and ring.nbytes + tree_nbytes(snap[1]) > room
+    full = (
+        snap is not None
+        and ring is not None
+        and room is not None
+        and ring.nbytes + ctx.held_bytes() + tree_nbytes(snap[1]) > room
+    )
     mine = torch.tensor(2.0 if snap is None else 1.0 if full else 0.0, dtype=torch.float64)
     why = float(sharding.max_over_ranks(mine))
     if why >= 2.0:
@@ -1713,14 +1723,14 @@ def hold_before_shift(ctx: ActionContext, step: int) -> dict[str, Any]:
             if isinstance(kept, torch.Tensor) and kept.shape == before.shape:
                 kept.copy_(before)
     size = tree_nbytes(state)
-    full = ring.max_bytes is not None and ring.nbytes + size > ring.max_bytes
+    full = ring.max_bytes is not None and ring.nbytes + ctx.held_bytes() + size > ring.max_bytes
     if float(sharding.max_over_ranks(torch.tensor(float(full), dtype=torch.float64))) > 0:
         return {
             "held": False,
             "reason": f"no room under actions.rollback.max_host_mb beside the snapshots ({ring.nbytes / 2**20:.1f} "
             "MiB here), on some rank: nothing is held to put back",
         }
-    ctx.shift_held = {"at": step, "state": state, "repeat_batch": True}
+    ctx.shift_held = {"at": step, "state": state, "repeat_batch": True, "bytes": size}
     return {"held": True, "held_bytes": size}
 
 

@@ -453,8 +453,9 @@ def tree_nbytes(value: Any) -> int:
 
 class SnapshotRing:
     """The last ``keep`` CPU snapshots, one every ``every`` optimizer steps, holding at most
-    ``max_bytes`` of tensors in all (the oldest go first; a snapshot larger than the whole budget
-    is not kept, and ``too_big`` says how large it was).
+    ``max_bytes`` of tensors in all, with the ``beside`` bytes the run holds next to them (the
+    oldest go first; a snapshot larger than the whole budget is not kept, and ``too_big`` says how
+    large it was).
 
     ``maybe_take(label, ...)`` snapshots when ``every`` steps passed since the newest snapshot;
     ``latest_before(step)`` is the newest snapshot with ``label <= step``; ``discard_after(label)``
@@ -474,6 +475,9 @@ class SnapshotRing:
         self.keep = keep
         self.max_bytes = max_bytes
         self.too_big: int | None = None  # bytes of the last snapshot the budget could not hold
+        # Bytes the run holds on the host beside the snapshots, within the same budget (the state a
+        # trial's rollback left, the state before a level shift): set by the monitor before a take
+        self.beside = 0
         self._ring: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=keep)
         self._sizes: dict[int, int] = {}
 
@@ -508,7 +512,10 @@ class SnapshotRing:
             if size > self.max_bytes:
                 self.too_big = size
                 return
-            while self._ring and self.nbytes + size > self.max_bytes:
+            room = self.max_bytes - self.beside
+            if size > room:
+                return  # (no room beside what is held: none is taken until that is let go)
+            while self._ring and self.nbytes + size > room:
                 self._sizes.pop(id(self._ring.popleft()[1]), None)  # the oldest go first
         if len(self._ring) == self.keep:
             self._sizes.pop(id(self._ring[0][1]), None)

@@ -1779,6 +1779,7 @@ class Monitor:
         if all(f.handled_by_scaler for f in findings):
             ctx = self._live()
             if ctx.snapshots is not None:
+                ctx.snapshots.beside = ctx.held_bytes()  # (what a trial or a level shift holds shares the budget)
                 ctx.snapshots.maybe_take(
                     step, ctx.model, ctx.optimizer, ctx.scaler, ctx.with_outside_params({"step": step})
                 )

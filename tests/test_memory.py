@@ -44,6 +44,18 @@ def test_snapshot_ring_keeps_within_its_byte_budget_oldest_first():
     assert len(small) == 0 and small.too_big is not None and small.too_big >= one
     with pytest.raises(ValueError, match="max_bytes"):
         SnapshotRing(max_bytes=-1)
+    # what the run holds beside the snapshots (a trial's left state, the state before a level
+    # shift) shares the budget: the oldest go to make room; with no room at all, none is taken and
+    # none dropped
+    ring = SnapshotRing(every=1, keep=5, max_bytes=int(3.5 * one))
+    for label in range(3):
+        ring.take(label, model)
+    ring.beside = int(1.2 * one)
+    ring.take(3, model)
+    assert ring.labels == [2, 3] and ring.nbytes + ring.beside <= ring.max_bytes
+    ring.beside = int(3 * one)
+    ring.take(4, model)
+    assert ring.labels == [2, 3] and ring.too_big is None
 
 
 def test_attach_reports_what_the_monitor_holds(tmp_path, capsys):
