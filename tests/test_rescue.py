@@ -1205,12 +1205,15 @@ def test_an_lr_raise_that_does_no_harm_is_accepted_silently(tmp_path):
     assert not [e for e in mon.events if e.actions]
 
 
-def _stretch_run(run_dir, bad, *, monitored=True, twin=False, task_blocks=0, config=None, seed=0):
+def _stretch_run(run_dir, bad, *, monitored=True, twin=False, task_blocks=0, config=None, seed=0, ema=None):
     """An MLP with BatchNorm classifying a teacher's labels (Adam, batch 32, 260 steps through
     ``monitor.batches()``). ``bad``: the steps whose batches carry random labels (``twin``: left
     out of the stream); ``task_blocks``: from step 100, blocks of that many steps alternate between
-    the teacher and a second one (another task, as learnable). Returns the model, its optimizer
-    and the monitor's events."""
+    the teacher and a second one (another task, as learnable); ``ema``: a list that receives an
+    EMA of the weights (torchvision's recipe: AveragedModel, updated after every step the monitor
+    kept, tracked). Returns the model, its optimizer and the monitor's events."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
     g = torch.Generator().manual_seed(seed)
     teachers = [torch.randn(16, 10, generator=g) for _ in range(2)]
     stream = []
@@ -1226,11 +1229,19 @@ def _stretch_run(run_dir, bad, *, monitored=True, twin=False, task_blocks=0, con
     model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=[], config=cfg(**(config or {}))) if monitored else None
+    average = None
+    if ema is not None:
+        average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        ema.append(average)
+        if mon is not None:
+            mon.track(average)
     for x, y in mon.batches(stream) if mon else stream:
         loss = nn.functional.cross_entropy(model(x), y)
         (mon.combine(loss) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
+        if average is not None and not (mon is not None and mon.last_step_skipped):
+            average.update_parameters(model)
     if mon is None:
         return model, opt, []
     events = list(mon.events)
@@ -1245,11 +1256,15 @@ def test_a_stretch_of_bad_batches_longer_than_shift_after_ends_as_if_never_seen(
     new data (loss_level_shift), so the ninth to twelfth trained (a helper's probe on a UNet and a
     seq2seq: 1.14x and 2.43x the twin's held-out loss). The state the shift's step started from is
     held; when the loss falls back to its old level in one step (loss_level_return) it is put back,
-    BatchNorm's running statistics as before the shift's forward, and the clean batch that showed
-    it is yielded again: the run ends bit-identical to the twin that never saw the stretch."""
+    BatchNorm's running statistics as before the shift's forward, a tracked EMA of the weights with
+    it, and the clean batch that showed it is yielded again: the run ends bit-identical to the twin
+    that never saw the stretch."""
     bad = set(range(200, 212))
-    model, opt, events = _stretch_run(tmp_path / "mon", bad)
-    twin, twin_opt, _ = _stretch_run(tmp_path / "twin", bad, monitored=False, twin=True)
+    ema, twin_ema = [], []  # (the loop's tracked EMA goes back with the weights)
+    model, opt, events = _stretch_run(tmp_path / "mon", bad, ema=ema)
+    twin, twin_opt, _ = _stretch_run(tmp_path / "twin", bad, monitored=False, twin=True, ema=twin_ema)
+    for (name, a), b in zip(ema[0].state_dict().items(), twin_ema[0].state_dict().values()):
+        assert torch.equal(a, b), name
     told = [(e.step, e.kind, e.actions) for e in events]
     assert told == [(200 + i, "loss_spike", ["skip_step"]) for i in range(8)] + [
         (208, "loss_level_shift", []),
