@@ -1691,6 +1691,10 @@ def _put_back_held(ctx: ActionContext, held: dict[str, Any] | None, what: str) -
     if held is None:
         return {"restored": False, "skipped_step": ctx.step, "reason": f"no state held for the {what}"}
     _restore_snapshot(ctx, held["state"], rng=False)
+    scaler = ctx.scaler
+    if scaler is not None and getattr(scaler, "_scale", None) is not None:
+        # (the scaler as held, after this skipped step's update() too: it would count a step)
+        ctx.scaler_restore = [scaler._scale.clone(), scaler._growth_tracker.clone()]
     if ctx.snapshots is not None:
         ctx.snapshots.discard_after(held["at"])
         ctx.snapshots.put_back(held.get("popped", []))

@@ -1302,3 +1302,46 @@ def test_a_level_that_comes_back_is_new_data_the_next_time_and_a_held_state_has_
     assert (shift.kind, back.kind, back.actions) == ("loss_level_shift", "loss_level_return", [])
     assert shift.data["held"] is False and "max_host_mb" in shift.data["reason"]
     assert "nothing to put back" in back.message
+
+
+def _amp_stretch_run(run_dir, bad, *, monitored=True, twin=False):
+    """A classifier under fp16 autocast with a GradScaler (growth every 5 steps), 240 steps, the
+    batches in ``bad`` with random labels (``twin``: left out)."""
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(16, 10, generator=g)
+    stream = []
+    for i in range(240):
+        if twin and i in bad:
+            continue
+        gi = torch.Generator().manual_seed(i)
+        x = torch.randn(32, 16, generator=gi)
+        stream.append((x, torch.randint(0, 10, (32,), generator=gi) if i in bad else (x @ teacher).argmax(1)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
+    mon = sfmonitor.attach(model, opt, scaler=scaler, run_dir=run_dir, sinks=[], config=QUIET) if monitored else None
+    for x, y in mon.batches(stream) if mon else stream:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        scaler.scale(mon.combine(loss) if mon else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    events = [(e.step, e.kind, e.actions) for e in mon.events if e.kind.startswith("loss_level")] if mon else []
+    if mon is not None:
+        mon.detach()
+    return model, scaler, events
+
+
+def test_a_bad_stretch_put_back_under_a_grad_scaler_keeps_the_scale_as_held(tmp_path):
+    """fp16 with a GradScaler: the put-back restores the scaler's scale and growth tracker as held,
+    and this skipped step's ``scaler.update()`` does not count a step on them (it did: the scale
+    grew one step early, the fp16 gradients were rounded at another scale, and the run ended off
+    its twin)."""
+    bad = set(range(200, 212))
+    model, scaler, events = _amp_stretch_run(tmp_path / "mon", bad)
+    twin, twin_scaler, _ = _amp_stretch_run(tmp_path / "twin", bad, monitored=False, twin=True)
+    assert events == [(208, "loss_level_shift", []), (212, "loss_level_return", ["rollback"])]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert scaler.state_dict() == twin_scaler.state_dict()
