@@ -1085,12 +1085,6 @@ class LossSpike(_Windowed):
                 f"jumped) for {len(values)} steps, within {within} of each other: a new level "
                 f"(the data or the task changed), not a spike. The detector follows it from here "
                 f"({skipped} jumps before it were judged as spikes)"
-                + (
-                    f"; should the loss fall back to its level before within {cfg.return_within} steps, "
-                    "the state from before this step is put back"
-                    if slot in self.pending
-                    else ""
-                )
             ),
             data={
                 "key": key,

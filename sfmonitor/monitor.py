@@ -2134,8 +2134,13 @@ class Monitor:
             if f.kind == LOSS_LEVEL_SHIFT and f.data.get("returnable"):
                 facts = A.hold_before_shift(ctx, step)
                 f.data.update(facts)
-                if not facts["held"]:
-                    f.message = f"{f.message.split('; should the loss')[0]} ({facts['reason']})"
+                within = self.config.detectors.loss_spike.return_within
+                f.message += (
+                    f"; should the loss fall back to its level before within {within} steps, the state from "
+                    "before this step is put back"
+                    if facts["held"]
+                    else f" ({facts['reason']})"
+                )
             elif f.kind == LOSS_LEVEL_RETURN:
                 if held is not None and held["at"] == f.data["shift_step"]:
                     f.enforced = (ROLLBACK,)

@@ -1271,7 +1271,7 @@ def test_a_stretch_of_bad_batches_longer_than_shift_after_ends_as_if_never_seen(
         (212, "loss_level_return", ["rollback"]),
     ], told
     shift, back = events[-2], events[-1]
-    assert shift.data["held"] is True and shift.data["held_bytes"] > 0
+    assert shift.data["held"] is True and shift.data["held_bytes"] > 0 and "should the loss fall back" in shift.message
     facts = back.data["action_results"]["rollback"]
     assert facts["restored"] and facts["restored_from"] == 208 and facts["steps_back"] == 4
     assert "put back" in back.message and back.data["shift_step"] == 208
