@@ -1284,15 +1284,23 @@ def test_a_stretch_of_bad_batches_longer_than_shift_after_ends_as_if_never_seen(
 def test_a_level_that_comes_back_is_new_data_the_next_time_and_a_held_state_has_bounds(tmp_path):
     """Alternating tasks in blocks of 16 steps (no names given to tell them apart): the second
     task's first block looks like a bad stretch and is put back once; its level came back, so the
-    next block's shift is data (nothing held, no second put-back). Without room beside the
-    snapshots (``actions.rollback.max_host_mb``) nothing is held: the shift and the return are
-    told, nothing is put back."""
+    next block's shift is data (nothing held, no second put-back). In ``dry_run`` the return
+    says what it would do and the run equals bare. Without room beside the snapshots
+    (``actions.rollback.max_host_mb``) nothing is held: the shift and the return are told,
+    nothing is put back."""
     _, _, events = _stretch_run(tmp_path / "alt", set(), task_blocks=16)
     shifts = [e for e in events if e.kind == "loss_level_shift"]
     backs = [e for e in events if e.kind == "loss_level_return"]
     assert len(backs) == 1 and backs[0].actions == ["rollback"], [(e.step, e.kind) for e in events]
     assert shifts[0].data["held"] and len(shifts) >= 2 and not shifts[1].data["returnable"]
     assert "held" not in shifts[1].data
+
+    # dry_run: told what it would do, nothing done (the run equals bare)
+    model, _, events = _stretch_run(tmp_path / "dry", set(range(200, 212)), config={"dry_run": True})
+    bare, _, _ = _stretch_run(tmp_path / "bare", set(range(200, 212)), monitored=False)
+    back = [e for e in events if e.kind == "loss_level_return"]
+    assert len(back) == 1 and back[0].actions == [] and back[0].data["dry_run_would"] == ["rollback"]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), bare.state_dict().values()))
 
     tight = {
         "actions": {"rollback": {"max_host_mb": 0.05}}
