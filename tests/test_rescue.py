@@ -1205,13 +1205,16 @@ def test_an_lr_raise_that_does_no_harm_is_accepted_silently(tmp_path):
     assert not [e for e in mon.events if e.actions]
 
 
-def _stretch_run(run_dir, bad, *, monitored=True, twin=False, task_blocks=0, config=None, seed=0, ema=None):
+def _stretch_run(
+    run_dir, bad, *, monitored=True, twin=False, task_blocks=0, config=None, seed=0, ema=None, after_step=None
+):
     """An MLP with BatchNorm classifying a teacher's labels (Adam, batch 32, 260 steps through
     ``monitor.batches()``). ``bad``: the steps whose batches carry random labels (``twin``: left
     out of the stream); ``task_blocks``: from step 100, blocks of that many steps alternate between
     the teacher and a second one (another task, as learnable); ``ema``: a list that receives an
     EMA of the weights (torchvision's recipe: AveragedModel, updated after every step the monitor
-    kept, tracked). Returns the model, its optimizer and the monitor's events."""
+    kept, tracked); ``after_step(mon)``: called after each step. Returns the model, its optimizer
+    and the monitor's events."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     g = torch.Generator().manual_seed(seed)
@@ -1242,6 +1245,8 @@ def _stretch_run(run_dir, bad, *, monitored=True, twin=False, task_blocks=0, con
         opt.zero_grad()
         if average is not None and not (mon is not None and mon.last_step_skipped):
             average.update_parameters(model)
+        if after_step is not None:
+            after_step(mon)
     if mon is None:
         return model, opt, []
     events = list(mon.events)
@@ -1353,3 +1358,31 @@ def test_a_bad_stretch_put_back_under_a_grad_scaler_keeps_the_scale_as_held(tmp_
     assert events == [(208, "loss_level_shift", []), (212, "loss_level_return", ["rollback"])]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     assert scaler.state_dict() == twin_scaler.state_dict()
+
+
+def test_the_state_held_for_a_level_shift_is_let_go_and_shares_the_snapshots_budget(tmp_path):
+    """The held state lives only while the shift may still end: random labels from step 150 to the
+    end shift the level at 158; held (and counted beside the snapshots, which make room for it)
+    through step 222, let go after ``return_within`` (64) steps. A change of data the loop
+    announces during the hold lets it go too, and the stretch's end is then no return."""
+    seen = {}
+
+    def watch(mon):
+        ctx = mon._live()
+        seen[ctx.step] = (ctx.held_bytes(), ctx.snapshots.beside)
+
+    _, _, events = _stretch_run(tmp_path / "stays", set(range(150, 260)), after_step=watch)
+    assert [(e.step, e.kind) for e in events if e.kind.startswith("loss_level")] == [(158, "loss_level_shift")]
+    held = [s for s, (b, _) in seen.items() if b > 0]
+    assert held == list(range(158, 223)), (held[:3], held[-3:])
+    assert all(beside == seen[s][0] for s, (_, beside) in seen.items() if 160 <= s <= 222)  # (healthy steps)
+    assert all(beside == 0 for s, (_, beside) in seen.items() if s >= 224)
+
+    def announce(mon):
+        if mon._live().step == 209:  # (between steps 209 and 210: the next step is new data)
+            mon.new_regime("stage 2")
+        assert mon._live().step <= 209 or mon._live().shift_held is None
+
+    _, _, events = _stretch_run(tmp_path / "announced", set(range(200, 212)), after_step=announce)
+    kinds = [(e.step, e.kind) for e in events if e.kind.startswith("loss_level") or e.kind == "new_regime"]
+    assert kinds == [(208, "loss_level_shift"), (210, "new_regime")], kinds
