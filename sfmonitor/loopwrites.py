@@ -12,21 +12,40 @@ leaves it (``close``) and names those that moved by the next step's pipeline (``
 forward and a backward write neither. The monitor's own writes between the steps (QK-Clip after
 the update, or before a held module's forward) are marked with ``own_write`` and do not count.
 
-Not seen: in-place writes through ``p.data`` (``p.data.clamp_(...)``), whose tensor keeps a version
-counter of its own; and a new parameter the loop registers on the model (the optimizer still
-holds the old one).
+Two changes move no parameter's counter: an in-place write through ``p.data``
+(``p.data.mul_(mask)``: that tensor keeps a version counter of its own), and a buffer the loop
+adds or replaces (``torch.nn.utils.prune`` registers a mask buffer and leaves the weights as they
+were). Both are looked for where they matter, at a step whose loss or gradient norm jumps:
+
+- **Buffers.** ``close`` also keeps which tensor each module's buffer slots hold (a walk of the
+  modules' buffer dicts: tens of microseconds), and ``buffers_changed`` names the slots added,
+  removed or given a new tensor since. A module whose buffers changed at one of the last
+  ``habit`` steps' ends (DINO's ``self.center = ...`` every step) is left out: that is its habit.
+- **Values.** The monitor measures each update from its undo copy (``undo.update_norms``); a
+  parameter that no counter shows written still holds what the update left when the distance from
+  that copy is the same now (``keep_moved``, ``values_due``). Measured where a jump asks, at the
+  step after a change was found, and every ``SAMPLE_EVERY`` steps (so that a loop that writes
+  through ``.data`` after every step is known for it before a jump asks).
+
+Not seen: values written through ``.data`` without the undo copy (``actions.undo.enabled`` false),
+or with ``stats.update_ratio_every`` > 1 on the steps it leaves unmeasured; and a new parameter
+the loop registers on the model (the optimizer still holds the old one).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .sharding import local
 
-__all__ = ["LoopWrites", "own_write"]
+__all__ = ["SAMPLE_EVERY", "LoopWrites", "own_write"]
+
+# Values written through .data are also looked for every this many steps (LoopWrites.values_due)
+SAMPLE_EVERY = 16
 
 # id(parameter) -> (the parameter, its version counter right after the monitor's last write to it);
 # by id with a weak reference (a tensor's == is elementwise: no WeakKeyDictionary), a few entries
@@ -56,14 +75,35 @@ def _own_version(p: torch.Tensor) -> tuple[int, int] | None:
 
 
 class LoopWrites:
-    """Which parameters the loop changed since the last step ended."""
+    """Which parameters the loop changed since the last step ended; which buffers, and which
+    values through ``.data``, where a jump asks (see the module's docstring)."""
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[int, int, int]] = {}  # id(parameter) -> its mark as the step left it
+        # per module: its name and its buffers dict (walked at each close), the buffers it held
+        # then (names and tensors), and the last step whose close found them changed
+        self._modules: list[tuple[str, dict[str, Any]]] = []
+        self._held: list[tuple[tuple[str, Any], ...]] = []
+        self._moved_at: list[int | None] = []
+        # the last step's update measured from the undo copy: (its step, per-tensor norms), or None
+        self._moved: tuple[int, torch.Tensor] | None = None
+        self._values_at: int | None = None  # the last step a value written through .data was found
 
-    def close(self, params: Sequence[torch.Tensor]) -> None:
-        """The step ended: remember every parameter as it is now."""
+    def watch(self, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
+        """The model's modules (name, module) whose buffers ``close`` keeps."""
+        self._modules = [(name, m._buffers) for name, m in modules]
+        self._held = [tuple(d.items()) for _, d in self._modules]
+        self._moved_at = [None] * len(self._modules)
+
+    def close(self, params: Sequence[torch.Tensor], step: int = -1) -> None:
+        """The step ``step`` ended: remember every parameter, and every buffer slot, as it is now."""
         self._seen = {id(p): _mark(p) for p in params}
+        held, moved_at = self._held, self._moved_at
+        for k, (_, d) in enumerate(self._modules):
+            if d or held[k]:
+                now = tuple(d.items())
+                if not _same(now, held[k]):
+                    held[k], moved_at[k] = now, step
 
     def changed(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Indices into ``params`` of those written or replaced since ``close`` by anything but the
@@ -79,3 +119,57 @@ class LoopWrites:
             if now != before and not (now[0] == before[0] and _own_version(p) == now[1:]):
                 out.append(i)
         return out
+
+    def buffers_changed(self, step: int, habit: int) -> list[str]:
+        """The buffer slots added, removed or given another tensor since the last ``close``
+        ("layer.weight_mask (added)"), but those of a module whose buffers changed at the end of one
+        of the ``habit`` steps before ``step``."""
+        out: list[str] = []
+        for k, (name, d) in enumerate(self._modules):
+            held = self._held[k]
+            if not (d or held):
+                continue
+            now = tuple(d.items())
+            if _same(now, held):
+                continue
+            last = self._moved_at[k]
+            if last is not None and step - last <= habit:
+                continue
+            before = dict(held)
+            for n, b in now:
+                if n not in before:
+                    out.append(f"{name + '.' if name else ''}{n} (added)")
+                elif before[n] is not b:
+                    out.append(f"{name + '.' if name else ''}{n} (replaced)")
+            out += [f"{name + '.' if name else ''}{n} (removed)" for n in before if n not in d]
+        return out
+
+    def keep_moved(self, step: int, norms: torch.Tensor | None) -> None:
+        """Step ``step``'s update as measured from the undo copy (per-tensor ``||after - before||``,
+        in the order of the parameters), or None where it was not."""
+        self._moved = (step, norms) if norms is not None else None
+
+    def moved(self, step: int) -> torch.Tensor | None:
+        """The norms ``keep_moved`` kept for ``step``, or None."""
+        kept = self._moved
+        return kept[1] if kept is not None and kept[0] == step else None
+
+    def values_due(self, step: int, jumped: bool) -> bool:
+        """Whether step ``step`` looks for values written through ``.data``: where a jump asks, at
+        the step after one was found (is it the loop's habit?), and every ``SAMPLE_EVERY`` steps."""
+        return jumped or step % SAMPLE_EVERY == 0 or (self._values_at is not None and step - self._values_at == 1)
+
+    def values_found(self, step: int, habit: int) -> bool:
+        """A value written through ``.data`` was found at ``step``: whether it is news (no other
+        found within ``habit`` steps before it)."""
+        last, self._values_at = self._values_at, step
+        return last is None or step - last > habit
+
+    def not_own(self, params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[int]:
+        """``indices`` into ``params`` but those the monitor wrote last (QK-Clip after an update)."""
+        return [i for i in indices if _own_version(params[i]) != _mark(params[i])[1:]]
+
+
+def _same(a: tuple[tuple[str, Any], ...], b: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether two buffer dicts' items hold the same names and the same tensors (by identity)."""
+    return len(a) == len(b) and all(x[0] == y[0] and x[1] is y[1] for x, y in zip(a, b))

@@ -761,6 +761,7 @@ class Monitor:
         self._buffer_slots = buffer_slots(model)
         self._buffers = [b for m, n in self._buffer_slots if (b := m._buffers[n]) is not None]  # (all are)
         self._buffer_owners = [id(m) for m, _ in self._buffer_slots]  # which module each is of
+        self._loop_writes.watch(list(model.named_modules()))  # (a buffer the loop adds or replaces)
         by_layer = running_statistics_by_layer(model)
         self._running_stats = [b for _, b in by_layer]  # without the undo copy, a copy holds these
         self._stats_owners = [id(m) for m, _ in by_layer]
@@ -1733,6 +1734,14 @@ class Monitor:
                 findings.append(self._new_shape_finding(step, jumped))
                 for shape in self._recorder.shapes:  # (taken as new data: later jumps are judged as usual)
                     self._shapes_since.pop(shape, None)
+        if not announced:  # a change of the model no version counter shows (loopwrites)
+            jumped = [f for f in detected if f.kind in self._NEW_DATA_JUMPS]
+            unseen = self._unseen_change(step, jumped)
+            if unseen is not None:
+                announced = True
+                self._new_regime(step)
+                detected = [f for f in detected if all(f is not j for j in jumped)]
+                findings.append(unseen)
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
@@ -2172,6 +2181,77 @@ class Monitor:
             f"({len(changed)} of {len(self._params)} parameter tensors)"
         )
 
+    def _unseen_change(self, step: int, jumped: list[Finding]) -> Finding | None:
+        """``new_regime`` for a step whose loss or gradient norm jumped (``jumped``: the findings
+        that said so) where the loop changed the model in a way no parameter's version counter
+        shows (``loopwrites``): a buffer added or replaced (``torch.nn.utils.prune``'s mask; the
+        weights stay as they were), or weights written through ``p.data`` (magnitude pruning by
+        hand, ``p.data.mul_(mask)``). Judged as bad batches on a sound state, the 8 batches after 90%
+        of a layer was pruned either way were skipped. Values are also looked for at sampled steps
+        without a jump, to learn a loop that writes through ``.data`` after every step (a WGAN
+        critic's ``p.data.clamp_``): its habit, as for the writes the counters show. None where
+        nothing is found, or it is the loop's habit. Every rank decides alike (one max collective,
+        where a look was due)."""
+        lw = self._loop_writes
+        due = lw.values_due(step, bool(jumped)) and lw.moved(step - 1) is not None  # (alike on every rank)
+        if not (jumped or due):
+            return None
+        buffers = lw.buffers_changed(step, self.LOOP_HABIT) if jumped else []
+        written = self._values_written(step) if due else []
+        found = [float(bool(written)), float(bool(buffers))]
+        if world_size() > 1:
+            found = sharding.max_over_ranks(torch.tensor(found, dtype=torch.float64)).tolist()
+        news = found[0] > 0 and lw.values_found(step, self.LOOP_HABIT)
+        if not jumped or not (news or found[1] > 0):
+            return None
+        parts = []
+        if news:
+            groups = list(dict.fromkeys(self._group_names[self._param_group[i]] for i in written))
+            parts.append(
+                f"weights of {'group' if len(groups) == 1 else 'groups'} {', '.join(groups)} written through "
+                f".data ({len(written)} of {len(self._params)} parameter tensors)"
+                if written
+                else "weights written through .data on another rank"
+            )
+        if found[1] > 0:
+            shown = ", ".join(buffers[:4]) + (f" and {len(buffers) - 4} more" if len(buffers) > 4 else "")
+            parts.append(
+                f"{'buffer' if len(buffers) == 1 else 'buffers'} {shown}" if buffers else "buffers on another rank"
+            )
+        reason = f"the loop changed the model since the last step: {'; '.join(parts)}"
+        kinds = ", ".join(dict.fromkeys(f.kind for f in jumped))
+        return Finding(
+            NEW_REGIME,
+            f"{reason}, and {kinds} with it: the change's doing (pruning, a mask, weights set by hand), not a "
+            "bad batch. The detectors learn what is usual afresh from this step, and the update before it is "
+            "not judged by its loss",
+            data={
+                "reason": reason,
+                "written": [self._param_names[i] for i in written] if news else [],
+                "buffers": buffers,
+                "jumps": [f.kind for f in jumped],
+                "step": step,
+            },
+        )
+
+    def _values_written(self, step: int) -> list[int]:
+        """Indices of the parameters whose values changed since the last step's update landed with
+        no version counter to show it (a write through ``.data``): the distance from the undo copy,
+        which holds the state before that update, is not what the update moved (``keep_moved``). The
+        writes the counters show (``_weights_changed_by_loop``'s) and the monitor's own are left
+        out. Empty where the last update was not measured from the undo copy. One host read."""
+        kept = self._loop_writes.moved(step - 1)
+        undo = self._ctx.undo if self._ctx is not None else None
+        if kept is None or undo is None or undo.label != step - 1 or len(undo.params) != len(self._params):
+            return []
+        if kept.numel() != len(self._params):
+            return []
+        now = update_norms(undo.params, self._layout.detached(self._params), self._scratch)
+        differs = ~torch.isclose(now, kept, rtol=1e-5, atol=0.0)  # (a change this small explains no jump)
+        shown = set(self._loop_writes.changed(self._params))
+        found = [i for i in differs.nonzero().flatten().tolist() if i not in shown]
+        return self._loop_writes.not_own(self._params, found)
+
     # Findings of a step whose inputs came in a new shape that say the new data's doing, not a bad batch's
     _NEW_DATA_JUMPS = frozenset({LOSS_SPIKE, LOSS_COMPONENT_SPIKE, GRAD_SPIKE})
 
@@ -2605,6 +2685,7 @@ class Monitor:
         measure the update, and open the next step's record."""
         rec = self._record
         started = time.perf_counter()
+        moved: torch.Tensor | None = None  # the update, measured from the undo copy (loopwrites)
         try:
             ctx = self._ctx
             if ctx is not None and ctx.undo is not None and rec.restore_after:
@@ -2631,6 +2712,8 @@ class Monitor:
                     before = rec.before_params
                     if self._ctx is not None and before is getattr(self._ctx.undo, "params", None):
                         upd = update_norms(before, now, self._scratch)  # the undo copy stays intact
+                        if rec.ratio_live is None:  # (the whole parameters: a write through .data shows)
+                            moved = upd
                         if self._lowp:  # (the whole parameters: the undo copy, not a slice)
                             self._stale_shares(rec, before, now)
                     else:
@@ -2660,7 +2743,8 @@ class Monitor:
             self._record = StepRecord(step=self.step)
             self._watch.reset(self.step)
             self._recorder.clear()
-            self._loop_writes.close(self._params)  # (what the loop changes from here is its own)
+            self._loop_writes.close(self._params, rec.step)  # (what the loop changes from here is its own)
+            self._loop_writes.keep_moved(rec.step, moved if not aborted else None)
             self._own_seconds += time.perf_counter() - started
 
     def _stale_shares(self, rec: StepRecord, before: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> None:

@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.utils.prune
 from _state import assert_identical, quiet, snapshot, train
 from torch import nn
 
@@ -507,16 +508,23 @@ def _surgery_run(tmp_path, monitored, seed, surgery, at=200, steps=320, garbage_
     two optimizer steps: ``reset`` re-initialises the head (``reset_parameters()``), ``load`` loads
     the model and the optimizer from copies taken 100 steps before (``load_state_dict``),
     ``shrink`` halves every weight and adds noise (shrink and perturb), ``clamp`` clamps every
-    weight into [-0.2, 0.2] after every step from ``at`` on (a constraint the loop keeps). The
+    weight into [-0.2, 0.2] after every step from ``at`` on (a constraint the loop keeps),
+    ``data_clamp`` the same through ``p.data``; ``data_prune`` zeroes the 90% smallest weights of
+    the first layer through ``p.data``, ``prune`` prunes them with ``torch.nn.utils.prune``;
+    ``center`` replaces a buffer of the head with a new tensor before every step. The
     batch of ``garbage_at`` has its inputs x100."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(20, 5, generator=g)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+    if surgery == "center":
+        model[2].register_buffer("center", torch.zeros(5))
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"{monitored}{seed}", config=quiet()) if monitored else None
     saved = None
     for t in range(steps):
+        if surgery == "center":  # a buffer the loop replaces after every step (DINO's teacher centre)
+            model[2].center = 0.9 * model[2].center + 0.1 * model[2].bias.detach()
         if surgery == "load" and t == at - 100:
             saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
         with torch.no_grad():
@@ -531,6 +539,14 @@ def _surgery_run(tmp_path, monitored, seed, surgery, at=200, steps=320, garbage_
             elif t >= at and surgery == "clamp":
                 for p in model.parameters():
                     p.clamp_(-0.2, 0.2)
+            elif t >= at and surgery == "data_clamp":  # (through .data: no version counter moves)
+                for p in model.parameters():
+                    p.data.clamp_(-0.2, 0.2)
+            elif t == at and surgery == "data_prune":  # magnitude pruning by hand, as older scripts do
+                first = model[0].weight
+                first.data.mul_(first.abs() > first.abs().flatten().kthvalue(int(0.9 * first.numel())).values)
+            elif t == at and surgery == "prune":  # torch.nn.utils.prune: a mask buffer, the weights untouched
+                torch.nn.utils.prune.l1_unstructured(model[0], "weight", 0.9)
         x = torch.randn(64, 20, generator=g)
         y = (x @ w + 0.5 * torch.randn(64, 5, generator=g)).argmax(1)
         loss = nn.functional.cross_entropy(model(x * 100 if t == garbage_at else x), y)
@@ -571,6 +587,51 @@ def test_a_constraint_the_loop_applies_after_every_step_is_no_new_regime_each_ti
     assert [s for s, k, _ in told if k == "new_regime"] == [200]
     _, events, _ = _surgery_run(tmp_path / "g", True, 0, "clamp", garbage_at=280)
     assert events == [(280, "loss_spike", ["skip_step"])]
+
+
+@pytest.mark.parametrize("surgery", ["data_prune", "prune"])
+def test_pruning_no_version_counter_shows_is_a_new_regime_where_the_loss_jumps(tmp_path, surgery):
+    """90% of a layer pruned between two steps, through ``p.data.mul_(mask)`` (no version counter
+    moves) or with ``torch.nn.utils.prune`` (a mask buffer registered; the weights untouched): the
+    loss jumps, and judged as bad batches on a sound state the 8 batches after were skipped
+    (held-out loss 1.024-1.028x bare in a probe). The step whose loss jumps finds what changed: the
+    weights' distance from the undo copy is not what the last update moved, or a buffer slot holds
+    a new tensor. Told `new_regime` naming it, no action, bit-identical; a garbage batch 80 steps
+    later is still skipped."""
+    named = {"data_prune": "group 0 written through .data", "prune": "buffer 0.weight_mask (added)"}[surgery]
+    for seed in (0, 1):
+        bare, _, _ = _surgery_run(tmp_path / "b", False, seed, surgery)
+        state, events, told = _surgery_run(tmp_path / "m", True, seed, surgery)
+        assert events == [], (seed, events)
+        assert_identical(bare, state)
+        regimes = [(s, r) for s, k, r in told if k == "new_regime"]
+        assert len(regimes) == 1 and regimes[0][0] == 200, told
+        assert named in regimes[0][1], told
+    _, events, _ = _surgery_run(tmp_path / "g", True, 0, surgery, garbage_at=280)
+    assert events == [(280, "loss_spike", ["skip_step"])]
+
+
+def test_a_constraint_applied_through_data_after_every_step_leaves_garbage_batches_skipped(tmp_path):
+    """``p.data.clamp_`` after every step (the original WGAN critic's clip): no counter shows it,
+    and a garbage batch's jump finds the weights changed since the last update. Sampled every 16
+    steps, the writes are known for the loop's habit before the jump: the garbage batch is skipped,
+    not taken for a change of the model. The healthy run stays bit-identical."""
+    bare, _, _ = _surgery_run(tmp_path / "b", False, 0, "data_clamp")
+    state, events, _ = _surgery_run(tmp_path / "m", True, 0, "data_clamp")
+    assert events == []
+    assert_identical(bare, state)
+    _, events, told = _surgery_run(tmp_path / "g", True, 0, "data_clamp", garbage_at=280)
+    assert events == [(280, "loss_spike", ["skip_step"])]
+    assert not [s for s, k, _ in told if k == "new_regime"], told
+
+
+def test_a_buffer_the_loop_replaces_every_step_is_its_habit_not_a_change_of_the_model(tmp_path):
+    """A buffer given a new tensor before every step (DINO's ``self.center = ...``): its slot
+    changes at every step's end, so at a garbage batch's jump the new tensor there is the loop's
+    habit, not a change of the model: the batch is skipped."""
+    _, events, told = _surgery_run(tmp_path / "g", True, 0, "center", garbage_at=280)
+    assert events == [(280, "loss_spike", ["skip_step"])]
+    assert not [s for s, k, _ in told if k == "new_regime"], told
 
 
 def _resize_run(tmp_path, monitored, seed, at=150, steps=260, garbage_at=None, spike_at=None):
