@@ -1087,3 +1087,53 @@ def test_a_write_through_a_dtensor_parameter_is_the_loops_change_on_every_rank(t
     r0, r1 = _run(_reinit_worker, tmp_path)
     assert r0["events"] == r1["events"]
     assert [(s, k) for s, k, _, _ in r0["events"]] == [(4, "new_regime")], r0["events"]
+
+
+def _data_write_worker(rank, port, out):
+    """Rank 1 fills its shard of the head's weight with 5 through ``.data`` between steps 39 and 40
+    (no version counter moves), monitored and bare."""
+    _join(rank, port)
+    batches = _batches(60)
+
+    def train(monitored):
+        model = _sharded()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = (
+            sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+            if monitored
+            else None
+        )
+        for i, batch in enumerate(batches):
+            if i == 40 and rank == 1:
+                model[4].weight.to_local().data.fill_(5.0)
+            x, y = _half(batch, rank)
+            loss = nn.functional.mse_loss(model(x), y)
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        events = []
+        if mon is not None:
+            events = [(e.step, e.kind, list(e.actions), e.data.get("written")) for e in mon.events]
+            mon.detach()
+        return _full_params(model), events
+
+    (params, events), (bare, _) = train(True), train(False)
+    torch.save(
+        {"events": events, "equal": all(torch.equal(params[n], bare[n]) for n in params)},
+        os.path.join(out, f"rank{rank}.pt"),
+    )
+    _leave()
+
+
+def test_a_write_through_data_on_one_rank_is_the_loops_change_on_every_rank(tmp_path):
+    """One rank fills its shard of the head through ``.data`` (no counter moves): the next step's
+    jump measures that rank's shards off what the last update left; the ranks agree (one max
+    collective), and both take the step for a change of the model, not a bad batch: no skip, and
+    the run equals bare on both ranks."""
+    r0, r1 = _run(_data_write_worker, tmp_path)
+    assert [e[:3] for e in r0["events"]] == [e[:3] for e in r1["events"]]
+    regimes = [(e[0], e[3]) for e in r0["events"] if e[1] == "new_regime"]
+    assert regimes == [(40, [])], r0["events"]  # (rank 0 wrote nothing: "on another rank")
+    assert [(e[0], e[3]) for e in r1["events"] if e[1] == "new_regime"] == [(40, ["4.weight"])]
+    assert not [e for e in r0["events"] if e[2]], r0["events"]
+    assert r0["equal"] and r1["equal"]
