@@ -634,6 +634,35 @@ def test_a_buffer_the_loop_replaces_every_step_is_its_habit_not_a_change_of_the_
     assert not [s for s, k, _ in told if k == "new_regime"], told
 
 
+def test_buffer_slots_added_replaced_or_removed_are_named_and_a_habit_is_left_out():
+    """``LoopWrites`` keeps each module's buffer slots as a step leaves them: a slot added, given a
+    new tensor or removed since is named (an in-place write is not: forwards write BatchNorm's
+    statistics so); a module whose buffers changed at one of the last ``habit`` steps' ends is
+    left out; values are looked for where a jump asks, the step after one was found, and every
+    ``SAMPLE_EVERY`` steps, and a value found within ``habit`` steps of the last is no news."""
+    from sfmonitor.loopwrites import SAMPLE_EVERY, LoopWrites
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    lw = LoopWrites()
+    lw.watch(list(model.named_modules()))
+    lw.close([], 0)
+    model[1].running_mean.add_(1.0)  # in place: no slot changed
+    assert lw.buffers_changed(1, 50) == []
+    model[0].register_buffer("mask", torch.ones(2, 2))
+    model[1].running_var = torch.ones(2)
+    del model[1]._buffers["num_batches_tracked"]
+    assert sorted(lw.buffers_changed(1, 50)) == ["0.mask (added)", "1.num_batches_tracked (removed)", "1.running_var (replaced)"]
+    lw.close([], 1)  # (the step's end sees them changed: a change again within 50 steps is a habit)
+    model[0].mask = torch.zeros(2, 2)
+    assert lw.buffers_changed(2, 50) == []
+    assert lw.buffers_changed(60, 50) == ["0.mask (replaced)"]
+    assert lw.values_due(5, jumped=True) and not lw.values_due(5, jumped=False)
+    assert lw.values_due(2 * SAMPLE_EVERY, jumped=False)
+    assert lw.values_found(5, 50)  # the first: news
+    assert lw.values_due(6, jumped=False)  # the step after: is it the loop's habit?
+    assert not lw.values_found(6, 50) and lw.values_found(57, 50)
+
+
 def _resize_run(tmp_path, monitored, seed, at=150, steps=260, garbage_at=None, spike_at=None):
     """Progressive resizing: a BatchNorm CNN with global pooling classifies noisy class templates
     at 16x16 until ``at``, then at 32x32 (the same images, sharper): the loss jumps ~4x and the
