@@ -95,6 +95,11 @@ def _quiet(**extra):
     return {"console": False, **extra}
 
 
+def _attached(model, opt, out):
+    """The monitor on ``model``, no sinks, quiet."""
+    return sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
+
+
 # --------------------------------------------------------------------------------------------
 # statistics
 # --------------------------------------------------------------------------------------------
@@ -376,11 +381,7 @@ def _stretch_worker(rank, port, out):
     def train(monitored, twin):
         model = _sharded()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        mon = (
-            sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
-            if monitored
-            else None
-        )
+        mon = _attached(model, opt, out) if monitored else None
         stream = [i for i in range(100) if not (twin and i in bad)]
         for i in mon.batches(stream) if mon else stream:
             x, y = _half(batches[i], rank)
@@ -1098,11 +1099,7 @@ def _data_write_worker(rank, port, out):
     def train(monitored):
         model = _sharded()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        mon = (
-            sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=[], config=_quiet())
-            if monitored
-            else None
-        )
+        mon = _attached(model, opt, out) if monitored else None
         for i, batch in enumerate(batches):
             if i == 40 and rank == 1:
                 model[4].weight.to_local().data.fill_(5.0)
