@@ -23,7 +23,8 @@ were). Both are looked for where they matter, at a step whose loss or gradient n
   ``habit`` steps' ends (DINO's ``self.center = ...`` every step) is left out: that is its habit.
 - **Values.** The monitor measures each update from its undo copy (``undo.update_norms``); a
   parameter that no counter shows written still holds what the update left when the distance from
-  that copy is the same now (``keep_moved``, ``values_due``). Measured where a jump asks, at the
+  that copy is the same now (``keep_moved``, ``values_due``; the monitor counts a write only where
+  it could explain a jump: larger than the update and than 1% of the weights). Measured where a jump asks, at the
   step after a change was found, and every ``SAMPLE_EVERY`` steps (so that a loop that writes
   through ``.data`` after every step is known for it before a jump asks).
 

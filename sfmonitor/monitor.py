@@ -2237,7 +2237,12 @@ class Monitor:
     def _values_written(self, step: int) -> list[int]:
         """Indices of the parameters whose values changed since the last step's update landed with
         no version counter to show it (a write through ``.data``): the distance from the undo copy,
-        which holds the state before that update, is not what the update moved (``keep_moved``). The
+        which holds the state before that update, is not what the update moved (``keep_moved``), by
+        more than that update's size and ``WRITE_SHARE`` of the weights (the difference of the two
+        distances is a lower bound on the write's norm). A smaller write cannot explain a jump the
+        updates did not make: a mask or a clamp the loop keeps after every step takes back part of
+        what the optimizer moved, and was taken for the jump's cause before the sampling had seen
+        the habit (a garbage batch 10 steps after a lottery ticket's first re-masking landed). The
         writes the counters show (``_weights_changed_by_loop``'s) and the monitor's own are left
         out. Empty where the last update was not measured from the undo copy. One host read."""
         kept = self._loop_writes.moved(step - 1)
@@ -2246,8 +2251,12 @@ class Monitor:
             return []
         if kept.numel() != len(self._params):
             return []
-        now = update_norms(undo.params, self._layout.detached(self._params), self._scratch)
-        differs = ~torch.isclose(now, kept, rtol=1e-5, atol=0.0)  # (a change this small explains no jump)
+        live = self._layout.detached(self._params)
+        now = update_norms(undo.params, live, self._scratch)
+        # |now - kept| is at most the write's norm: a write under the update's own size, or 1% of
+        # the weights, explains no jump (a mask or a clamp kept after every step takes back part of
+        # what the optimizer moved; an EMA target's step)
+        differs = (now - kept).abs() > torch.maximum(kept, self.WRITE_SHARE * S.norms(live))
         shown = set(self._loop_writes.changed(self._params))
         found = [i for i in differs.nonzero().flatten().tolist() if i not in shown]
         return self._loop_writes.not_own(self._params, found)
@@ -2443,6 +2452,9 @@ class Monitor:
     # A step whose inputs come in a shape none of the last BATCH_SIZES steps had before it first came,
     # at most this many steps ago, is new data where its loss jumps (_input_shapes_new)
     NEW_SHAPE_STEPS = 8
+    # A write through .data smaller than this share of the weights (or than the last update) explains
+    # no jump of the loss (_values_written)
+    WRITE_SHARE = 0.01
     # A change the loop makes to the weights within this many steps of its last one is its habit
     # (a constraint applied after every step, Lookahead's sync every k), not a change of its training
     LOOP_HABIT = 50
