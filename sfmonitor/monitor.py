@@ -2187,11 +2187,11 @@ class Monitor:
         shows (``loopwrites``): a buffer added or replaced (``torch.nn.utils.prune``'s mask; the
         weights stay as they were), or weights written through ``p.data`` (magnitude pruning by
         hand, ``p.data.mul_(mask)``). Judged as bad batches on a sound state, the 8 batches after 90%
-        of a layer was pruned either way were skipped. Values are also looked for at sampled steps
-        without a jump, to learn a loop that writes through ``.data`` after every step (a WGAN
-        critic's ``p.data.clamp_``): its habit, as for the writes the counters show. None where
-        nothing is found, or it is the loop's habit. Every rank decides alike (one max collective,
-        where a look was due)."""
+        of a layer was pruned either way were skipped. A write too small to explain a jump is none
+        (``_values_written``); values are also looked for at sampled steps without a jump, to learn
+        a loop that writes large ones through ``.data`` at every step (weight noise): its habit, as
+        for the writes the counters show. None where nothing is found, or it is the loop's habit.
+        Every rank decides alike (one max collective, where a look was due)."""
         lw = self._loop_writes
         due = lw.values_due(step, bool(jumped)) and lw.moved(step - 1) is not None  # (alike on every rank)
         if not (jumped or due):
