@@ -24,13 +24,15 @@ were). Both are looked for where they matter, at a step whose loss or gradient n
 - **Values.** The monitor measures each update from its undo copy (``undo.update_norms``); a
   parameter that no counter shows written still holds what the update left when the distance from
   that copy is the same now (``keep_moved``, ``values_due``; the monitor counts a write only where
-  it could explain a jump: larger than the update and than 1% of the weights). Measured where a jump asks, at the
+  it could explain a jump: larger than the update and than 1% of the weights). Without the copy
+  (the lean profile), the slices the update ratio measured keep their norms as the update left
+  them. Measured where a jump asks, at the
   step after a change was found, and every ``SAMPLE_EVERY`` steps (so that a loop that writes
   through ``.data`` after every step is known for it before a jump asks).
 
-Not seen: values written through ``.data`` without the undo copy (``actions.undo.enabled`` false),
-or with ``stats.update_ratio_every`` > 1 on the steps it leaves unmeasured; and a new parameter
-the loop registers on the model (the optimizer still holds the old one).
+Not seen: values written through ``.data`` outside the lean profile's slices (without the undo
+copy), or with ``stats.update_ratio_every`` > 1 on the steps it leaves unmeasured; and a new
+parameter the loop registers on the model (the optimizer still holds the old one).
 """
 
 from __future__ import annotations
@@ -86,8 +88,10 @@ class LoopWrites:
         self._modules: list[tuple[str, dict[str, Any]]] = []
         self._held: list[tuple[tuple[str, Any], ...]] = []
         self._moved_at: list[int | None] = []
-        # the last step's update measured from the undo copy: (its step, per-tensor norms), or None
+        # the last step's update measured from the undo copy: (its step, per-tensor norms), or None;
+        # in the lean profile also the slices it measured and their norms as it left them
         self._moved: tuple[int, torch.Tensor] | None = None
+        self._slices: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self._values_at: int | None = None  # the last step a value written through .data was found
 
     def watch(self, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
@@ -145,15 +149,24 @@ class LoopWrites:
             out += [f"{name + '.' if name else ''}{n} (removed)" for n in before if n not in d]
         return out
 
-    def keep_moved(self, step: int, norms: torch.Tensor | None) -> None:
+    def keep_moved(
+        self, step: int, norms: torch.Tensor | None, slices: tuple[list[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
         """Step ``step``'s update as measured from the undo copy (per-tensor ``||after - before||``,
-        in the order of the parameters), or None where it was not."""
+        in the order of the parameters), or None where it was not. ``slices``: where it was
+        measured on slices of the parameters (the lean profile), those views and their norms as the
+        update left them."""
         self._moved = (step, norms) if norms is not None else None
+        self._slices = slices if norms is not None else None
 
     def moved(self, step: int) -> torch.Tensor | None:
         """The norms ``keep_moved`` kept for ``step``, or None."""
         kept = self._moved
         return kept[1] if kept is not None and kept[0] == step else None
+
+    def slices(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """The slices ``keep_moved`` kept for ``step`` and their norms then, or None."""
+        return self._slices if self.moved(step) is not None else None
 
     def values_due(self, step: int, jumped: bool) -> bool:
         """Whether step ``step`` looks for values written through ``.data``: where a jump asks, at

@@ -2244,19 +2244,29 @@ class Monitor:
         what the optimizer moved, and was taken for the jump's cause before the sampling had seen
         the habit (a garbage batch 10 steps after a lottery ticket's first re-masking landed). The
         writes the counters show (``_weights_changed_by_loop``'s) and the monitor's own are left
-        out. Empty where the last update was not measured from the undo copy. One host read."""
+        out. The lean profile holds no undo copy: there the slice the update ratio measured (a
+        share of each parameter, moving every step) is compared, its norm as the update left it
+        against its norm now (their difference the same lower bound on a write there); a write
+        that misses the slice is not seen. Empty where the last update was not measured. One host
+        read."""
         kept = self._loop_writes.moved(step - 1)
-        undo = self._ctx.undo if self._ctx is not None else None
-        if kept is None or undo is None or undo.label != step - 1 or len(undo.params) != len(self._params):
+        if kept is None or kept.numel() != len(self._params):
             return []
-        if kept.numel() != len(self._params):
-            return []
-        live = self._layout.detached(self._params)
-        now = update_norms(undo.params, live, self._scratch)
-        # |now - kept| is at most the write's norm: a write under the update's own size, or 1% of
-        # the weights, explains no jump (a mask or a clamp kept after every step takes back part of
+        slices = self._loop_writes.slices(step - 1)
+        if slices is not None:  # the lean profile: the slices' norms as the update left them, and now
+            now = S.norms(slices[0])
+            gap = (now - slices[1]).abs()
+        else:
+            undo = self._ctx.undo if self._ctx is not None else None
+            if undo is None or undo.label != step - 1 or len(undo.params) != len(self._params):
+                return []
+            live = self._layout.detached(self._params)
+            gap = (update_norms(undo.params, live, self._scratch) - kept).abs()
+            now = S.norms(live)
+        # the gap is at most the write's norm: a write under the update's own size, or 1% of the
+        # weights, explains no jump (a mask or a clamp kept after every step takes back part of
         # what the optimizer moved; an EMA target's step)
-        differs = (now - kept).abs() > torch.maximum(kept, self.WRITE_SHARE * S.norms(live))
+        differs = gap > torch.maximum(kept, self.WRITE_SHARE * now)
         shown = set(self._loop_writes.changed(self._params))
         found = [i for i in differs.nonzero().flatten().tolist() if i not in shown]
         return self._loop_writes.not_own(self._params, found)
@@ -2698,6 +2708,7 @@ class Monitor:
         rec = self._record
         started = time.perf_counter()
         moved: torch.Tensor | None = None  # the update, measured from the undo copy (loopwrites)
+        slices: tuple[list[torch.Tensor], torch.Tensor] | None = None  # or on the lean profile's slices
         try:
             ctx = self._ctx
             if ctx is not None and ctx.undo is not None and rec.restore_after:
@@ -2730,6 +2741,8 @@ class Monitor:
                             self._stale_shares(rec, before, now)
                     else:
                         upd = S.update_norms_(rec.before_params, now)
+                        if rec.ratio_live is not None:  # (the lean profile's slices: their norms as left)
+                            moved, slices = upd, (rec.ratio_live, S.norms(rec.ratio_live))
                     rec.after.update(self._update_ratios(upd, rec.before_norms))
                 else:
                     for g in self._group_names:
@@ -2756,7 +2769,7 @@ class Monitor:
             self._watch.reset(self.step)
             self._recorder.clear()
             self._loop_writes.close(self._params, rec.step)  # (what the loop changes from here is its own)
-            self._loop_writes.keep_moved(rec.step, moved if not aborted else None)
+            self._loop_writes.keep_moved(rec.step, moved if not aborted else None, slices)
             self._own_seconds += time.perf_counter() - started
 
     def _stale_shares(self, rec: StepRecord, before: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> None:

@@ -503,7 +503,7 @@ def test_a_rare_tasks_batches_are_judged_against_that_task(tmp_path):
     assert events == [(400, "loss_spike", ["skip_step"])]
 
 
-def _surgery_run(tmp_path, monitored, seed, surgery, at=200, steps=320, garbage_at=None):
+def _surgery_run(tmp_path, monitored, seed, surgery, at=200, steps=320, garbage_at=None, config=None):
     """An MLP classifier under Adam whose loop changes the weights itself at step ``at``, between
     two optimizer steps: ``reset`` re-initialises the head (``reset_parameters()``), ``load`` loads
     the model and the optimizer from copies taken 100 steps before (``load_state_dict``),
@@ -523,7 +523,8 @@ def _surgery_run(tmp_path, monitored, seed, surgery, at=200, steps=320, garbage_
     if surgery == "center":
         model[2].register_buffer("center", torch.zeros(5))
     opt = torch.optim.Adam(model.parameters(), 1e-3)
-    mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"{monitored}{seed}", config=quiet()) if monitored else None
+    config = quiet(**(config or {}))
+    mon = sfmonitor.attach(model, opt, run_dir=tmp_path / f"{monitored}{seed}", config=config) if monitored else None
     saved = None
     for t in range(steps):
         if surgery == "center":  # a buffer the loop replaces after every step (DINO's teacher centre)
@@ -627,6 +628,24 @@ def test_writes_through_data_after_every_step_leave_garbage_batches_skipped(tmp_
     _, events, told = _surgery_run(tmp_path / "g", True, 0, surgery, garbage_at=280)
     assert events == [(280, "loss_spike", ["skip_step"])]
     assert not [s for s, k, _ in told if k == "new_regime"], told
+
+
+def test_pruning_through_data_is_seen_in_the_lean_profile_on_the_slice_it_measures(tmp_path):
+    """The lean profile holds no undo copy: the update ratio measures a slice of each parameter
+    (5%, moving every step). The slice's norm as the update left it against its norm at the next
+    step is the same lower bound on a write there: 90% of a layer pruned through ``p.data`` writes
+    into any slice. Before, the next 8 batches were skipped (held-out 1.17x bare in a helper's
+    probe); now a `new_regime` naming the weights, bit-identical to bare, and a garbage batch
+    later is still skipped."""
+    lean = {"actions": {"undo": {"enabled": False}}, "stats": {"update_ratio_fraction": 0.05}}
+    bare, _, _ = _surgery_run(tmp_path / "b", False, 0, "data_prune")
+    state, events, told = _surgery_run(tmp_path / "m", True, 0, "data_prune", config=lean)
+    assert events == []
+    assert_identical(bare, state)
+    regimes = [(s, r) for s, k, r in told if k == "new_regime"]
+    assert len(regimes) == 1 and regimes[0][0] == 200 and "written through .data" in regimes[0][1], told
+    _, events, _ = _surgery_run(tmp_path / "g", True, 0, "data_prune", garbage_at=280, config=lean)
+    assert events == [(280, "loss_spike", ["skip_step"])]
 
 
 def test_a_garbage_batch_soon_after_a_mask_is_kept_on_the_weights_is_still_skipped(tmp_path):
