@@ -24,9 +24,9 @@ were). Both are looked for where they matter, at a step whose loss or gradient n
 - **Values.** The monitor measures each update from its undo copy (``undo.update_norms``); a
   parameter that no counter shows written still holds what the update left when the distance from
   that copy is the same now (``keep_moved``, ``values_due``; the monitor counts a write only where
-  it could explain a jump: larger than the update and than 1% of the weights). Without the copy
-  (the lean profile), the slices the update ratio measured keep their norms as the update left
-  them. Measured where a jump asks, at the
+  it could explain a jump: larger than the update and than 1% of the weights). Without the copy,
+  what the update ratio measured (the lean profile: a slice of each parameter) keeps its norms as
+  the update left them. Measured where a jump asks, at the
   step after a change was found, and every ``SAMPLE_EVERY`` steps (so that a loop that writes
   through ``.data`` after every step is known for it before a jump asks).
 

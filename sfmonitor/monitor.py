@@ -2244,11 +2244,11 @@ class Monitor:
         what the optimizer moved, and was taken for the jump's cause before the sampling had seen
         the habit (a garbage batch 10 steps after a lottery ticket's first re-masking landed). The
         writes the counters show (``_weights_changed_by_loop``'s) and the monitor's own are left
-        out. The lean profile holds no undo copy: there the slice the update ratio measured (a
-        share of each parameter, moving every step) is compared, its norm as the update left it
-        against its norm now (their difference the same lower bound on a write there); a write
-        that misses the slice is not seen. Empty where the last update was not measured. One host
-        read."""
+        out. Without the undo copy (the lean profile) what the update ratio measured is compared,
+        its norms as the update left them against its norms now (their difference the same lower
+        bound on a write): in the lean profile a slice of each parameter, moving every step, so a
+        write that misses the slice is not seen. Empty where the last update was not measured. One
+        host read."""
         kept = self._loop_writes.moved(step - 1)
         if kept is None or kept.numel() != len(self._params):
             return []
@@ -2740,9 +2740,10 @@ class Monitor:
                         if self._lowp:  # (the whole parameters: the undo copy, not a slice)
                             self._stale_shares(rec, before, now)
                     else:
-                        upd = S.update_norms_(rec.before_params, now)
-                        if rec.ratio_live is not None:  # (the lean profile's slices: their norms as left)
-                            moved, slices = upd, (rec.ratio_live, S.norms(rec.ratio_live))
+                        upd = S.update_norms_(rec.before_params, now)  # (the copy now holds the difference)
+                        # without the undo copy: what was measured (the lean profile's slices, or
+                        # the whole parameters), and its norms as the update left them
+                        moved, slices = upd, (list(now), S.norms(now))
                     rec.after.update(self._update_ratios(upd, rec.before_norms))
                 else:
                     for g in self._group_names:

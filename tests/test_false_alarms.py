@@ -630,14 +630,15 @@ def test_writes_through_data_after_every_step_leave_garbage_batches_skipped(tmp_
     assert not [s for s, k, _ in told if k == "new_regime"], told
 
 
-def test_pruning_through_data_is_seen_in_the_lean_profile_on_the_slice_it_measures(tmp_path):
-    """The lean profile holds no undo copy: the update ratio measures a slice of each parameter
-    (5%, moving every step). The slice's norm as the update left it against its norm at the next
-    step is the same lower bound on a write there: 90% of a layer pruned through ``p.data`` writes
-    into any slice. Before, the next 8 batches were skipped (held-out 1.17x bare in a helper's
-    probe); now a `new_regime` naming the weights, bit-identical to bare, and a garbage batch
-    later is still skipped."""
-    lean = {"actions": {"undo": {"enabled": False}}, "stats": {"update_ratio_fraction": 0.05}}
+@pytest.mark.parametrize("fraction", [0.05, 1.0])
+def test_pruning_through_data_is_seen_without_the_undo_copy_on_what_the_update_ratio_measures(tmp_path, fraction):
+    """Without the undo copy the update ratio measures its own copy: in the lean profile a slice
+    of each parameter (5%, moving every step), else the whole parameters. Their norms as the update
+    left them against their norms at the next step are the same lower bound on a write there: 90%
+    of a layer pruned through ``p.data`` writes into any slice. Before, the next 8 batches were
+    skipped (held-out 1.17x bare in a helper's probe); now a `new_regime` naming the weights,
+    bit-identical to bare, and a garbage batch later is still skipped."""
+    lean = {"actions": {"undo": {"enabled": False}}, "stats": {"update_ratio_fraction": fraction}}
     bare, _, _ = _surgery_run(tmp_path / "b", False, 0, "data_prune")
     state, events, told = _surgery_run(tmp_path / "m", True, 0, "data_prune", config=lean)
     assert events == []
