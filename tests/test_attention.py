@@ -546,7 +546,7 @@ class TinyLM(nn.Module):
         return self.out(h)
 
 
-def _train(lr, steps, monitor_cfg=None, tmp_path=None, layers=1):
+def _train(lr, steps, monitor_cfg=None, tmp_path=None, layers=1, spike_at=None):
     torch.manual_seed(0)
     model = TinyLM(layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -560,6 +560,8 @@ def _train(lr, steps, monitor_cfg=None, tmp_path=None, layers=1):
         idx = torch.randint(0, 11, (4, 8), generator=g)
         logits = model(idx)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, 11), idx[:, 1:].reshape(-1))
+        if len(maxima) == spike_at:
+            loss = loss * 1000.0
         (mon.combine({"lm": loss}) if mon else loss).backward()
         opt.step()
         opt.zero_grad()
@@ -598,6 +600,18 @@ def test_monitor_clips_a_growing_module_and_holds_it_near_tau(tmp_path):
     # its clips between the steps (after an update, before a held module's forward) are the
     # monitor's own writes to the weights, not the loop's (loopwrites): no new regime
     assert not [e for e in mon.events if e.kind == "new_regime"]
+
+
+def test_a_loss_spike_after_the_monitors_own_clip_is_a_bad_batch_not_a_change_of_the_model(tmp_path):
+    """A loss x1000 right after QK-Clip scaled a held module's rows between the steps: the
+    weights moved since the last update by more than it moved them, but the monitor made that
+    write itself (``own_write``), so the jump is no change of the model the loop made: skipped."""
+    for at in (30, 34):
+        _, mon, _ = _train(0.1, 60, {"watch": {"attention": {"tau": 4.0}}}, tmp_path / str(at), spike_at=at)
+        assert any(QK_CLIP in e.actions for e in mon.events if e.step < at)
+        acted = [(e.kind, e.actions) for e in mon.events if e.step == at and e.actions]
+        assert acted[:1] == [("loss_spike", ["skip_step"])], acted
+        assert not [e for e in mon.events if e.kind == "new_regime"]
 
 
 def test_attention_turning_one_hot_under_tau_is_told_before_the_logits_reach_it():
