@@ -27,8 +27,9 @@ were). Both are looked for where they matter, at a step whose loss or gradient n
   it could explain a jump: larger than the update and than 1% of the weights). Without the copy,
   what the update ratio measured (the lean profile: a slice of each parameter) keeps its norms as
   the update left them. Measured where a jump asks, at the
-  step after a change was found, and every ``SAMPLE_EVERY`` steps (so that a loop that writes
-  through ``.data`` after every step is known for it before a jump asks).
+  step after a change was found, and every ``SAMPLE_EVERY`` steps, counted in the step's one read
+  (so that a loop that writes large ones through ``.data`` at every step is known for it before a
+  jump asks).
 
 Not seen: values written through ``.data`` outside the lean profile's slices (without the undo
 copy), or with ``stats.update_ratio_every`` > 1 on the steps it leaves unmeasured; and a new
@@ -179,9 +180,9 @@ class LoopWrites:
         last, self._values_at = self._values_at, step
         return last is None or step - last > habit
 
-    def not_own(self, params: Sequence[torch.Tensor], indices: Sequence[int]) -> list[int]:
-        """``indices`` into ``params`` but those the monitor wrote last (QK-Clip after an update)."""
-        return [i for i in indices if _own_version(params[i]) != _mark(params[i])[1:]]
+    def own(self, params: Sequence[torch.Tensor]) -> list[int]:
+        """Indices into ``params`` of those the monitor wrote last (QK-Clip between the steps)."""
+        return [i for i, p in enumerate(params) if id(p) in _OWN and _own_version(p) == _mark(p)[1:]]
 
 
 def _same(a: tuple[tuple[str, Any], ...], b: tuple[tuple[str, Any], ...]) -> bool:

@@ -1671,6 +1671,10 @@ class Monitor:
         if reason is None:
             reason = changed_by_loop
         tensors[S.NEW_REGIME] = float(reason is not None)
+        if self._loop_writes.values_due(step, jumped=False):  # (sampled: counted in this one read)
+            rec.values_written = self._values_written(step)
+            if rec.values_written is not None:
+                tensors[S.VALUES_WRITTEN] = rec.values_written.sum()
         self._watch.check_sight(trained=bool(grad_index))
         last = self._last if self._last is not None and self._last.after else None
         prev = {f"prev:{k}": v for k, v in last.after.items()} if last else {}
@@ -1736,7 +1740,7 @@ class Monitor:
                     self._shapes_since.pop(shape, None)
         if not announced:  # a change of the model no version counter shows (loopwrites)
             jumped = [f for f in detected if f.kind in self._NEW_DATA_JUMPS]
-            unseen = self._unseen_change(step, jumped)
+            unseen = self._unseen_change(step, jumped, rec)
             if unseen is not None:
                 announced = True
                 self._new_regime(step)
@@ -2181,28 +2185,32 @@ class Monitor:
             f"({len(changed)} of {len(self._params)} parameter tensors)"
         )
 
-    def _unseen_change(self, step: int, jumped: list[Finding]) -> Finding | None:
+    def _unseen_change(self, step: int, jumped: list[Finding], rec: StepRecord) -> Finding | None:
         """``new_regime`` for a step whose loss or gradient norm jumped (``jumped``: the findings
         that said so) where the loop changed the model in a way no parameter's version counter
         shows (``loopwrites``): a buffer added or replaced (``torch.nn.utils.prune``'s mask; the
         weights stay as they were), or weights written through ``p.data`` (magnitude pruning by
         hand, ``p.data.mul_(mask)``). Judged as bad batches on a sound state, the 8 batches after 90%
         of a layer was pruned either way were skipped. A write too small to explain a jump is none
-        (``_values_written``); values are also looked for at sampled steps without a jump, to learn
-        a loop that writes large ones through ``.data`` at every step (weight noise): its habit, as
-        for the writes the counters show. None where nothing is found, or it is the loop's habit.
-        Every rank decides alike (one max collective, where a look was due)."""
+        (``_values_written``); values are also counted at sampled steps without a jump, in the
+        step's one read, to learn a loop that writes large ones through ``.data`` at every step
+        (weight noise): its habit, as for the writes the counters show. None where nothing is
+        found, or it is the loop's habit. Every rank decides alike: a sample is agreed in the read,
+        a jump's look in one max collective (and a host read of its own: a step in trouble)."""
         lw = self._loop_writes
-        due = lw.values_due(step, bool(jumped)) and lw.moved(step - 1) is not None  # (alike on every rank)
-        if not (jumped or due):
+        sampled = rec.internal.get(S.VALUES_WRITTEN)  # (this step's sample, read with its statistics)
+        if not jumped:
+            if sampled is not None and sampled > 0:
+                lw.values_found(step, self.LOOP_HABIT)
             return None
-        buffers = lw.buffers_changed(step, self.LOOP_HABIT) if jumped else []
-        written = self._values_written(step) if due else []
+        buffers = lw.buffers_changed(step, self.LOOP_HABIT)
+        differs = rec.values_written if sampled is not None else self._values_written(step)
+        written = differs.nonzero().flatten().tolist() if differs is not None else []
         found = [float(bool(written)), float(bool(buffers))]
         if world_size() > 1:
             found = sharding.max_over_ranks(torch.tensor(found, dtype=torch.float64)).tolist()
         news = found[0] > 0 and lw.values_found(step, self.LOOP_HABIT)
-        if not jumped or not (news or found[1] > 0):
+        if not (news or found[1] > 0):
             return None
         parts = []
         if news:
@@ -2234,11 +2242,12 @@ class Monitor:
             },
         )
 
-    def _values_written(self, step: int) -> list[int]:
-        """Indices of the parameters whose values changed since the last step's update landed with
-        no version counter to show it (a write through ``.data``): the distance from the undo copy,
-        which holds the state before that update, is not what the update moved (``keep_moved``), by
-        more than that update's size and ``WRITE_SHARE`` of the weights (the difference of the two
+    def _values_written(self, step: int) -> torch.Tensor | None:
+        """Per parameter (a bool vector, no host read), whether its values changed since the last
+        step's update landed with no version counter to show it (a write through ``.data``): the
+        distance from the undo copy, which holds the state before that update, is not what the
+        update moved (``keep_moved``), by more than that update's size and ``WRITE_SHARE`` of the
+        weights (the difference of the two
         distances is a lower bound on the write's norm). A smaller write cannot explain a jump the
         updates did not make: a mask or a clamp the loop keeps after every step takes back part of
         what the optimizer moved, and was taken for the jump's cause before the sampling had seen
@@ -2247,11 +2256,10 @@ class Monitor:
         out. Without the undo copy (the lean profile) what the update ratio measured is compared,
         its norms as the update left them against its norms now (their difference the same lower
         bound on a write): in the lean profile a slice of each parameter, moving every step, so a
-        write that misses the slice is not seen. Empty where the last update was not measured. One
-        host read."""
+        write that misses the slice is not seen. None where the last update was not measured."""
         kept = self._loop_writes.moved(step - 1)
         if kept is None or kept.numel() != len(self._params):
-            return []
+            return None
         slices = self._loop_writes.slices(step - 1)
         if slices is not None:  # the lean profile: the slices' norms as the update left them, and now
             now = S.norms(slices[0])
@@ -2259,7 +2267,7 @@ class Monitor:
         else:
             undo = self._ctx.undo if self._ctx is not None else None
             if undo is None or undo.label != step - 1 or len(undo.params) != len(self._params):
-                return []
+                return None
             live = self._layout.detached(self._params)
             gap = (update_norms(undo.params, live, self._scratch) - kept).abs()
             now = S.norms(live)
@@ -2267,9 +2275,10 @@ class Monitor:
         # weights, explains no jump (a mask or a clamp kept after every step takes back part of
         # what the optimizer moved; an EMA target's step)
         differs = gap > torch.maximum(kept, self.WRITE_SHARE * now)
-        shown = set(self._loop_writes.changed(self._params))
-        found = [i for i in differs.nonzero().flatten().tolist() if i not in shown]
-        return self._loop_writes.not_own(self._params, found)
+        shown = self._loop_writes.changed(self._params) + self._loop_writes.own(self._params)
+        if shown:
+            differs[shown] = False
+        return differs
 
     # Findings of a step whose inputs came in a new shape that say the new data's doing, not a bad batch's
     _NEW_DATA_JUMPS = frozenset({LOSS_SPIKE, LOSS_COMPONENT_SPIKE, GRAD_SPIKE})

@@ -151,6 +151,8 @@ class StepRecord:
     grad_groups: frozenset[int] = frozenset()  # the groups (indices) with a gradient this step
     stats: dict[str, float] = field(default_factory=dict)  # the values read (public)
     internal: dict[str, Any] = field(default_factory=dict)  # the values read (stats.INTERNAL)
+    # per parameter, written through .data since the last update (loopwrites): at a sampled step
+    values_written: torch.Tensor | None = None
     outcomes: list[Outcome] = field(default_factory=list)  # one per finding, in order
     stepped: bool = False  # the optimizer's step ran (its pre-hook fired)
     skip: bool = False  # a decision keeps this step's update from landing

@@ -138,6 +138,9 @@ INPUT_SIZE = "internal/input_size"
 # 1 where the step's inputs have a shape per example (all but the first dimension) that none of the
 # last steps' had (images resized, a longer sequence length), else 0: a maximum across ranks
 NEW_INPUT_SHAPE = "internal/new_input_shape"
+# Parameters whose values the loop wrote through .data since the last update, by more than it
+# moved them (loopwrites): counted at the steps that sample them, a maximum across ranks
+VALUES_WRITTEN = "internal/values_written"
 # The step's batch as a share of the usual one (its input elements over the median of the last
 # steps'), given to the detectors where under 1 (an epoch's short last batch), not published: its
 # loss and gradient are noisier by 1 / sqrt(share)
@@ -166,6 +169,7 @@ INTERNAL = frozenset(
         NEW_REGIME,
         INPUT_SIZE,
         NEW_INPUT_SHAPE,
+        VALUES_WRITTEN,
         LOSS_AT_OLD_WEIGHTS,
         BN_VAR_WORST,
     }
@@ -206,6 +210,7 @@ REDUCTIONS: dict[str, Reduce] = {
     NEW_INPUT_SHAPE: Reduce.MAX,  # new inputs on one rank: new data for the step on every rank
     GRADS_NOT_RESET: Reduce.MAX,  # one rank's loop forgot: told on every rank
     NEW_REGIME: Reduce.MAX,  # one rank's loop announced it: applied on every rank
+    VALUES_WRITTEN: Reduce.MAX,  # one rank's shards written: the loop's change on every rank
     BN_VAR_RATIO.format(""): Reduce.MAX,  # one rank's bad batch
     BN_VAR_WORST: Reduce.FIRST,
     ACT_ABSMAX.format(""): Reduce.MAX,

@@ -45,7 +45,7 @@ CONVERSIONS = (
     "numpy",
     "cpu",
 )
-STEPS = 6
+STEPS = 18  # (past loopwrites.SAMPLE_EVERY: a step that samples the values written through .data)
 READ_ALL = ("sfmonitor.stats", "read_all", "tolist")  # the one allowed read: (module, function, method)
 
 
