@@ -523,6 +523,14 @@ class ActionContext:
         ``shift_held``), which share ``actions.rollback.max_host_mb`` with them."""
         return sum(held["bytes"] for held in (self.lr_trial_held, self.shift_held) if held is not None)
 
+    def no_room_to_hold(self, size: int) -> bool:
+        """Whether ``size`` more bytes held on the host would pass ``actions.rollback.max_host_mb``
+        beside the snapshots and what is held already (this rank's answer)."""
+        ring = self.snapshots
+        return (
+            ring is not None and ring.max_bytes is not None and ring.nbytes + self.held_bytes() + size > ring.max_bytes
+        )
+
     def buffer_copy(self) -> tuple[UndoState, list[torch.Tensor]] | None:
         """The copy that holds the model's buffers as they were before the step's forward, with the
         buffers it holds: the undo copy's (every buffer), else the running statistics' copy (the lean
@@ -1660,13 +1668,7 @@ def _cannot_hold(ctx: ActionContext, snap: tuple[int, dict[str, Any]] | None) ->
     would leave (one as large as the snapshot) within ``actions.rollback.max_host_mb``. Every rank
     answers the same (one max collective: the ranks' rings may differ, ZeRO's shards in size)."""
     ring = ctx.snapshots
-    room = ring.max_bytes if ring is not None else None
-    full = (
-        snap is not None
-        and ring is not None
-        and room is not None
-        and ring.nbytes + ctx.held_bytes() + tree_nbytes(snap[1]) > room
-    )
+    full = snap is not None and ctx.no_room_to_hold(tree_nbytes(snap[1]))
     mine = torch.tensor(2.0 if snap is None else 1.0 if full else 0.0, dtype=torch.float64)
     why = float(sharding.max_over_ranks(mine))
     if why >= 2.0:
@@ -1727,7 +1729,7 @@ def hold_before_shift(ctx: ActionContext, step: int) -> dict[str, Any]:
             if isinstance(kept, torch.Tensor) and kept.shape == before.shape:
                 kept.copy_(before)
     size = tree_nbytes(state)
-    full = ring.max_bytes is not None and ring.nbytes + ctx.held_bytes() + size > ring.max_bytes
+    full = ctx.no_room_to_hold(size)
     if float(sharding.max_over_ranks(torch.tensor(float(full), dtype=torch.float64))) > 0:
         return {
             "held": False,

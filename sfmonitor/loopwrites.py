@@ -89,10 +89,9 @@ class LoopWrites:
         self._modules: list[tuple[str, dict[str, Any]]] = []
         self._held: list[tuple[tuple[str, Any], ...]] = []
         self._moved_at: list[int | None] = []
-        # the last step's update measured from the undo copy: (its step, per-tensor norms), or None;
-        # in the lean profile also the slices it measured and their norms as it left them
-        self._moved: tuple[int, torch.Tensor] | None = None
-        self._slices: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        # the last step's update as measured: (its step, per-tensor norms, and without the undo
+        # copy the tensors it measured with their norms as it left them), or None
+        self._moved: tuple[int, torch.Tensor, tuple[list[torch.Tensor], torch.Tensor] | None] | None = None
         self._values_at: int | None = None  # the last step a value written through .data was found
 
     def watch(self, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
@@ -157,8 +156,7 @@ class LoopWrites:
         in the order of the parameters), or None where it was not. ``slices``: where it was
         measured on slices of the parameters (the lean profile), those views and their norms as the
         update left them."""
-        self._moved = (step, norms) if norms is not None else None
-        self._slices = slices if norms is not None else None
+        self._moved = (step, norms, slices) if norms is not None else None
 
     def moved(self, step: int) -> torch.Tensor | None:
         """The norms ``keep_moved`` kept for ``step``, or None."""
@@ -166,13 +164,15 @@ class LoopWrites:
         return kept[1] if kept is not None and kept[0] == step else None
 
     def slices(self, step: int) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-        """The slices ``keep_moved`` kept for ``step`` and their norms then, or None."""
-        return self._slices if self.moved(step) is not None else None
+        """The tensors ``keep_moved`` kept for ``step`` and their norms then, or None."""
+        kept = self._moved
+        return kept[2] if kept is not None and kept[0] == step else None
 
-    def values_due(self, step: int, jumped: bool) -> bool:
-        """Whether step ``step`` looks for values written through ``.data``: where a jump asks, at
-        the step after one was found (is it the loop's habit?), and every ``SAMPLE_EVERY`` steps."""
-        return jumped or step % SAMPLE_EVERY == 0 or (self._values_at is not None and step - self._values_at == 1)
+    def values_due(self, step: int) -> bool:
+        """Whether step ``step`` samples the values written through ``.data`` without a jump
+        asking: at the step after one was found (is it the loop's habit?), and every
+        ``SAMPLE_EVERY`` steps."""
+        return step % SAMPLE_EVERY == 0 or (self._values_at is not None and step - self._values_at == 1)
 
     def values_found(self, step: int, habit: int) -> bool:
         """A value written through ``.data`` was found at ``step``: whether it is news (no other

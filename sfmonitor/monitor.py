@@ -1671,7 +1671,7 @@ class Monitor:
         if reason is None:
             reason = changed_by_loop
         tensors[S.NEW_REGIME] = float(reason is not None)
-        if self._loop_writes.values_due(step, jumped=False):  # (sampled: counted in this one read)
+        if self._loop_writes.values_due(step):  # (sampled: counted in this one read)
             rec.values_written = self._values_written(step)
             if rec.values_written is not None:
                 tensors[S.VALUES_WRITTEN] = rec.values_written.sum()
@@ -1729,23 +1729,14 @@ class Monitor:
             self._reweighted_at = step
         seen = rec.stats if rec.batch_share >= 1 else {**rec.stats, S.BATCH_SHARE: rec.batch_share}
         detected = [f for d in self._detectors if not d.after_update for f in d.check(step, seen)]
-        if not announced and rec.internal.get(S.NEW_INPUT_SHAPE, 0.0) > 0:
+        if not announced:  # a jump that new inputs, or a change of the model no counter shows, explain
             jumped = [f for f in detected if f.kind in self._NEW_DATA_JUMPS]
-            if jumped:  # new inputs, and the loss or the gradient jumped with them: new data
+            cause = self._jump_explained(step, jumped, rec)
+            if cause is not None:
                 announced = True
                 self._new_regime(step)
                 detected = [f for f in detected if all(f is not j for j in jumped)]
-                findings.append(self._new_shape_finding(step, jumped))
-                for shape in self._recorder.shapes:  # (taken as new data: later jumps are judged as usual)
-                    self._shapes_since.pop(shape, None)
-        if not announced:  # a change of the model no version counter shows (loopwrites)
-            jumped = [f for f in detected if f.kind in self._NEW_DATA_JUMPS]
-            unseen = self._unseen_change(step, jumped, rec)
-            if unseen is not None:
-                announced = True
-                self._new_regime(step)
-                detected = [f for f in detected if all(f is not j for j in jumped)]
-                findings.append(unseen)
+                findings.append(cause)
         harmful: list[Finding] = []  # the update that made this state, judged harmful (it is undone)
         if self._last is not None and self._last.phase is not Phase.ABORTED:
             prev_rec, self._last = self._last, None
@@ -2185,6 +2176,17 @@ class Monitor:
             f"({len(changed)} of {len(self._params)} parameter tensors)"
         )
 
+    def _jump_explained(self, step: int, jumped: list[Finding], rec: StepRecord) -> Finding | None:
+        """``new_regime`` where the step's jumps (``jumped``) are new data's or the loop's change of
+        the model, not a bad batch's: inputs of a new shape (``_new_shape_finding``), else a change
+        no version counter shows (``_unseen_change``, which also learns the loop's habits at steps
+        without a jump). None otherwise."""
+        if jumped and rec.internal.get(S.NEW_INPUT_SHAPE, 0.0) > 0:
+            for shape in self._recorder.shapes:  # (taken as new data: later jumps are judged as usual)
+                self._shapes_since.pop(shape, None)
+            return self._new_shape_finding(step, jumped)
+        return self._unseen_change(step, jumped, rec)
+
     def _unseen_change(self, step: int, jumped: list[Finding], rec: StepRecord) -> Finding | None:
         """``new_regime`` for a step whose loss or gradient norm jumped (``jumped``: the findings
         that said so) where the loop changed the model in a way no parameter's version counter
@@ -2247,11 +2249,11 @@ class Monitor:
         step's update landed with no version counter to show it (a write through ``.data``): the
         distance from the undo copy, which holds the state before that update, is not what the
         update moved (``keep_moved``), by more than that update's size and ``WRITE_SHARE`` of the
-        weights (the difference of the two
-        distances is a lower bound on the write's norm). A smaller write cannot explain a jump the
-        updates did not make: a mask or a clamp the loop keeps after every step takes back part of
-        what the optimizer moved, and was taken for the jump's cause before the sampling had seen
-        the habit (a garbage batch 10 steps after a lottery ticket's first re-masking landed). The
+        weights (the difference of the two distances is a lower bound on the write's norm). A
+        smaller write cannot explain a jump the updates did not make: a mask or a clamp the loop
+        keeps after every step takes back part of what the optimizer moved, and was taken for the
+        jump's cause before the sampling had seen the habit (a garbage batch 10 steps after a
+        lottery ticket's first re-masking landed). The
         writes the counters show (``_weights_changed_by_loop``'s) and the monitor's own are left
         out. Without the undo copy (the lean profile) what the update ratio measured is compared,
         its norms as the update left them against its norms now (their difference the same lower

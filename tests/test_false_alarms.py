@@ -678,8 +678,8 @@ def test_buffer_slots_added_replaced_or_removed_are_named_and_a_habit_is_left_ou
     """``LoopWrites`` keeps each module's buffer slots as a step leaves them: a slot added, given a
     new tensor or removed since is named (an in-place write is not: forwards write BatchNorm's
     statistics so); a module whose buffers changed at one of the last ``habit`` steps' ends is
-    left out; values are looked for where a jump asks, the step after one was found, and every
-    ``SAMPLE_EVERY`` steps, and a value found within ``habit`` steps of the last is no news."""
+    left out; values are sampled the step after one was found and every ``SAMPLE_EVERY`` steps
+    (a jump asks on its own), and a value found within ``habit`` steps of the last is no news."""
     from sfmonitor.loopwrites import SAMPLE_EVERY, LoopWrites
 
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
@@ -700,10 +700,9 @@ def test_buffer_slots_added_replaced_or_removed_are_named_and_a_habit_is_left_ou
     model[0].mask = torch.zeros(2, 2)
     assert lw.buffers_changed(2, 50) == []
     assert lw.buffers_changed(60, 50) == ["0.mask (replaced)"]
-    assert lw.values_due(5, jumped=True) and not lw.values_due(5, jumped=False)
-    assert lw.values_due(2 * SAMPLE_EVERY, jumped=False)
+    assert not lw.values_due(5) and lw.values_due(2 * SAMPLE_EVERY)
     assert lw.values_found(5, 50)  # the first: news
-    assert lw.values_due(6, jumped=False)  # the step after: is it the loop's habit?
+    assert lw.values_due(6)  # the step after: is it the loop's habit?
     assert not lw.values_found(6, 50) and lw.values_found(57, 50)
 
 
