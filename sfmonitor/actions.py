@@ -486,6 +486,10 @@ class ActionContext:
     # Monitor.track(): modules the loop derives from the weights after each step (an EMA), which an
     # undo, a rollback and the emergency checkpoint hold beside the model
     tracked: list[tuple[str, nn.Module]] = field(default_factory=list)
+    # The model's weights that fp32 masters the optimizer updates stand in for (Megatron-LM's
+    # Float16 optimizer, apex O2: the loop copies the masters into them after each step): an undo
+    # puts them back with the masters, so the model's state holds no trace of the undone update
+    copies: list[torch.Tensor] = field(default_factory=list)
     last_checkpoint: str | None = None
     last_checkpoint_step: int | None = None
     # The step in which every rank consolidated ZeroRedundancyOptimizer's state on rank 0: once a
@@ -548,12 +552,16 @@ class ActionContext:
         return {id(t) for t in (*params, *self.undo_buffers)}
 
     def tracked_tensors(self) -> list[torch.Tensor]:
-        """The tracked modules' parameters and buffers, walked now (a module may replace one), but
-        those the undo copy holds of its own (``held_ids``: a tracked part of the model)."""
+        """The model's weights fp32 masters stand in for (``copies``), then the tracked modules'
+        parameters and buffers, walked now (a module may replace one), but those the undo copy
+        holds of its own (``held_ids``: a tracked part of the model)."""
         if not self.tracked:
-            return []
+            return list(self.copies)
         held = self.held_ids()
-        return [t for _, m in self.tracked for t in (*m.parameters(), *m.buffers()) if id(t) not in held]
+        return [
+            *self.copies,
+            *(t for _, m in self.tracked for t in (*m.parameters(), *m.buffers()) if id(t) not in held),
+        ]
 
     def params_with_grad(self) -> dict[str, list[nn.Parameter]]:
         groups = self.groups or {"all": list(self.model.named_parameters())}

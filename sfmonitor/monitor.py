@@ -96,6 +96,7 @@ from .forensics import MAX_STEP_BATCHES, BatchRecorder, BundleTracker, batch_inp
 from .gradreset import GradResetProbe
 from .integrations.distributed import (
     agree_metrics,
+    agree_pairs,
     alone,
     rank,
     rank_slots,
@@ -289,6 +290,34 @@ def _default_groups(
             group = TOTAL + "_"  # grad_norm/total is the norm over all groups
         out.setdefault(group, []).append((name, p))
     return out
+
+
+def master_copies(named: Sequence[tuple[str, nn.Parameter]], outside: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Which optimizer parameters outside the model are fp32 masters of the model's weights
+    (Megatron-LM's Float16 optimizer, apex O2, hand-written mixed precision: the model computes in
+    bf16/fp16, the optimizer updates fp32 copies, and the loop copies them back after each step).
+    Pairs (position in ``named``, position in ``outside``): a model weight that takes gradients the
+    optimizer does not update, of the master's shape and device, equal to the master rounded to
+    its dtype (the loop's copy); each master takes the first such weight in the model's order (two
+    zero biases of one shape are told apart by order, as the masters were made). DTensors are left
+    alone (FSDP2 keeps its own masters). One read of each candidate pair, at attach."""
+    free = [
+        i
+        for i, (_, p) in enumerate(named)
+        if p.requires_grad and not callable(getattr(p, "to_local", None)) and p.layout == torch.strided
+    ]
+    pairs: list[tuple[int, int]] = []
+    with torch.no_grad():
+        for j, m in enumerate(outside):
+            if callable(getattr(m, "to_local", None)) or m.layout != torch.strided:
+                continue
+            for k, i in enumerate(free):
+                p = named[i][1]
+                if p.shape == m.shape and p.device == m.device and torch.equal(m.detach().to(p.dtype), p.detach()):
+                    pairs.append((i, j))
+                    del free[k]
+                    break
+    return pairs
 
 
 def _alive(pid: int) -> bool:
@@ -599,6 +628,8 @@ class Monitor:
         self.groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
         self._model_groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
         self._outside: list[tuple[str, nn.Parameter]] = []
+        self._copies: list[torch.Tensor] = []  # the model's weights fp32 masters stand in for
+        self._updated: list[int] = []  # positions in _params of what the optimizer updates
         self._params: list[nn.Parameter] = []  # the monitored parameters (_index_params)
         self._dead = S.DeadUnitCounter([], 1)  # dead_units/<group> (_index_params: its layers)
         self._bn = S.BatchVarRatio([], [])  # bn_var_ratio/<group> (_index_params: its layers)
@@ -738,22 +769,33 @@ class Monitor:
         gains parameters (``add_param_group`` after attach)."""
         assert self.model is not None and self.optimizer is not None
         model, optimizer = unwrap(self.model), self.optimizer
-        in_model = {id(p) for _, p in model.named_parameters()}
+        named = list(model.named_parameters())
+        in_model = {id(p) for _, p in named}
         outside = [
             (f"optimizer.param_groups[{gi}].params[{pi}]", p)
             for gi, pg in enumerate(optimizer.param_groups)
             for pi, p in enumerate(pg["params"])
             if id(p) not in in_model
         ]
+        self._outside[:] = outside  # shared with the action context (snapshots carry them)
+        # fp32 masters of weights the optimizer does not update take those weights' names and
+        # groups: the statistics read what the optimizer updates, once; the model's copies go in
+        # the undo copy beside them (the loop refreshes them from the masters after each step)
+        in_optimizer = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
+        fed = [(n, p) for n, p in named if id(p) not in in_optimizer]
+        pairs = agree_pairs(master_copies(fed, [p for _, p in outside]), len(outside))
+        stand_in = {id(fed[i][1]): outside[j][1] for i, j in pairs}
+        mastered = {j for _, j in pairs}
+        outside = [o for j, o in enumerate(outside) if j not in mastered]
+        self._copies[:] = [fed[i][1] for i, _ in pairs]
         self.groups.clear()  # the action context shares this dict
-        self.groups.update({g: list(ps) for g, ps in self._model_groups.items()})
+        self.groups.update({g: [(n, stand_in.get(id(p), p)) for n, p in ps] for g, ps in self._model_groups.items()})
         if outside:
             self.groups.setdefault(OTHER, []).extend(outside)
-        self._outside[:] = outside  # shared with the action context (snapshots carry them)
         self._group_names = list(self.groups)
         self._name_to_group = {n: g for g, ps in self.groups.items() for n, _ in ps}
         group_index = {g: i for i, g in enumerate(self._group_names)}
-        ordered = [(n, p) for n, p in model.named_parameters() if n in self._name_to_group] + outside
+        ordered = [(n, stand_in.get(id(p), p)) for n, p in named if n in self._name_to_group] + outside
         held = self._params
         self._params = [p for _, p in ordered]
         # Walked once, not every step: the undo copy holds them. A forward may replace one (DINO's
@@ -781,10 +823,14 @@ class Monitor:
         self._param_names = [n for n, _ in ordered]
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
         # bf16/fp16 parameters: the share of each update rounded away (update_stale/<group>)
-        self._lowp = [i for i, p in enumerate(self._params) if p.dtype in S.LOW_PRECISION]
+        # what the optimizer updates (a weight that takes gradients and is updated by no one, a linear
+        # probe's backbone with requires_grad left on, rounds nothing away and needs no zero_grad)
+        self._updated = [i for i, p in enumerate(self._params) if id(p) in in_optimizer]
+        self._lowp = [i for i in self._updated if self._params[i].dtype in S.LOW_PRECISION]
         # The weights of nn.Linear / nn.Conv layers whose units dead_units/<group> watches (a tied
         # weight once); their counts start over with the new list.
         position = {id(p): i for i, p in enumerate(self._params)}
+        position.update({id(c): position[id(stand_in[id(c)])] for c in self._copies})  # (a master's units)
         weights = [w for m in model.modules() if isinstance(m, _UNIT_LAYERS) and (w := _raw_weight(m)) is not None]
         units = dict.fromkeys(
             position[id(w)] for w in weights if id(w) in position and w.dim() >= 2 and w.shape[0] >= MIN_UNITS
@@ -1024,6 +1070,7 @@ class Monitor:
             config=self.config.actions,
             monitor_state=self.state_dict,
             outside_params=self._outside,
+            copies=self._copies,
             undo=UndoState() if self.config.actions.undo.enabled else None,
             undo_params=self._params,
             undo_buffers=self._buffers,
@@ -1097,6 +1144,7 @@ class Monitor:
         self._record = StepRecord(step=self.step)
         self._params, self._index_cache, self.groups, self._model_groups = [], {}, {}, {}
         self._outside[:] = []
+        self._copies[:] = []
         self._sharded, self.memory = False, {}
         self.run_dir = run_dir
         self.model = self.optimizer = self.scaler = None
@@ -2624,8 +2672,8 @@ class Monitor:
         if seen != 1.0 or self._told_not_reset:
             return []
         self._told_not_reset = True
-        i = self._grad_reset.index
-        name = self._param_names[i] if 0 <= i < len(self._param_names) else "(another rank's)"
+        i = self._updated[k] if 0 <= (k := self._grad_reset.index) < len(self._updated) else -1
+        name = self._param_names[i] if i >= 0 else "(another rank's)"
         return [
             Finding(
                 ZERO_GRAD_MISSING,
@@ -2765,7 +2813,7 @@ class Monitor:
                 if grads:
                     torch._foreach_zero_(grads)
             elif not aborted:  # the gradients as the step leaves them: the next one must reset them
-                self._grad_reset.arm(self._params)
+                self._grad_reset.arm([self._params[i] for i in self._updated])
             if rec.stats or rec.internal:  # the pipeline read this step: it goes to the sinks
                 self._last = rec
                 if not rec.after:

@@ -88,3 +88,23 @@ def test_the_detector_tells_once_until_the_share_falls_under_half_its_threshold(
     # a small group that loses every update (a LayerNorm's gains, weights near 1) is not told alone
     quiet_det = StaleUpdate(StaleUpdateConfig(window=3, start=0))
     assert not any(quiet_det.check(i, {"update_stale/ln": 1.0, "update_stale/total": 0.3}) for i in range(10))
+
+
+def test_bf16_weights_the_optimizer_does_not_update_are_not_stale(tmp_path):
+    """A linear probe on a bf16 backbone whose weights still take gradients (``requires_grad``
+    left on, the optimizer given the head alone): no update rounds away there, none is made. Read
+    as stale updates, the backbone's gradient was told as 100% rounded away, with remedies for
+    rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(torch.bfloat16)
+    optimizer = torch.optim.Adam(model[2].parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, optimizer, run_dir=str(tmp_path), sinks=[], config=quiet())
+    for i in range(40):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(i)).bfloat16()
+        mon.combine((model(x).float() - x[:, :4].float()).pow(2).mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    mon.detach()
+    assert "grad_norm/0" in mon.stats  # the backbone's gradients are still read
+    assert not any(e.kind == "stale_update" for e in mon.events), mon.events
+    assert set(k for k in mon.stats if k.startswith("update_stale/")) <= {"update_stale/2", "update_stale/total"}
