@@ -311,6 +311,10 @@ class BatchRecorder:
         self.capture_rng = capture_rng
         self.max_batches = max_batches
         self.on_full = on_full
+        # Called as a forward that computes gradients begins, before it is recorded: True when the
+        # forwards recorded so far were thrown away (the monitor's: the loop reset their gradients
+        # and made no optimizer step), and the record starts over with this one
+        self.on_forward: Callable[[], bool] | None = None
         # keep False: no input is held (no anomaly bundle needs them), and every input is freed
         # as without the monitor
         self.keep = keep
@@ -367,6 +371,9 @@ class BatchRecorder:
             self._entry = module
         if module is not self._entry:
             return  # (an intermediate passed on to another child: an overflow in the first is no bad input)
+        if self.on_forward is not None and self.on_forward():
+            self.clear()
+            self._entry = module
         self._tally(args, kwargs)
 
     def _tally(self, args: Any, kwargs: Any) -> None:
@@ -386,6 +393,8 @@ class BatchRecorder:
     def _pre(self, module, args, kwargs):
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or inside_func_transform():
             return None  # compiled: nothing is recorded (tracing this hook would break the graph)
+        if self.on_forward is not None and self.on_forward():
+            self.clear()
         if self.forwards >= self.max_batches:
             if self.on_full is not None:
                 on_full, self.on_full = self.on_full, None

@@ -46,6 +46,7 @@ class GradResetProbe:
         self._hook: Any = None
         self._last: tuple[weakref.ref[torch.Tensor], int] | None = None  # the gradient as last seen
         self._seen: bool | None = None
+        self._count = 0  # accumulations seen (a mark holds the count: a reset back to None shows)
         self.index = -1  # the probed parameter's position in the list arm() was given
 
     def arm(self, params: Sequence[torch.Tensor]) -> None:
@@ -69,27 +70,31 @@ class GradResetProbe:
         grad = param.grad
         if grad is None:
             return
+        self._count += 1
         onto_last = ref() is grad and grad._version == version + 1
         self._seen = onto_last and self._seen is not False  # one reset since the step is enough
         self._last = (weakref.ref(grad), grad._version)
 
-    def mark(self) -> tuple[weakref.ref[torch.Tensor] | None, int] | None:
-        """The probed gradient as it is now (None: nothing probed), for ``reset_since``."""
+    def mark(self) -> Mark | None:
+        """The probed gradient as it is now, and the accumulations so far (None: nothing probed),
+        for ``reset_since``."""
         p = self._param() if self._param is not None else None
         if p is None or self._last is None:
             return None
         grad = p.grad
-        return (None, 0) if grad is None else (weakref.ref(grad), grad._version)
+        return (None, 0, self._count) if grad is None else (weakref.ref(grad), grad._version, self._count)
 
-    def reset_since(self, mark: tuple[weakref.ref[torch.Tensor] | None, int] | None) -> bool:
+    def reset_since(self, mark: Mark | None) -> bool:
         """Whether the gradients were reset (``zero_grad()``) since ``mark`` was taken: the probed
-        gradient is neither as it was then nor as the last accumulation (or the step) left it.
+        gradient is not as the last accumulation (or the step) left it, and it is not as it was at
+        the mark either, or a backward accumulated into it since (``zero_grad(set_to_none=True)``
+        after that backward leaves it as it was at a mark taken after the last reset: None).
         Accumulations alone (the backward of the forward that took the mark) are no reset. False
         when nothing is probed (before the first step)."""
         now = self.mark()
-        if mark is None or now is None or self._last is None:
+        if mark is None or now is None or self._last is None or _same(now[:2], self._last):
             return False
-        return not _same(now, mark) and not _same(now, self._last)
+        return not _same(now[:2], mark[:2]) or now[2] != mark[2]
 
     def take(self) -> bool | None:
         """Whether every accumulation since the last step added onto its gradients (then forgotten)."""
@@ -100,6 +105,11 @@ class GradResetProbe:
         if self._hook is not None:
             self._hook.remove()
         self._hook, self._param, self._last, self._seen, self.index = None, None, None, None, -1
+
+
+# A note of the probed gradient: (a weak reference to it, None without one; its version; the
+# accumulations the probe had seen)
+Mark = tuple[weakref.ref[torch.Tensor] | None, int, int]
 
 
 def _same(a: tuple[weakref.ref[torch.Tensor] | None, int], b: tuple[weakref.ref[torch.Tensor] | None, int]) -> bool:

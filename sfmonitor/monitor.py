@@ -629,7 +629,8 @@ class Monitor:
         self._model_groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
         self._outside: list[tuple[str, nn.Parameter]] = []
         self._copies: list[torch.Tensor] = []  # the model's weights fp32 masters stand in for
-        self._updated: list[int] = []  # positions in _params of what the optimizer updates
+        self._probed: list[torch.Tensor] = []  # the zero_grad probe's candidates (_index_params)
+        self._probed_names: list[str] = []
         self._params: list[nn.Parameter] = []  # the monitored parameters (_index_params)
         self._dead = S.DeadUnitCounter([], 1)  # dead_units/<group> (_index_params: its layers)
         self._bn = S.BatchVarRatio([], [])  # bn_var_ratio/<group> (_index_params: its layers)
@@ -682,6 +683,9 @@ class Monitor:
         self._policy = Policy(self.config.policy)
         self._watch = ActivationWatch(self.config.watch)
         self._recorder = BatchRecorder(on_full=self._warn_never_stepped, keep=self.config.bundle.enabled)
+        self._recorder.on_forward = self._forward_starts
+        # (step, id of its record, the gradients as they were) at the step's last recorded forward
+        self._micro_mark: tuple[int, int, Any] | None = None
         self._first_buffers: Any = None  # the forward pre-hook of _arm_first_buffers
         # (step, the gradients as they were) at the forward taken for the step's first (_before_forward)
         self._forward_mark: tuple[int, Any] | None = None
@@ -788,6 +792,7 @@ class Monitor:
         mastered = {j for _, j in pairs}
         outside = [o for j, o in enumerate(outside) if j not in mastered]
         self._copies[:] = [fed[i][1] for i, _ in pairs]
+        copy_names = [fed[i][0] for i, _ in pairs]
         self.groups.clear()  # the action context shares this dict
         self.groups.update({g: [(n, stand_in.get(id(p), p)) for n, p in ps] for g, ps in self._model_groups.items()})
         if outside:
@@ -822,11 +827,15 @@ class Monitor:
                 self._ctx.undo.clear()
         self._param_names = [n for n, _ in ordered]
         self._param_group = [group_index[self._name_to_group[n]] for n in self._param_names]
-        # bf16/fp16 parameters: the share of each update rounded away (update_stale/<group>)
-        # what the optimizer updates (a weight that takes gradients and is updated by no one, a linear
+        # bf16/fp16 parameters the optimizer updates: the share of each update rounded away
+        # (update_stale/<group>; a weight that takes gradients and is updated by no one, a linear
         # probe's backbone with requires_grad left on, rounds nothing away and needs no zero_grad)
-        self._updated = [i for i, p in enumerate(self._params) if id(p) in in_optimizer]
-        self._lowp = [i for i in self._updated if self._params[i].dtype in S.LOW_PRECISION]
+        updated = [i for i, p in enumerate(self._params) if id(p) in in_optimizer]
+        self._lowp = [i for i in updated if self._params[i].dtype in S.LOW_PRECISION]
+        # The gradients the zero_grad probe watches: where backward accumulates those an update
+        # reads (the masters' are the loop's copies of their weights' gradients), by their names
+        self._probed = [*self._copies, *(self._params[i] for i in updated)]
+        self._probed_names = [*copy_names, *(self._param_names[i] for i in updated)]
         # The weights of nn.Linear / nn.Conv layers whose units dead_units/<group> watches (a tied
         # weight once); their counts start over with the new list.
         position = {id(p): i for i, p in enumerate(self._params)}
@@ -2672,8 +2681,8 @@ class Monitor:
         if seen != 1.0 or self._told_not_reset:
             return []
         self._told_not_reset = True
-        i = self._updated[k] if 0 <= (k := self._grad_reset.index) < len(self._updated) else -1
-        name = self._param_names[i] if i >= 0 else "(another rank's)"
+        i = self._grad_reset.index
+        name = self._probed_names[i] if 0 <= i < len(self._probed_names) else "(another rank's)"
         return [
             Finding(
                 ZERO_GRAD_MISSING,
@@ -2813,7 +2822,7 @@ class Monitor:
                 if grads:
                     torch._foreach_zero_(grads)
             elif not aborted:  # the gradients as the step leaves them: the next one must reset them
-                self._grad_reset.arm([self._params[i] for i in self._updated])
+                self._grad_reset.arm(self._probed)
             if rec.stats or rec.internal:  # the pipeline read this step: it goes to the sinks
                 self._last = rec
                 if not rec.after:
@@ -3061,6 +3070,25 @@ class Monitor:
             fresh = [b for b in live if b is not None]
             if len(fresh) == len(live):  # (one set to None: the copy's layout stays as it was)
                 self._buffers[:] = fresh
+
+    def _forward_starts(self) -> bool:
+        """A forward that computes gradients begins (the recorder's hook, before it records it):
+        whether the loop threw away what this step's forwards before it made, and so the step's
+        record starts over. That is where the loop reset the gradients (``zero_grad()``) since the
+        last of them and made no optimizer step: a skip of its own (a hand-written loss scaler's
+        overflow, a check of the gradients for NaN: ``model.zero_grad(); continue``) or a forward
+        between two steps whose gradients it resets (a GAN's generator loss through the
+        discriminator). Their losses and inputs are no part of the step's update: a NaN or a spike
+        among them made the next step a bad batch, its healthy update skipped. True: the losses
+        recorded are dropped here, the recorder drops the inputs."""
+        rec = self._record
+        mark, self._micro_mark = self._micro_mark, (self.step, id(rec), self._grad_reset.mark())
+        if mark is None or mark[:2] != (self.step, id(rec)) or rec.phase is not Phase.OPEN:
+            return False
+        if not self._grad_reset.reset_since(mark[2]):
+            return False  # a micro-batch of the step (or one whose backward never came)
+        rec.losses.entries.clear()
+        return True
 
     def _arm_first_buffers(self) -> None:
         """The copy a skip puts the buffers back from (``ActionContext.buffer_copy``) holds them as

@@ -207,3 +207,71 @@ def test_the_emergency_checkpoint_holds_the_masters_and_their_healthy_copies(tmp
     assert all(
         torch.equal(w.bfloat16(), p) for w, p in zip(weights, [fresh[0].weight, fresh[2].weight, fresh[4].weight])
     )
+
+
+def _scaled_run(tmp_path, monitored, bad_at=30, steps=60):
+    """fp16 weights, fp32 masters and a loss scaler of the loop's own (fairseq's, Megatron's): an
+    overflow halves the scale and skips the step (no optimizer step), the scale doubles after 20
+    good steps."""
+    model = _model(torch.float16)
+    pairs, opt = _masters(model, split=False)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+    g = torch.Generator().manual_seed(1)
+    scale, good, skipped = 2.0**12, 0, 0
+    for step in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        y = torch.sin(x.sum(1, keepdim=True)) * (1e4 if step == bad_at else 1.0)
+        loss = nn.functional.mse_loss(model(x.half()).float(), y)
+        ((mon.combine(loss) if mon else loss) * scale).backward()
+        if not all(torch.isfinite(p.grad).all() for _, p in pairs):
+            scale, good, skipped = scale / 2, 0, skipped + 1
+            model.zero_grad()
+            continue
+        for m, p in pairs:
+            m.grad = p.grad.float() / scale
+        opt.step()
+        opt.zero_grad()
+        model.zero_grad()
+        good += 1
+        if good % 20 == 0:
+            scale *= 2
+        with torch.no_grad():
+            for m, p in pairs:
+                p.copy_(m)
+    if mon is not None:
+        mon.detach()
+    return pairs, mon, skipped
+
+
+def test_a_step_the_loops_own_loss_scaler_skips_leaves_the_next_one_alone(tmp_path):
+    """The overflow the batch of step 30 makes is the loop's to skip, and it does: the monitor
+    holds none of that batch for the next step (its loss, 1e8 times the usual, was a loss spike
+    there, and a healthy batch was skipped)."""
+    bare, _, skipped = _scaled_run(tmp_path / "bare", False)
+    pairs, mon, _ = _scaled_run(tmp_path / "mon", True)
+    assert skipped >= 1
+    assert mon.events == [], [(e.step, e.kind, e.actions) for e in mon.events]
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(bare, pairs))
+
+
+def test_a_loop_that_never_resets_the_models_gradients_is_told(tmp_path):
+    """The masters' gradients are copies the loop makes; the model's, which backward adds onto, are
+    what a missing ``model.zero_grad()`` leaves summed over every step (the probe watched a master,
+    onto which nothing accumulates, and told nothing)."""
+    model = _model()
+    pairs, opt = _masters(model, split=True)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(32, 8, generator=g)
+        mon.combine(nn.functional.mse_loss(model(x.bfloat16()).float(), x[:, :1])).backward()
+        for m, p in pairs:
+            m.grad = p.grad.float()
+        opt.step()
+        opt.zero_grad()  # the masters' only: the model's gradients keep adding up
+        with torch.no_grad():
+            for m, p in pairs:
+                p.copy_(m)
+    mon.detach()
+    told = [e for e in mon.events if e.kind == "zero_grad_missing"]
+    assert [e.step for e in told] == [1] and told[0].data["parameter"] == "0.weight", mon.events

@@ -103,6 +103,33 @@ def test_a_loss_computed_with_gradients_on_and_never_backpropagated_is_no_micro_
         assert all(a == b for a, b in seen), own_sum
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_step_the_loop_skips_itself_after_its_backward_is_no_part_of_the_next(tmp_path, set_to_none):
+    """A loop with a skip of its own (a hand-written loss scaler's overflow, a NaN check of the
+    gradients: ``model.zero_grad(); continue``, no optimizer step) threw that batch's gradients
+    away. Its loss and inputs were held for the next optimizer step: its NaN made that step a bad
+    batch, skipped, a healthy batch lost where the bare run lost none."""
+    batches = data(n=40, bad_every=13)
+    runs = []
+    for monitored in (False, True):
+        model, opt = make()
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+        for x, y, _ in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            (mon.combine(loss) if mon else loss).backward()
+            if not all(torch.isfinite(p.grad).all() for p in model.parameters()):
+                model.zero_grad(set_to_none=set_to_none)  # the loop's own skip
+                continue
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        if mon is not None:
+            mon.detach()
+        runs.append((model, mon))
+    (bare, _), (model, mon) = runs
+    assert mon.events == [] and same_state(model, bare), [(e.step, e.kind, e.actions) for e in mon.events]
+    assert mon.step == 40 - 3
+
+
 def test_a_bad_batch_every_few_steps_is_skipped_and_costs_nothing_else(tmp_path):
     batches = data(n=80, bad_every=5)
     twin, twin_opt = make()  # the fault-free twin: the same run without the bad batches
