@@ -106,7 +106,7 @@ from .integrations.distributed import (
     unwrap,
     world_size,
 )
-from .loopwrites import LoopWrites
+from .loopwrites import LoopWrites, own_write
 from .policy import Policy
 from .record import Outcome, Phase, StepRecord
 from .registry import KINDS, action_order, register_kind
@@ -2872,19 +2872,26 @@ class Monitor:
             # collective here; the update ratios are the same on every rank anyway.
             self._publish(last, S.read_all(last.after, agree=False))
 
-    def _judge_last_update(self) -> None:
-        """detach(): no step came after the last update to judge it. Its update ratios were just
-        read (``_finish_pending``): the after-update detectors judge it now, without a loss after
-        it (``S.LAST_UPDATE``: what needs that evidence is told), and what they find is acted on as
-        in any step, so an update larger than the weights at the last step is undone (one step
-        lost). Not under FSDP2 (each rank holds a part of the ratios: no agreed read here)."""
+    def _judge_last_update(self, extra: dict[str, float] | None = None) -> None:
+        """The last update, judged where no optimizer step comes after it to judge it: at
+        ``detach()`` (``extra`` None: without a loss after it, ``S.LAST_UPDATE``: what needs that
+        evidence is told), or where the loop skipped a training step itself (``_forward_starts``:
+        with the loss that step measured after the update and the LRs of the next). A loop whose
+        own check rejects every step after a bad update (its cap on the gradient norm, its loss
+        scaler halving at each overflow) would make none: the update stayed, unjudged, until
+        detach (a probe: a 1e4x LR step, then 349 steps the loop skipped, held-out loss 7e9).
+        Its update ratios were just read (``_finish_pending``): the after-update detectors judge it
+        now, and what they find is acted on as in any step, so an update larger than the weights is
+        undone (one step lost). Not under FSDP2 (each rank holds a part of the ratios: no agreed
+        read here)."""
         last = self._last
         if last is None or last.phase is Phase.ABORTED or not last.update_landed or self._sharded:
             return
         if self._ctx is None or not (self._measured(last) or self._measure_from_undo(last)):
             return
-        judged = self._judge_update(last, {S.LAST_UPDATE: 1.0})
+        judged = self._judge_update(last, extra if extra is not None else {S.LAST_UPDATE: 1.0})
         self._last = None
+        self._last_update_sound = not [f for f in judged if f.kind != LARGE_UPDATE]
         if judged:
             try:
                 self._decide_and_act(self.step, judged, None)
@@ -3087,7 +3094,22 @@ class Monitor:
             return False
         if not self._grad_reset.reset_since(mark[2]):
             return False  # a micro-batch of the step (or one whose backward never came)
+        trained = [e.total for e in rec.losses.entries if e.used]  # (combine()'s, backpropagated)
         rec.losses.entries.clear()
+        if trained and world_size() == 1:
+            # A training step the loop skipped: the update before it is judged now, by the loss
+            # that step measured after it (one read), for no optimizer step may come to judge it
+            loss = float(torch.stack(trained).mean())
+            extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(self._live().optimizer).items()}
+            if self._regime_next is None:  # (new_regime(): the loss is of other data)
+                extra[S.LOSS_AFTER_UPDATE] = loss
+            self._finish_pending()
+            self._judge_last_update(extra)
+            ctx = self._ctx
+            if ctx is not None:
+                ctx.repeat_batch = False  # (the skipped step's batch is the loop's: gone)
+                if ctx.restored_at == self.step:
+                    own_write(self._params)  # (put back by the monitor: no change the loop made)
         return True
 
     def _arm_first_buffers(self) -> None:

@@ -130,6 +130,44 @@ def test_a_step_the_loop_skips_itself_after_its_backward_is_no_part_of_the_next(
     assert mon.step == 40 - 3
 
 
+def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undone(tmp_path):
+    """A loop that skips any step whose gradient norm is over a cap (its own check, no optimizer
+    step) never made another step after an update at 1e4x the LR: every gradient at the wrecked
+    state was over the cap, and the monitor, which judges an update in the next optimizer step,
+    was left with it unjudged for the rest of the run (a probe: 349 steps, held-out loss 7e9). The
+    step the loop skips judges it, by the loss measured after it: undone, and the run goes on as
+    the bare run without the two batches (the bad update's, and the one the loop skipped)."""
+    batches = data(n=40)
+
+    def run(monitored, drop=()):
+        model, opt = make()
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+        for i, (x, y, _) in enumerate(batches):
+            if i in drop:
+                continue
+            loss = nn.functional.mse_loss(model(x), y)
+            (mon.combine(loss) if mon else loss).backward()
+            norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+            if not norm < 100:  # the loop's own check
+                model.zero_grad()
+                continue
+            opt.param_groups[0]["lr"] = 1e-2 * (1e4 if i == 20 else 1)
+            opt.step()
+            opt.zero_grad()
+        if mon is not None:
+            mon.detach()
+        return model, mon
+
+    bare, _ = run(False)
+    twin, _ = run(False, drop=(20, 21))
+    model, mon = run(True)
+    assert not same_state(bare, twin)  # the bare run never recovers
+    undone = [(e.step, e.data["step"]) for e in mon.events if "undo" in e.actions]
+    assert undone == [(20, 20)], [(e.step, e.kind, e.actions) for e in mon.events]
+    assert {e.kind for e in mon.events} == {"update_ratio_spike"}  # (its own put-back is no change the loop made)
+    assert same_state(model, twin)
+
+
 def test_a_bad_batch_every_few_steps_is_skipped_and_costs_nothing_else(tmp_path):
     batches = data(n=80, bad_every=5)
     twin, twin_opt = make()  # the fault-free twin: the same run without the bad batches
