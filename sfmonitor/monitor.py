@@ -292,32 +292,65 @@ def _default_groups(
     return out
 
 
-def master_copies(named: Sequence[tuple[str, nn.Parameter]], outside: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+def master_copies(
+    named: Sequence[tuple[str, nn.Parameter]], outside: Sequence[torch.Tensor], by_grad: bool = False
+) -> tuple[list[tuple[int, int]], set[int]]:
     """Which optimizer parameters outside the model are fp32 masters of the model's weights
     (Megatron-LM's Float16 optimizer, apex O2, hand-written mixed precision: the model computes in
     bf16/fp16, the optimizer updates fp32 copies, and the loop copies them back after each step).
     Pairs (position in ``named``, position in ``outside``): a model weight that takes gradients the
     optimizer does not update, of the master's shape and device, equal to the master rounded to
-    its dtype (the loop's copy); each master takes the first such weight in the model's order (two
-    zero biases of one shape are told apart by order, as the masters were made). DTensors are left
-    alone (FSDP2 keeps its own masters). One read of each candidate pair, at attach."""
+    its dtype (the loop's copy). Where several weights are equal to one master (LayerNorms at
+    attach: ones; biases: zeros), ``by_grad`` (the gradients of a step are there) takes the one
+    whose gradient is the most parallel to the master's (the loop's copy of it, scaled or not);
+    else, or without gradients, the first in the model's order. Also returns the masters paired by
+    such a tie (positions in ``outside``). DTensors are left alone (FSDP2 keeps its own masters).
+    One read of each candidate pair."""
     free = [
         i
         for i, (_, p) in enumerate(named)
         if p.requires_grad and not callable(getattr(p, "to_local", None)) and p.layout == torch.strided
     ]
     pairs: list[tuple[int, int]] = []
+    tied: set[int] = set()
     with torch.no_grad():
         for j, m in enumerate(outside):
             if callable(getattr(m, "to_local", None)) or m.layout != torch.strided:
                 continue
-            for k, i in enumerate(free):
-                p = named[i][1]
-                if p.shape == m.shape and p.device == m.device and torch.equal(m.detach().to(p.dtype), p.detach()):
-                    pairs.append((i, j))
-                    del free[k]
-                    break
-    return pairs
+            same = [
+                k
+                for k, i in enumerate(free)
+                if (p := named[i][1]).shape == m.shape
+                and p.device == m.device
+                and torch.equal(m.detach().to(p.dtype), p.detach())
+            ]
+            if not same:
+                continue
+            k = same[0]
+            if len(same) > 1:
+                tied.add(j)
+                if by_grad:
+                    k = same[_most_parallel(m.grad, [named[free[c]][1].grad for c in same])]
+            pairs.append((free[k], j))
+            del free[k]
+    return pairs, tied
+
+
+def _most_parallel(grad: torch.Tensor | None, grads: Sequence[torch.Tensor | None]) -> int:
+    """The position in ``grads`` of the gradient most parallel to ``grad`` (the largest cosine);
+    0 where ``grad`` is missing or none can be compared."""
+    if grad is None or grad.is_sparse:
+        return 0
+    a = grad.detach().double().flatten()
+    best, best_cos = 0, -math.inf
+    for k, g in enumerate(grads):
+        if g is None or g.is_sparse or g.shape != grad.shape:
+            continue
+        b = g.detach().double().flatten()
+        cos = float(a @ b) / max(float(a.norm() * b.norm()), 1e-300)
+        if cos > best_cos:
+            best, best_cos = k, cos
+    return best
 
 
 def _alive(pid: int) -> bool:
@@ -629,6 +662,7 @@ class Monitor:
         self._model_groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
         self._outside: list[tuple[str, nn.Parameter]] = []
         self._copies: list[torch.Tensor] = []  # the model's weights fp32 masters stand in for
+        self._pairing_pending = False  # masters whose weights tied by value at attach (master_copies)
         self._probed: list[torch.Tensor] = []  # the zero_grad probe's candidates (_index_params)
         self._probed_names: list[str] = []
         self._params: list[nn.Parameter] = []  # the monitored parameters (_index_params)
@@ -765,7 +799,7 @@ class Monitor:
     # ------------------------------------------------------------------------------------------
     # attach / detach
     # ------------------------------------------------------------------------------------------
-    def _index_params(self) -> None:
+    def _index_params(self, by_grad: bool = False) -> None:
         """The parameter tables the statistics use: the model's parameters in named_parameters()
         order (so "the first offending parameter" is the first one a user, or `sfmonitor replay`,
         finds walking the model), then those the optimizer updates but the model does not hold (a
@@ -787,7 +821,10 @@ class Monitor:
         # the undo copy beside them (the loop refreshes them from the masters after each step)
         in_optimizer = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
         fed = [(n, p) for n, p in named if id(p) not in in_optimizer]
-        pairs = agree_pairs(master_copies(fed, [p for _, p in outside]), len(outside))
+        found, tied = master_copies(fed, [p for _, p in outside], by_grad=by_grad)
+        pairs = agree_pairs(found, len(outside))
+        # masters told apart from another weight by value alone at attach: again at the first step
+        self._pairing_pending = not by_grad and any(j in tied for _, j in pairs)
         stand_in = {id(fed[i][1]): outside[j][1] for i, j in pairs}
         mastered = {j for _, j in pairs}
         outside = [o for j, o in enumerate(outside) if j not in mastered]
@@ -1702,8 +1739,8 @@ class Monitor:
         """Everything the monitor does before an update lands, in this fixed order."""
         step = rec.step
         optimizer = self._live().optimizer
-        if sum(len(pg["params"]) for pg in optimizer.param_groups) != self._n_opt_params:
-            self._index_params()  # add_param_group() since the last step
+        if self._pairing_pending or sum(len(pg["params"]) for pg in optimizer.param_groups) != self._n_opt_params:
+            self._index_params(by_grad=True)  # add_param_group() since the last step; masters that tied
         self._fresh_buffers()
         if not self._warned_join and getattr(getattr(self.model, "_join_config", None), "enable", False):
             self._warned_join = True

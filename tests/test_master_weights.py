@@ -129,7 +129,7 @@ def test_masters_that_match_no_model_weight_stay_in_other(tmp_path):
     assert "grad_norm/other" in mon.stats and "grad_norm/0" in mon.stats
 
 
-def _ddp_masters_worker(rank, world, port, out_dir):
+def _ddp_masters_worker(rank, world, port, out_dir, after_wrap=False):
     import os
 
     import torch.distributed as dist
@@ -137,9 +137,14 @@ def _ddp_masters_worker(rank, world, port, out_dir):
 
     join_gloo(rank, world, port)
     torch.manual_seed(rank)  # each rank its own weights, until DDP broadcasts rank 0's
-    inner = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(torch.bfloat16)
-    masters = [p.detach().float().clone().requires_grad_(True) for p in inner.parameters()]
-    model = nn.parallel.DistributedDataParallel(inner)  # rank 1's masters now copy no weight of its model
+    inner = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 1))
+    inner = inner.to(torch.bfloat16)
+    if after_wrap:  # masters of the weights every rank holds: the LayerNorms' tie at attach, on every rank
+        model = nn.parallel.DistributedDataParallel(inner)
+        masters = [p.detach().float().clone().requires_grad_(True) for p in inner.parameters()]
+    else:
+        masters = [p.detach().float().clone().requires_grad_(True) for p in inner.parameters()]
+        model = nn.parallel.DistributedDataParallel(inner)  # rank 1's masters now copy no weight of its model
     opt = torch.optim.AdamW(masters, lr=1e-2)
     mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out_dir, str(rank)), sinks=[], config=quiet())
     for _ in range(3):
@@ -150,7 +155,8 @@ def _ddp_masters_worker(rank, world, port, out_dir):
         opt.step()
         opt.zero_grad()
         model.zero_grad()
-    torch.save(sorted(k for k in mon.stats if k.startswith("grad_norm/")), os.path.join(out_dir, f"r{rank}.pt"))
+    norms = {k: v for k, v in mon.stats.items() if k.startswith("grad_norm/")}
+    torch.save(norms, os.path.join(out_dir, f"r{rank}.pt"))
     mon.detach()
     dist.barrier()
     leave_process_group()
@@ -164,7 +170,18 @@ def test_every_rank_pairs_the_same_masters(tmp_path):
 
     mp.spawn(_ddp_masters_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
-    assert r0 == r1 and "grad_norm/other" in r0
+    assert r0.keys() == r1.keys() and "grad_norm/other" in r0
+
+
+def test_masters_that_tie_at_attach_are_paired_again_at_the_first_step_on_every_rank(tmp_path):
+    """The LayerNorms' masters tie by value on every rank: every rank pairs them again at the first
+    step (one more small collective there, on every rank), and lays out the same statistics."""
+    import torch.multiprocessing as mp
+    from _integration_helpers import free_port
+
+    mp.spawn(_ddp_masters_worker, args=(2, free_port(), str(tmp_path), True), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
+    assert r0 == r1 and "grad_norm/other" not in r0 and "grad_norm/1" in r0 and "grad_norm/3" in r0
 
 
 def test_the_emergency_checkpoint_holds_the_masters_and_their_healthy_copies(tmp_path):
@@ -275,3 +292,50 @@ def test_a_loop_that_never_resets_the_models_gradients_is_told(tmp_path):
     mon.detach()
     told = [e for e in mon.events if e.kind == "zero_grad_missing"]
     assert [e.step for e in told] == [1] and told[0].data["parameter"] == "0.weight", mon.events
+
+
+def test_masters_listed_in_another_order_are_paired_by_their_gradients_where_values_tie(tmp_path):
+    """Two LayerNorms hold equal values at attach (ones, zeros), so values alone cannot tell whose
+    master is whose; with the final norm's and the head's masters in a first parameter group (their
+    own LR), the first master of ones took the body's LayerNorm: grad_norm/ln_f read 0.26 where the
+    masters' is 0.52 (a helper's probe). At the first step the gradients tell them apart."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh())
+            self.ln_f = nn.LayerNorm(16)
+            self.head = nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.head(self.ln_f(self.body(x)))
+
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    pairs = {n: (p.detach().clone().float().requires_grad_(True), p) for n, p in model.named_parameters()}
+    first = ["ln_f.weight", "ln_f.bias", "head.weight", "head.bias"]
+    opt = torch.optim.AdamW(
+        [{"params": [pairs[n][0] for n in first]}, {"params": [m for n, (m, _) in pairs.items() if n not in first]}],
+        lr=1e-3,
+    )
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(32, 8, generator=g)
+        mon.combine(nn.functional.mse_loss(model(x.bfloat16()).float(), x[:, :1])).backward()
+        for m, p in pairs.values():
+            m.grad = p.grad.float()
+        true = {
+            k: math.sqrt(sum(m.grad.double().pow(2).sum().item() for n, (m, _) in pairs.items() if n.startswith(k)))
+            for k in ("body", "ln_f", "head")
+        }
+        opt.step()
+        for k, v in true.items():
+            assert mon.stats[f"grad_norm/{k}"] == pytest.approx(v, rel=1e-5), k
+        opt.zero_grad()
+        model.zero_grad()
+        with torch.no_grad():
+            for m, p in pairs.values():
+                p.copy_(m)
+    mon.detach()
+    assert mon.events == []
