@@ -720,6 +720,10 @@ class Monitor:
         self._recorder.on_forward = self._forward_starts
         # (step, id of its record, the gradients as they were) at the step's last recorded forward
         self._micro_mark: tuple[int, int, Any] | None = None
+        # gradient resets between forwards since the last optimizer step, and per step of the last
+        # RESET_STEPS that reached one (the loop's habit: _forward_starts)
+        self._resets = self._attempt_resets = 0  # (the latter since the record last started over)
+        self._reset_counts: collections.deque[int] = collections.deque(maxlen=self.RESET_STEPS)
         self._first_buffers: Any = None  # the forward pre-hook of _arm_first_buffers
         # (step, the gradients as they were) at the forward taken for the step's first (_before_forward)
         self._forward_mark: tuple[int, Any] | None = None
@@ -1753,6 +1757,10 @@ class Monitor:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+        if self._grad_reset.mark() is not None:  # (resets are seen from the first step's end on)
+            self._reset_counts.append(self._resets)  # the loop's habit (_forward_starts)
+        self._resets = self._attempt_resets = 0
 
         # 1. stats: every number of this step as a tensor, then ONE host read. The previous
         #    step's update ratios (measured after its update landed) ride along in the same read.
@@ -3115,11 +3123,19 @@ class Monitor:
             if len(fresh) == len(live):  # (one set to None: the copy's layout stays as it was)
                 self._buffers[:] = fresh
 
+    RESET_STEPS = 20
+
+    def _reset_habit(self) -> float:
+        """The gradient resets between forwards a step of this loop makes as a rule: the median
+        over the last ``RESET_STEPS`` optimizer steps (0 before any)."""
+        return statistics.median(self._reset_counts) if self._reset_counts else 0
+
     def _forward_starts(self) -> bool:
         """A forward that computes gradients begins (the recorder's hook, before it records it):
         whether the loop threw away what this step's forwards before it made, and so the step's
         record starts over. That is where the loop reset the gradients (``zero_grad()``) since the
-        last of them and made no optimizer step: a skip of its own (a hand-written loss scaler's
+        last of them and made no optimizer step, more often than its steps do as a rule (PCGrad and
+        MAML reset them between tasks in every step: ``_reset_habit``): a skip of its own (a hand-written loss scaler's
         overflow, a check of the gradients for NaN: ``model.zero_grad(); continue``) or a forward
         between two steps whose gradients it resets (a GAN's generator loss through the
         discriminator). Their losses and inputs are no part of the step's update: a NaN or a spike
@@ -3131,6 +3147,15 @@ class Monitor:
             return False
         if not self._grad_reset.reset_since(mark[2]):
             return False  # a micro-batch of the step (or one whose backward never came)
+        self._resets += 1
+        self._attempt_resets += 1
+        if self._attempt_resets <= self._reset_habit():
+            # The loop takes its gradients apart in every step (PCGrad's per task, MAML's per
+            # task: a backward, the gradients kept by hand, zero_grad, the next task): its step.
+            # Taken for a skip, a task's loss judged the update by another's (undone), and an
+            # undo between two tasks left the first task's gradient of the undone state in it.
+            return False
+        self._attempt_resets = 0  # (what follows is another try at the step)
         trained = [e.total for e in rec.losses.entries if e.used]  # (combine()'s, backpropagated)
         rec.losses.entries.clear()
         if trained and world_size() == 1:

@@ -168,6 +168,47 @@ def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undon
     assert same_state(model, twin)
 
 
+def test_a_loop_that_takes_its_gradients_apart_by_task_every_step_is_no_loop_skipping_steps(tmp_path):
+    """PCGrad's loop (a helper's probe): per task a forward, a backward through combine(), the
+    gradients kept by hand, zero_grad(); then their sum and one optimizer step. A reset between
+    tasks in every step is the loop's habit, not a skip: the first task's loss stays part of the
+    step, and a scheduled LR raise x10 at step 40 is left alone (taken for skips, each step's
+    first task's loss, weighted 10, judged the raise's updates against the second's: undone, and
+    the LR cut)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(6, 2, generator=g)
+    xs = [torch.randn(32, 6, generator=g) for _ in range(60)]
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 2))
+        opt = torch.optim.Adam(model.parameters(), 3e-3)
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+        totals = []
+        for t, x in enumerate(xs):
+            opt.param_groups[0]["lr"] = 3e-3 * (10 if t >= 40 else 1)
+            kept, losses = [], []
+            for k, weight in ((0, 10.0), (1, 1.0)):
+                opt.zero_grad()
+                loss = weight * nn.functional.mse_loss(model(x)[:, k], torch.sin(x @ w)[:, k])
+                losses.append(float(loss))
+                (mon.combine(loss) if mon else loss).backward()
+                kept.append([p.grad.clone() for p in model.parameters()])
+            for p, a, b in zip(model.parameters(), *kept):
+                p.grad = a + b
+            opt.step()
+            if mon is not None:
+                totals.append((mon.stats["loss/total"], sum(losses) / 2))
+        if mon is not None:
+            mon.detach()
+        return model, mon, totals
+
+    bare, _, _ = run(False)
+    model, mon, totals = run(True)
+    assert mon.events == [] and same_state(model, bare), [(e.step, e.kind, e.actions) for e in mon.events]
+    assert all(a == pytest.approx(b, rel=1e-6) for a, b in totals[2:])  # both tasks' losses are the step's
+
+
 def test_a_bad_batch_every_few_steps_is_skipped_and_costs_nothing_else(tmp_path):
     batches = data(n=80, bad_every=5)
     twin, twin_opt = make()  # the fault-free twin: the same run without the bad batches
