@@ -3134,13 +3134,12 @@ class Monitor:
         """A forward that computes gradients begins (the recorder's hook, before it records it):
         whether the loop threw away what this step's forwards before it made, and so the step's
         record starts over. That is where the loop reset the gradients (``zero_grad()``) since the
-        last of them and made no optimizer step, more often than its steps do as a rule (PCGrad and
-        MAML reset them between tasks in every step: ``_reset_habit``): a skip of its own (a hand-written loss scaler's
-        overflow, a check of the gradients for NaN: ``model.zero_grad(); continue``) or a forward
-        between two steps whose gradients it resets (a GAN's generator loss through the
-        discriminator). Their losses and inputs are no part of the step's update: a NaN or a spike
-        among them made the next step a bad batch, its healthy update skipped. True: the losses
-        recorded are dropped here, the recorder drops the inputs."""
+        last of them and made no optimizer step, more often than its steps do as a rule (PCGrad
+        and MAML reset them between tasks in every step: ``_reset_habit``): a skip of its own (a
+        hand-written loss scaler's overflow, a check of the gradients for NaN:
+        ``model.zero_grad(); continue``). Their losses and inputs are no part of the step's update:
+        a NaN or a spike among them made the next step a bad batch, its healthy update skipped.
+        True: the losses recorded are dropped here, the recorder drops the inputs."""
         rec = self._record
         mark, self._micro_mark = self._micro_mark, (self.step, id(rec), self._grad_reset.mark())
         if mark is None or mark[:2] != (self.step, id(rec)) or rec.phase is not Phase.OPEN:
@@ -3156,12 +3155,12 @@ class Monitor:
             # undo between two tasks left the first task's gradient of the undone state in it.
             return False
         self._attempt_resets = 0  # (what follows is another try at the step)
-        trained = [e.total for e in rec.losses.entries if e.used]  # (combine()'s, backpropagated)
+        trained = [e for e in rec.losses.entries if e.used]  # (combine()'s, backpropagated)
         rec.losses.entries.clear()
         if trained and world_size() == 1:
             # A training step the loop skipped: the update before it is judged now, by the loss
             # that step measured after it (one read), for no optimizer step may come to judge it
-            loss = float(torch.stack(trained).mean())
+            loss = float(sum(e.total for e in trained) / sum(e.calls for e in trained))
             extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(self._live().optimizer).items()}
             if self._regime_next is None:  # (new_regime(): the loss is of other data)
                 extra[S.LOSS_AFTER_UPDATE] = loss
