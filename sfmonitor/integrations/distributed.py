@@ -131,8 +131,9 @@ def same_layout(keys: Sequence[str], size: int, error: str) -> None:
 def agree_pairs(pairs: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
     """The (model weight, master) pairs every rank made of its ``n`` optimizer parameters outside
     the model (``monitor.master_copies``: equal values, which masters built before DDP's broadcast
-    of rank 0's weights are not on the other ranks): one small max collective at attach, so that
-    every rank lays out the same statistics. No-op without a process group."""
+    of rank 0's weights are not on the other ranks): one small max collective at attach, and at
+    the first step where masters tied by value (every rank alike: the pairs it checks are agreed),
+    so that every rank lays out the same statistics. No-op without a process group."""
     if world_size() == 1 or n == 0:
         return list(pairs)
     d = torch.distributed
