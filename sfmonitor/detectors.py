@@ -1646,7 +1646,10 @@ class UpdateRatioSpike(_Windowed):
                         "after it: an excursion of that one step" + ("" if kind == LARGE_UPDATE else " (no LR drop)")
                     )
                 if harm is not None and harm.get("last_update"):
-                    told += "; the run's last update: no loss was measured after it, no harm shown to undo"
+                    told += (
+                        "; no loss after it to judge it by (the run's last update, or one a step the loop "
+                        "skipped under torch.distributed found), no harm shown to undo"
+                    )
                 elif harm is not None:
                     told += f"; the loss went from {_fmt(harm['loss_before'])}" + (
                         " (its level before the raise)" if harm.get("since_raise") else ""
@@ -1771,7 +1774,8 @@ class UpdateRatioSpike(_Windowed):
         cfg = self.config
         before, after = stats.get(LOSS_TOTAL), stats.get(S.LOSS_AFTER_UPDATE)
         if relative and cfg.harm_rise and before is not None and S.finite(before) and stats.get(S.LAST_UPDATE):
-            # the run's last update: no loss was measured after it, so no harm is shown (told)
+            # no loss to judge it by (the run's last update; under torch.distributed, one a step the
+            # loop skipped found): no harm is shown (told)
             return {"loss_before": before, "loss_after": None, "harm": False, "last_update": True}
         if not relative or not cfg.harm_rise or before is None or after is None or not S.finite(before):
             return None

@@ -3157,13 +3157,16 @@ class Monitor:
         self._attempt_resets = 0  # (what follows is another try at the step)
         trained = [e for e in rec.losses.entries if e.used]  # (combine()'s, backpropagated)
         rec.losses.entries.clear()
-        if trained and world_size() == 1:
+        if trained:
             # A training step the loop skipped: the update before it is judged now, by the loss
-            # that step measured after it (one read), for no optimizer step may come to judge it
-            loss = float(sum(e.total for e in trained) / sum(e.calls for e in trained))
+            # that step measured after it (one read), for no optimizer step may come to judge it.
+            # Under torch.distributed by its update ratios alone (the same on every rank; each
+            # rank's loss is its own batch's, and the ranks must decide alike).
             extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(self._live().optimizer).items()}
-            if self._regime_next is None:  # (new_regime(): the loss is of other data)
-                extra[S.LOSS_AFTER_UPDATE] = loss
+            if world_size() > 1:
+                extra[S.LAST_UPDATE] = 1.0
+            elif self._regime_next is None:  # (new_regime(): the loss is of other data)
+                extra[S.LOSS_AFTER_UPDATE] = float(sum(e.total for e in trained) / sum(e.calls for e in trained))
             self._finish_pending()
             self._judge_last_update(extra)
             ctx = self._ctx

@@ -102,6 +102,8 @@ NEXT_LR = "next_lr/{}"
 UPDATE_LR_SCALE = "update_lr_scale"
 # Given (1.0) with the run's last update when detach() judges it: no step came after it, so no loss
 # was measured on the updated weights; a test that asks the loss for evidence of harm tells instead.
+# Also where a step the loop skipped judges the update under torch.distributed (Monitor._forward_starts:
+# each rank's loss is its own batch's, and the ranks must decide alike).
 LAST_UPDATE = "last_update"
 # The loss measured after that update (the next step's loss/total, on the updated weights): given
 # to the after-update detectors with the update's step when the update landed, not published (it

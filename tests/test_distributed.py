@@ -729,3 +729,44 @@ def test_a_zero_emergency_checkpoint_holds_every_ranks_shard_and_loads_into_a_fr
     assert r0["snapshot_file"] == ["extra", "model", "rng"]
     error, files, dropped = r0["bundle"]  # the anomaly bundle: the model, without the optimizer state
     assert error is None and "model" in files and "optimizer" not in files and "optimizer" in dropped
+
+
+def _capped_worker(rank, world, port, out_dir):
+    """A DDP loop that skips any step whose (all-reduced) gradient norm is over its cap; an update
+    at 1e4x the LR at iteration 10 makes every gradient after it exceed the cap."""
+    _join(rank, world, port)
+    out = {}
+    for monitored, drop in ((True, ()), (False, (10, 11))):
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = sfmonitor.attach(model, opt, sinks=[], config={"console": False}) if monitored else None
+        g = torch.Generator().manual_seed(100 + rank)
+        for i in range(24):
+            x = torch.randn(8, 4, generator=g)
+            if i in drop:
+                continue
+            loss = (model(x) - x[:, :1]).pow(2).mean()
+            (mon.combine(loss) if mon else loss).backward()
+            if not torch.stack([p.grad.norm() for p in model.parameters()]).norm() < 100:
+                model.zero_grad()  # the loop's own check
+                continue
+            opt.param_groups[0]["lr"] = 1e-2 * (1e4 if i == 10 else 1)
+            opt.step()
+            opt.zero_grad()
+        out["mon" if monitored else "twin"] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        if mon is not None:
+            out["events"] = [(e.step, e.kind, e.actions) for e in mon.events]
+            mon.detach()
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_a_bad_update_the_loops_own_check_hides_is_undone_on_every_rank_alike(tmp_path):
+    """Under DDP the step the loop skips judges the update before it by its update ratios alone
+    (the same on every rank): every rank undoes it at the same step, and the run goes on as the
+    one without those two batches."""
+    mp.spawn(_capped_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["events"] == r1["events"] and any("undo" in a for _, _, a in r0["events"]), r0["events"]
+    assert torch.equal(r0["mon"], r1["mon"]) and torch.equal(r0["mon"], r0["twin"])
