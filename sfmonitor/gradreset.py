@@ -75,6 +75,11 @@ class GradResetProbe:
         self._seen = onto_last and self._seen is not False  # one reset since the step is enough
         self._last = (weakref.ref(grad), grad._version)
 
+    @property
+    def armed(self) -> bool:
+        """Whether a gradient is probed (from the end of the first step with one on)."""
+        return self._last is not None and self._param is not None and self._param() is not None
+
     def mark(self) -> Mark | None:
         """The probed gradient as it is now, and the accumulations so far (None: nothing probed),
         for ``reset_since``."""

@@ -96,7 +96,6 @@ from .forensics import MAX_STEP_BATCHES, BatchRecorder, BundleTracker, batch_inp
 from .gradreset import GradResetProbe
 from .integrations.distributed import (
     agree_metrics,
-    agree_pairs,
     alone,
     rank,
     rank_slots,
@@ -309,13 +308,13 @@ def master_copies(
     free = [
         i
         for i, (_, p) in enumerate(named)
-        if p.requires_grad and not callable(getattr(p, "to_local", None)) and p.layout == torch.strided
+        if p.requires_grad and not sharding.is_sharded(p) and p.layout == torch.strided
     ]
     pairs: list[tuple[int, int]] = []
     tied: set[int] = set()
     with torch.no_grad():
         for j, m in enumerate(outside):
-            if callable(getattr(m, "to_local", None)) or m.layout != torch.strided:
+            if sharding.is_sharded(m) or m.layout != torch.strided:
                 continue
             same = [
                 k
@@ -826,7 +825,7 @@ class Monitor:
         in_optimizer = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
         fed = [(n, p) for n, p in named if id(p) not in in_optimizer]
         found, tied = master_copies(fed, [p for _, p in outside], by_grad=by_grad)
-        pairs = agree_pairs(found, len(outside))
+        pairs = sharding.agree_pairs(found, len(outside))
         # masters told apart from another weight by value alone at attach: again at the first step
         self._pairing_pending = not by_grad and any(j in tied for _, j in pairs)
         stand_in = {id(fed[i][1]): outside[j][1] for i, j in pairs}
@@ -1758,7 +1757,7 @@ class Monitor:
                 stacklevel=2,
             )
 
-        if self._grad_reset.mark() is not None:  # (resets are seen from the first step's end on)
+        if self._grad_reset.armed:  # (resets are seen from the first step's end on)
             self._reset_counts.append(self._resets)  # the loop's habit (_forward_starts)
         self._resets = self._attempt_resets = 0
 
@@ -1850,8 +1849,7 @@ class Monitor:
                 self._measure_from_undo(prev_rec)  # (an update stats.update_ratio_every left unmeasured)
             judged = self._judge_update(prev_rec, extra)
             findings += judged
-            # (a large update that did not raise the loss is told, and sound)
-            harmful = [f for f in judged if f.kind != LARGE_UPDATE]
+            harmful = self._harmful(judged)
             if prev_rec.update_landed:  # was the update the state comes from judged, and sound?
                 self._last_update_sound = self._measured(prev_rec) and not harmful
         findings += detected
@@ -2936,7 +2934,7 @@ class Monitor:
             return
         judged = self._judge_update(last, extra if extra is not None else {S.LAST_UPDATE: 1.0})
         self._last = None
-        self._last_update_sound = not [f for f in judged if f.kind != LARGE_UPDATE]
+        self._last_update_sound = not self._harmful(judged)
         if judged:
             try:
                 self._decide_and_act(self.step, judged, None)
@@ -2990,6 +2988,12 @@ class Monitor:
         if rec.batch_share < 1:
             seen[S.BATCH_SHARE] = rec.batch_share
         return [f for d in self._detectors if d.after_update for f in d.check(rec.step, seen)]
+
+    @staticmethod
+    def _harmful(judged: list[Finding]) -> list[Finding]:
+        """The findings of ``_judge_update`` that call the update harmful (it is undone): all but a
+        large update that did not raise the loss, which is told, and sound."""
+        return [f for f in judged if f.kind != LARGE_UPDATE]
 
     def _batch_share(self, size: float) -> float:
         """The step's batch as a share of the usual one: its input elements over the median of the
@@ -3169,11 +3173,8 @@ class Monitor:
                 extra[S.LOSS_AFTER_UPDATE] = float(sum(e.total for e in trained) / sum(e.calls for e in trained))
             self._finish_pending()
             self._judge_last_update(extra)
-            ctx = self._ctx
-            if ctx is not None:
-                ctx.repeat_batch = False  # (the skipped step's batch is the loop's: gone)
-                if ctx.restored_at == self.step:
-                    own_write(self._params)  # (put back by the monitor: no change the loop made)
+            if self._ctx is not None and self._ctx.restored_at == self.step:
+                own_write(self._params)  # (put back by the monitor: no change the loop made)
         return True
 
     def _arm_first_buffers(self) -> None:

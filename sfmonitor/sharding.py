@@ -294,6 +294,21 @@ def max_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return comm
 
 
+def agree_pairs(pairs: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The (model weight, master) pairs every rank made of its ``n`` optimizer parameters outside
+    the model (``monitor.master_copies``: equal values, which masters built before DDP's broadcast
+    of rank 0's weights are not on the other ranks), in one ``max_over_ranks`` of each master's
+    weight and its negative, at attach and at the first step where masters tied by value (every
+    rank alike: the pairs it checks are agreed), so that every rank lays out the same statistics."""
+    if world_size() <= 1 or n == 0:
+        return list(pairs)
+    mine = torch.zeros(n, dtype=torch.float64)
+    for i, j in pairs:
+        mine[j] = i + 1
+    both = max_over_ranks(torch.cat([mine, -mine])).tolist()
+    return [(i, j) for i, j in pairs if both[j] == -both[n + j] == i + 1]
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite, on every rank when any of them is sharded
     (one max collective then; one host read either way), so every rank answers the same."""

@@ -130,25 +130,31 @@ def test_a_step_the_loop_skips_itself_after_its_backward_is_no_part_of_the_next(
     assert mon.step == 40 - 3
 
 
-def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undone(tmp_path):
+@pytest.mark.parametrize("through_batches", [False, True], ids=["plain", "batches"])
+def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undone(tmp_path, through_batches):
     """A loop that skips any step whose gradient norm is over a cap (its own check, no optimizer
     step) never made another step after an update at 1e4x the LR: every gradient at the wrecked
     state was over the cap, and the monitor, which judges an update in the next optimizer step,
     was left with it unjudged for the rest of the run (a probe: 349 steps, held-out loss 7e9). The
     step the loop skips judges it, by the loss measured after it: undone, and the run goes on as
-    the bare run without the two batches (the bad update's, and the one the loop skipped)."""
+    the bare run without the two batches (the bad update's, and the one the loop skipped).
+    Through ``monitor.batches()``, a batch the loop skips right after the undo (its own reason) is
+    not yielded again: the batch to repeat after an undo is the skipped step's, the loop's."""
     batches = data(n=40)
+    again = 22 if through_batches else None  # the loop skips the batch after the undo too
 
     def run(monitored, drop=()):
         model, opt = make()
         mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
-        for i, (x, y, _) in enumerate(batches):
+        order = list(range(len(batches)))
+        for i in mon.batches(order) if mon is not None and through_batches else order:
             if i in drop:
                 continue
+            x, y, _ = batches[i]
             loss = nn.functional.mse_loss(model(x), y)
             (mon.combine(loss) if mon else loss).backward()
             norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
-            if not norm < 100:  # the loop's own check
+            if not norm < 100 or i == again:  # the loop's own check
                 model.zero_grad()
                 continue
             opt.param_groups[0]["lr"] = 1e-2 * (1e4 if i == 20 else 1)
@@ -159,7 +165,7 @@ def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undon
         return model, mon
 
     bare, _ = run(False)
-    twin, _ = run(False, drop=(20, 21))
+    twin, _ = run(False, drop=(20, 21, 22) if through_batches else (20, 21))
     model, mon = run(True)
     assert not same_state(bare, twin)  # the bare run never recovers
     undone = [(e.step, e.data["step"]) for e in mon.events if "undo" in e.actions]

@@ -128,24 +128,6 @@ def same_layout(keys: Sequence[str], size: int, error: str) -> None:
         raise layout_error(keys, size, error)
 
 
-def agree_pairs(pairs: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-    """The (model weight, master) pairs every rank made of its ``n`` optimizer parameters outside
-    the model (``monitor.master_copies``: equal values, which masters built before DDP's broadcast
-    of rank 0's weights are not on the other ranks): one small max collective at attach, and at
-    the first step where masters tied by value (every rank alike: the pairs it checks are agreed),
-    so that every rank lays out the same statistics. No-op without a process group."""
-    if world_size() == 1 or n == 0:
-        return list(pairs)
-    d = torch.distributed
-    mine = torch.zeros(n, dtype=torch.float64)
-    for i, j in pairs:
-        mine[j] = i + 1
-    both = torch.cat([mine, -mine]).to(_comm_device(torch.device("cpu")))
-    d.all_reduce(both, op=d.ReduceOp.MAX)
-    top, low = both.cpu().tolist()[:n], both.cpu().tolist()[n:]
-    return [(i, j) for i, j in pairs if top[j] == -low[j] == i + 1]
-
-
 def layout_error(keys: Sequence[str], size: int, error: str) -> ConfigError:
     """The error of ranks that laid out different values: ``error``, then what this rank has."""
     shown = f"{list(keys)[:12]}" + (f" and {len(keys) - 12} more" if len(keys) > 12 else "")
