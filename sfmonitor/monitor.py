@@ -2919,7 +2919,8 @@ class Monitor:
         """The last update, judged where no optimizer step comes after it to judge it: at
         ``detach()`` (``extra`` None: without a loss after it, ``S.LAST_UPDATE``: what needs that
         evidence is told), or where the loop skipped a training step itself (``_forward_starts``:
-        with the loss that step measured after the update and the LRs of the next). A loop whose
+        with the loss that step measured after the update, where it told one, and the LRs of the
+        next). A loop whose
         own check rejects every step after a bad update (its cap on the gradient norm, its loss
         scaler halving at each overflow) would make none: the update stayed, unjudged, until
         detach (a probe: a 1e4x LR step, then 349 steps the loop skipped, held-out loss 7e9).
@@ -3161,20 +3162,21 @@ class Monitor:
         self._attempt_resets = 0  # (what follows is another try at the step)
         trained = [e for e in rec.losses.entries if e.used]  # (combine()'s, backpropagated)
         rec.losses.entries.clear()
-        if trained:
-            # A training step the loop skipped: the update before it is judged now, by the loss
-            # that step measured after it (one read), for no optimizer step may come to judge it.
-            # Under torch.distributed by its update ratios alone (the same on every rank; each
-            # rank's loss is its own batch's, and the ranks must decide alike).
-            extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(self._live().optimizer).items()}
-            if world_size() > 1:
-                extra[S.LAST_UPDATE] = 1.0
-            elif self._regime_next is None:  # (new_regime(): the loss is of other data)
-                extra[S.LOSS_AFTER_UPDATE] = float(sum(e.total for e in trained) / sum(e.calls for e in trained))
-            self._finish_pending()
-            self._judge_last_update(extra)
-            if self._ctx is not None and self._ctx.restored_at == self.step:
-                own_write(self._params)  # (put back by the monitor: no change the loop made)
+        # A training step the loop skipped: the update before it is judged now, for no optimizer
+        # step may come to judge it (a loop whose check rejects every step after a bad update), by
+        # what the next step would have judged it by: the loss that step measured after it (one
+        # read), or without combine() (no loss told) its update ratios alone. Under
+        # torch.distributed by its update ratios alone (the same on every rank; each rank's loss
+        # is its own batch's, and the ranks must decide alike).
+        extra = {S.NEXT_LR.format(g): lr for g, lr in self._group_lrs(self._live().optimizer).items()}
+        if trained and world_size() > 1:
+            extra[S.LAST_UPDATE] = 1.0
+        elif trained and self._regime_next is None:  # (new_regime(): the loss is of other data)
+            extra[S.LOSS_AFTER_UPDATE] = float(sum(e.total for e in trained) / sum(e.calls for e in trained))
+        self._finish_pending()
+        self._judge_last_update(extra)
+        if self._ctx is not None and self._ctx.restored_at == self.step:
+            own_write(self._params)  # (put back by the monitor: no change the loop made)
         return True
 
     def _arm_first_buffers(self) -> None:

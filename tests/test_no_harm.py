@@ -130,8 +130,12 @@ def test_a_step_the_loop_skips_itself_after_its_backward_is_no_part_of_the_next(
     assert mon.step == 40 - 3
 
 
-@pytest.mark.parametrize("through_batches", [False, True], ids=["plain", "batches"])
-def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undone(tmp_path, through_batches):
+@pytest.mark.parametrize(
+    ("through_batches", "combined"),
+    [(False, True), (True, True), (False, False)],
+    ids=["plain", "batches", "without-combine"],
+)
+def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undone(tmp_path, through_batches, combined):
     """A loop that skips any step whose gradient norm is over a cap (its own check, no optimizer
     step) never made another step after an update at 1e4x the LR: every gradient at the wrecked
     state was over the cap, and the monitor, which judges an update in the next optimizer step,
@@ -139,7 +143,10 @@ def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undon
     step the loop skips judges it, by the loss measured after it: undone, and the run goes on as
     the bare run without the two batches (the bad update's, and the one the loop skipped).
     Through ``monitor.batches()``, a batch the loop skips right after the undo (its own reason) is
-    not yielded again: the batch to repeat after an undo is the skipped step's, the loop's."""
+    not yielded again: the batch to repeat after an undo is the skipped step's, the loop's.
+    Without ``combine()`` the skipped step has no loss to tell: the update is judged by the
+    evidence the next optimizer step would have given (its update ratios), as it would have been
+    there."""
     batches = data(n=40)
     again = 22 if through_batches else None  # the loop skips the batch after the undo too
 
@@ -152,7 +159,7 @@ def test_a_bad_update_the_loops_own_check_then_rejects_every_step_after_is_undon
                 continue
             x, y, _ = batches[i]
             loss = nn.functional.mse_loss(model(x), y)
-            (mon.combine(loss) if mon else loss).backward()
+            (mon.combine(loss) if mon and combined else loss).backward()
             norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
             if not norm < 100 or i == again:  # the loop's own check
                 model.zero_grad()
