@@ -422,6 +422,9 @@ class ActionContext:
     # back after this step's scaler.update() (which would count the undone update's overflow)
     scaler_restore: list[torch.Tensor] | None = None
     undo: UndoState | None = None  # the state before the last update (the monitor keeps it current)
+    # the param-group keys the optimizer's step writes (its own counters in its groups:
+    # undo.written_entries), learned step by step: an undo and a rollback put them back too
+    group_step_keys: set[str] = field(default_factory=set)
     undo_params: list[nn.Parameter] = field(default_factory=list)  # the parameters it holds, in order
     undo_buffers: list[torch.Tensor] = field(default_factory=list)  # the model's buffers it holds
     # Without the undo copy (the lean profile): a copy of the normalisation layers' running
@@ -1457,7 +1460,14 @@ def undo(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         have = None if state is None else state.label
         return {**facts, "fallback": "rollback", "reason": f"no copy from before step {target}'s update ({have})"}
     # the undone step's batch leaves no trace in the buffers either (BatchNorm statistics)
-    state.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers, before_forward=True, tracked=ctx.tracked_tensors())
+    state.restore(
+        ctx.undo_params,
+        ctx.optimizer,
+        ctx.undo_buffers,
+        before_forward=True,
+        tracked=ctx.tracked_tensors(),
+        group_keys=ctx.group_step_keys,
+    )
     if state.scaler_state:  # (clones: the capture of this step overwrites the undo copy)
         ctx.scaler_restore = [t.clone() for t in state.scaler_state]
     ctx.skip = True
@@ -1507,7 +1517,7 @@ def _live_state_healthy(ctx: ActionContext, cause: Any) -> bool:
 def _restore_snapshot(ctx: ActionContext, state: Mapping[str, Any], rng: bool) -> None:
     """Put a snapshot back: model, optimizer, scaler (and RNG, with ``rng``), the optimizer-only
     parameters and the tracked modules; the state now is the one restored in this step."""
-    restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=rng)
+    restore_state(state, ctx.model, ctx.optimizer, ctx.scaler, rng=rng, step_keys=ctx.group_step_keys)
     ctx.restore_outside_params(state)
     ctx.restored_at = ctx.step
 

@@ -11,6 +11,9 @@ shard's where the write went through ``to_local()``), and a tensor replaced (``p
 leaves it (``close``) and names those that moved by the next step's pipeline (``changed``). A
 forward and a backward write neither. The monitor's own writes between the steps (QK-Clip after
 the update, or before a held module's forward) are marked with ``own_write`` and do not count.
+Where the undo copy holds the state before the last update, a write the counters show counts only
+where it is material, measured as the values below (schedule-free AdamW's ``eval()`` and
+``train()`` move the weights to their average and back: rounding is all they change).
 
 Two changes move no parameter's counter: an in-place write through ``p.data``
 (``p.data.mul_(mask)``: that tensor keeps a version counter of its own), and a buffer the loop

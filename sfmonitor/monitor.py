@@ -122,7 +122,17 @@ from .summary import (
     run_summary,
     write_json,
 )
-from .undo import Arena, UndoState, buffer_slots, local, running_statistics_by_layer, update_norms
+from .undo import (
+    Arena,
+    UndoState,
+    buffer_slots,
+    group_entries,
+    local,
+    put_entries,
+    running_statistics_by_layer,
+    update_norms,
+    written_entries,
+)
 from .userclip import UserClip, grads_scaled
 from .watch import ActivationWatch
 
@@ -1714,12 +1724,14 @@ class Monitor:
         if ctx.stopped:  # the run was stopped: further steps are skipped, without new events
             rec.phase = Phase.DECIDED
             rec.hide_grads(ctx.optimizer)
+            rec.groups_before = group_entries(ctx.optimizer)
             return
         ctx.graceful_stop = self._batch_loops > 0
         ctx.repeat_batch = False  # a request to repeat the last step's batch was taken or not
         started = time.perf_counter()
         try:
             self._run_pipeline(rec)
+            rec.groups_before = group_entries(ctx.optimizer)  # (as the optimizer's step finds them)
         except BaseException:
             self._close(aborted=True)
             raise
@@ -1768,10 +1780,13 @@ class Monitor:
         reset = self._grad_reset.take()
         tensors[S.GRADS_NOT_RESET] = -1.0 if reset is None else float(reset)
         reason, self._regime_next = self._regime_next, None  # (new_regime(): any rank's, for all)
-        changed_by_loop = self._weights_changed_by_loop(step)
+        changed_by_loop, material = self._weights_changed_by_loop(step)
         if reason is None:
             reason = changed_by_loop
-        tensors[S.NEW_REGIME] = float(reason is not None)
+        # (a change the loop made counts only as large as the update before it, or larger: read here)
+        tensors[S.NEW_REGIME] = (
+            material if reason is changed_by_loop and material is not None else float(reason is not None)
+        )
         if self._loop_writes.values_due(step):  # (sampled: counted in this one read)
             rec.values_written = self._values_written(step)
             if rec.values_written is not None:
@@ -1805,6 +1820,8 @@ class Monitor:
         findings = self._nonfinite_findings(rec, grad_index) + self._zero_gradient_findings(rec)
         findings += self._zero_grad_missing_findings(rec)
         announced = rec.internal.get(S.NEW_REGIME, 0.0) > 0
+        if announced and changed_by_loop is not None:
+            self._loop_changed_at = step  # (a change of the weights the loop made: its habit from here)
         if announced:  # (before the detectors see the new data)
             self._new_regime(step)
             why = f" ({reason})" if reason else ("" if reason is not None else " (on another rank)")
@@ -2254,27 +2271,38 @@ class Monitor:
                     f.told = True
                     f.message += " (no state from before the shift is held: nothing to put back)"
 
-    def _weights_changed_by_loop(self, step: int) -> str | None:
+    def _weights_changed_by_loop(self, step: int) -> tuple[str | None, torch.Tensor | None]:
         """The reason of a new regime where the loop changed the weights since the last step ended
         (``loopwrites``: a head re-initialised, a checkpoint loaded, shrink and perturb): the step's
         loss measures that change, neither its batch nor the update before it (judged as bad
         batches on a sound state, the batches after a re-initialised head were skipped until
         their level had been seen 8 times). A change within ``LOOP_HABIT`` steps of the loop's
         last one is its habit, its training and not a change of it (a WGAN critic's clamp after
-        every step): told once, when it starts. None otherwise. Local: one rank's change applies on
-        every rank through the read (``S.NEW_REGIME``)."""
+        every step): told once, when it starts. (None, None) otherwise.
+
+        With the reason, whether the change is material (a 0-d tensor, 1.0 where it is, read in
+        the step's one read; None where it cannot be measured: no undo copy of the last update,
+        which the change is measured from): a write that moved the weights less than the update
+        before it and ``WRITE_SHARE`` of their norm explains no jump, and is no new regime
+        (schedule-free AdamW's ``eval()`` / ``train()`` around an evaluation move the weights to
+        their average and back: rounding is all they change, and every evaluation more than
+        ``LOOP_HABIT`` steps after the last told one and reset the detectors). Local: one
+        rank's change applies on every rank through the read (``S.NEW_REGIME``)."""
         changed = self._loop_writes.changed(self._params)
         if not changed:
-            return None
-        last, self._loop_changed_at = self._loop_changed_at, step
+            return None, None
+        last = self._loop_changed_at
         if last is not None and step - last <= self.LOOP_HABIT:
-            return None
+            self._loop_changed_at = step
+            return None, None
         groups = list(dict.fromkeys(self._group_names[self._param_group[i]] for i in changed))
-        return (
+        reason = (
             f"the loop changed the weights of {'group' if len(groups) == 1 else 'groups'} {', '.join(groups)} "
             "since the last step "
             f"({len(changed)} of {len(self._params)} parameter tensors)"
         )
+        differs = self._moved_beyond_update(step, whole=True)
+        return reason, differs[changed].any().float() if differs is not None else None
 
     def _jump_explained(self, step: int, jumped: list[Finding], rec: StepRecord) -> Finding | None:
         """``new_regime`` where the step's jumps (``jumped``) are new data's or the loop's change of
@@ -2346,24 +2374,39 @@ class Monitor:
 
     def _values_written(self, step: int) -> torch.Tensor | None:
         """Per parameter (a bool vector, no host read), whether its values changed since the last
-        step's update landed with no version counter to show it (a write through ``.data``): the
-        distance from the undo copy, which holds the state before that update, is not what the
-        update moved (``keep_moved``), by more than that update's size and ``WRITE_SHARE`` of the
-        weights (the difference of the two distances is a lower bound on the write's norm). A
-        smaller write cannot explain a jump the updates did not make: a mask or a clamp the loop
-        keeps after every step takes back part of what the optimizer moved, and was taken for the
-        jump's cause before the sampling had seen the habit (a garbage batch 10 steps after a
-        lottery ticket's first re-masking landed). The
-        writes the counters show (``_weights_changed_by_loop``'s) and the monitor's own are left
-        out. Without the undo copy (the lean profile) what the update ratio measured is compared,
-        its norms as the update left them against its norms now (their difference the same lower
-        bound on a write): in the lean profile a slice of each parameter, moving every step, so a
-        write that misses the slice is not seen. None where the last update was not measured."""
+        step's update landed with no version counter to show it (a write through ``.data``), by
+        more than that update's size and ``WRITE_SHARE`` of the weights (``_moved_beyond_update``).
+        The writes the counters show (``_weights_changed_by_loop``'s) and the monitor's own are
+        left out. None where the last update was not measured."""
+        differs = self._moved_beyond_update(step)
+        if differs is None:
+            return None
+        shown = self._loop_writes.changed(self._params) + self._loop_writes.own(self._params)
+        if shown:
+            differs[shown] = False
+        return differs
+
+    def _moved_beyond_update(self, step: int, whole: bool = False) -> torch.Tensor | None:
+        """Per parameter (a bool vector, no host read), whether something other than the last
+        update moved its values since that update landed: the distance from the undo copy, which
+        holds the state before that update, is not what the update moved (``keep_moved``), by more
+        than that update's size and ``WRITE_SHARE`` of the weights (the difference of the two
+        distances is a lower bound on the write's norm). A smaller write cannot explain a jump the
+        updates did not make: a mask or a clamp the loop keeps after every step takes back part of
+        what the optimizer moved, and was taken for the jump's cause before the sampling had seen
+        the habit (a garbage batch 10 steps after a lottery ticket's first re-masking landed).
+        Without the undo copy (the lean profile) what the update ratio measured is compared, its
+        norms as the update left them against its norms now (their difference the same lower bound
+        on a write): in the lean profile a slice of each parameter, moving every step, so a write
+        that misses the slice is not seen (``whole``: None there). None where the last update was
+        not measured."""
         kept = self._loop_writes.moved(step - 1)
         if kept is None or kept.numel() != len(self._params):
             return None
         slices = self._loop_writes.slices(step - 1)
         if slices is not None:  # the lean profile: the slices' norms as the update left them, and now
+            if whole:
+                return None
             now = S.norms(slices[0])
             gap = (now - slices[1]).abs()
         else:
@@ -2376,11 +2419,7 @@ class Monitor:
         # the gap is at most the write's norm: a write under the update's own size, or 1% of the
         # weights, explains no jump (a mask or a clamp kept after every step takes back part of
         # what the optimizer moved; an EMA target's step)
-        differs = gap > torch.maximum(kept, self.WRITE_SHARE * now)
-        shown = self._loop_writes.changed(self._params) + self._loop_writes.own(self._params)
-        if shown:
-            differs[shown] = False
-        return differs
+        return gap > torch.maximum(kept, self.WRITE_SHARE * now)
 
     # Findings of a step whose inputs came in a new shape that say the new data's doing, not a bad batch's
     _NEW_DATA_JUMPS = frozenset({LOSS_SPIKE, LOSS_COMPONENT_SPIKE, GRAD_SPIKE})
@@ -2822,9 +2861,24 @@ class Monitor:
         slices: tuple[list[torch.Tensor], torch.Tensor] | None = None  # or on the lean profile's slices
         try:
             ctx = self._ctx
+            if ctx is not None and rec.groups_before is not None:
+                # What the optimizer's step wrote into its param groups (its own state there, with
+                # or without gradients: schedule-free's step count): learned for an undo and a
+                # rollback to put back, and put back now where the step was skipped.
+                written = written_entries(rec.groups_before, ctx.optimizer)
+                ctx.group_step_keys |= written
+                if rec.skip and not rec.restore_after:
+                    put_entries(ctx.optimizer, rec.groups_before, written)
+                rec.groups_before = None
             if ctx is not None and ctx.undo is not None and rec.restore_after:
                 # a skip by restoring: the parameters, optimizer state and buffers as captured
-                ctx.undo.restore(ctx.undo_params, ctx.optimizer, ctx.undo_buffers, tracked=ctx.tracked_tensors())
+                ctx.undo.restore(
+                    ctx.undo_params,
+                    ctx.optimizer,
+                    ctx.undo_buffers,
+                    tracked=ctx.tracked_tensors(),
+                    group_keys=ctx.group_step_keys,
+                )
                 rec.restore_after = False
             elif ctx is not None and (held := ctx.buffer_copy()) and held[0].label == rec.step and rec.closure_in_step:
                 # the closure's forward ran after this step's copy: the buffers a skip of the next

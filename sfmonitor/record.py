@@ -161,6 +161,9 @@ class StepRecord:
     restore_after: bool = False  # a skip by putting this step's exact copy back after the step ran
     closure_in_step: bool = False  # the optimizer calls the closure inside its step (SAM): a forward after the copy
     saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
+    # the param groups' entries as the optimizer's step found them (undo.group_entries): what a
+    # skip puts back of those its step wrote (schedule-free's step count, with no gradient)
+    groups_before: list[dict[str, Any]] | None = None
     group_lr: dict[str, float] = field(default_factory=dict)  # the user's LR of each group's update
     lr_scale: float = 1.0  # the monitor's LR drop the update was made under (1: none)
     batch_share: float = 1.0  # the step's batch over the usual one (Monitor._batch_share)

@@ -13,8 +13,10 @@ A wrapper optimizer's inner optimizers (an attribute that is an optimizer: SAM's
 holds it too (``state_owners``).
 
 Under FSDP2 each rank copies its own local shards (``to_local()``): an undo on every rank
-restores the whole model. The user's param-group settings (LR, weight decay) are not part of the
-copy: an undo never turns the user's schedule back.
+restores the whole model. The user's param-group settings (LR, weight decay) are not put back:
+an undo never turns the user's schedule back. The entries of a param group that the optimizer's
+own step writes (state it keeps there: schedule-free AdamW's step count, ``weight_sum`` and
+``lr_max``; ``written_entries``) are, as the capture found them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from .checkpoint import inner_optimizers, params_of
 from .stats import norms
 
-__all__ = ["Arena", "UndoState", "local", "state_owners"]
+__all__ = ["Arena", "UndoState", "group_entries", "local", "put_entries", "state_owners", "written_entries"]
 
 
 def state_owners(optimizer: torch.optim.Optimizer) -> list[Any]:
@@ -40,6 +42,69 @@ def state_owners(optimizer: torch.optim.Optimizer) -> list[Any]:
         if all(inner.state is not o for o in owners):
             owners.append(inner.state)
     return owners
+
+
+def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param-group dicts of ``optimizer`` and of the optimizers it wraps, each list once."""
+    lists = [optimizer.param_groups]
+    for inner in inner_optimizers(optimizer):
+        if all(inner.param_groups is not held for held in lists):
+            lists.append(inner.param_groups)
+    return [group for groups in lists for group in groups]
+
+
+def _held(value: Any) -> Any:
+    return copy.copy(value) if isinstance(value, (list, dict, set)) else value
+
+
+_ABSENT = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False  # (a tensor put in a new one's place; one written in place is the same object)
+    try:
+        return bool(a == b)
+    except Exception:  # (an __eq__ that gives no truth value)
+        return False
+
+
+def group_entries(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's entries but its parameters, as they are now (containers copied): of
+    ``optimizer`` and of the optimizers it wraps."""
+    return [{k: _held(v) for k, v in g.items() if k != "params"} for g in _param_groups(optimizer)]
+
+
+def written_entries(before: Sequence[dict[str, Any]], optimizer: torch.optim.Optimizer) -> set[str]:
+    """The param-group keys whose values are not those of ``before`` (``group_entries``), added
+    and removed ones too: taken around ``optimizer.step()``, the state an optimizer keeps in its
+    groups and advances in its step (schedule-free AdamW's ``k``, ``weight_sum`` and ``lr_max``,
+    Prodigy's ``d``), with or without gradients. Nothing where the groups were added or removed."""
+    now = _param_groups(optimizer)
+    if len(now) != len(before):
+        return set()
+    return {
+        k
+        for g, b in zip(now, before)
+        for k in g.keys() | b.keys()
+        if k != "params" and not _same(g.get(k, _ABSENT), b.get(k, _ABSENT))
+    }
+
+
+def put_entries(optimizer: torch.optim.Optimizer, before: Sequence[dict[str, Any]], keys: set[str]) -> None:
+    """Put the ``keys`` of each param group back as ``before`` (``group_entries``) holds them (a
+    key it does not hold is removed); the others stay as they are (the user's LR schedule)."""
+    now = _param_groups(optimizer)
+    if not keys or len(now) != len(before):
+        return
+    for g, b in zip(now, before):
+        for k in keys:
+            if k in b:
+                g[k] = _held(b[k])
+            else:
+                g.pop(k, None)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -214,6 +279,9 @@ class UndoState:
         # Which state dicts the capture copied (ids, not references: they may be dropped): the
         # loop's own optimizer.load_state_dict() gives the optimizer a new one (a resume).
         self.owner_ids: list[int] = []
+        # The param groups' entries at the capture (group_entries): an undo puts back those the
+        # optimizer's step writes (its own counters), never the user's settings.
+        self.groups: list[dict[str, Any]] = []
 
     @property
     def nbytes(self) -> int:
@@ -296,6 +364,7 @@ class UndoState:
         self._note(buffers)
         self.label = label
         self.owner_ids = [id(o) for o in owners]
+        self.groups = group_entries(optimizer)
 
     def _note(self, buffers: Sequence[torch.Tensor]) -> None:
         """The buffers as the copy holds them now: which tensors, at which versions."""
@@ -382,9 +451,11 @@ class UndoState:
         buffers: Sequence[torch.Tensor] = (),
         before_forward: bool = False,
         tracked: Sequence[torch.Tensor] = (),
+        group_keys: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         """Put the copy back: parameters, optimizer state, buffers and tracked tensors
-        bit-identical to the capture.
+        bit-identical to the capture, and the param groups' ``group_keys`` (those the optimizer's
+        step writes: ``written_entries``) as the capture found them.
         ``before_forward``: the buffers as they were just before the captured step's first forward
         (when the capture before it is held: with what a forward between the two steps wrote), so
         the undone step's batch is as if never seen."""
@@ -417,12 +488,13 @@ class UndoState:
             dst += [local(t.detach()) for t in tracked]
             src += self.tracked
         torch._foreach_copy_(dst, src)
+        put_entries(optimizer, self.groups, set(group_keys))
 
     def clear(self) -> None:
         self.label, self.params, self.buffers, self._state = None, [], [], []
         self._param_arena, self._state_arena = Arena(), Arena()
         self.prev_label, self.prev_buffers, self.scaler_state = None, [], []
-        self.owner_ids, self.tracked = [], []
+        self.owner_ids, self.tracked, self.groups = [], [], []
         self.seen, self.seen_versions, self.changed, self.prev_changed, self._spare = [], [], {}, {}, {}
 
 
