@@ -725,8 +725,9 @@ class Monitor:
         self._detectors: list[Detector] = build_detectors(self.config.detectors) + extra
         self._policy = Policy(self.config.policy)
         self._watch = ActivationWatch(self.config.watch)
-        self._recorder = BatchRecorder(on_full=self._warn_never_stepped, keep=self.config.bundle.enabled)
+        self._recorder = BatchRecorder(keep=self.config.bundle.enabled)
         self._recorder.on_forward = self._forward_starts
+        self._forwards_idle = 0  # training forwards since the optimizer last stepped (_warn_not_stepping)
         # (step, id of its record, the gradients as they were) at the step's last recorded forward
         self._micro_mark: tuple[int, int, Any] | None = None
         # gradient resets between forwards since the last optimizer step, and per step of the last
@@ -1669,17 +1670,30 @@ class Monitor:
             [weakref.ref(p.grad) if p.grad is not None else None for p in self._params] if closure else None
         )
 
-    def _warn_never_stepped(self) -> None:
+    def _warn_not_stepping(self) -> None:
+        """``MAX_STEP_BATCHES`` training forwards and no step of the optimizer the monitor is
+        attached to: said once for each such stretch. Never stepped: the loop steps another one
+        (SAM's ``first_step()``). Stepped before: the loop replaced it (a new optimizer after a
+        change of the model), and the run goes on unwatched; the monitor said nothing (a probe: a
+        NaN batch and a 1e4x LR after a head swap, no event)."""
         optimizer = self._live().optimizer if self._ctx is not None else self.optimizer
-        warnings.warn(
-            f"sfmonitor: {MAX_STEP_BATCHES} training forwards since monitor step {self.step} began, and the "
-            f"{type(optimizer).__name__} the monitor is attached to never stepped: the monitor measures nothing "
-            "until it does and keeps no more of these forwards' inputs. Attach it to the "
-            "optimizer whose step() the loop calls (SAM's first_step()/second_step() call its base "
-            "optimizer's step(), not its own)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        name = type(optimizer).__name__
+        if self.step == 0:
+            said = (
+                f"{MAX_STEP_BATCHES} training forwards since monitor step {self.step} began, and the {name} the "
+                "monitor is attached to never stepped: the monitor measures nothing until it does and keeps no "
+                "more of these forwards' inputs. Attach it to the optimizer whose step() the loop calls (SAM's "
+                "first_step()/second_step() call its base optimizer's step(), not its own)"
+            )
+        else:
+            said = (
+                f"{MAX_STEP_BATCHES} training forwards since the {name} the monitor is attached to last stepped "
+                f"(monitor step {self.step}): the monitor measures nothing and rescues nothing until it steps "
+                "again. If the loop now steps another optimizer (a new one after a change of the model: a new "
+                "head, a precision switch), attach a monitor to that one: monitor.detach(); "
+                "monitor = sfmonitor.attach(model, new_optimizer)"
+            )
+        warnings.warn(f"sfmonitor: {said}", RuntimeWarning, stacklevel=2)
 
     def _made_this_step(self) -> bool:
         """Whether the gradients present were made for the step about to run: a training loss went
@@ -1714,6 +1728,7 @@ class Monitor:
         ABORTED first."""
         if self.model is None:
             return
+        self._forwards_idle = 0
         rec = self._record
         if rec.phase is Phase.DECIDED and rec.stepped and not _steps_in_flight(self._live().optimizer):
             rec = self._open_record()
@@ -3199,6 +3214,10 @@ class Monitor:
         ``model.zero_grad(); continue``). Their losses and inputs are no part of the step's update:
         a NaN or a spike among them made the next step a bad batch, its healthy update skipped.
         True: the losses recorded are dropped here, the recorder drops the inputs."""
+        if torch._C._current_graph_task_id() == -1:  # (not a recomputation inside a backward)
+            self._forwards_idle += 1
+            if self._forwards_idle == MAX_STEP_BATCHES:
+                self._warn_not_stepping()
         rec = self._record
         mark, self._micro_mark = self._micro_mark, (self.step, id(rec), self._grad_reset.mark())
         if mark is None or mark[:2] != (self.step, id(rec)) or rec.phase is not Phase.OPEN:

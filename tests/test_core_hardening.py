@@ -288,6 +288,34 @@ def test_a_monitor_whose_optimizer_never_steps_says_so_and_holds_a_bounded_memor
     mon.detach()
 
 
+def test_a_monitor_whose_optimizer_the_loop_replaced_says_so(tmp_path):
+    """A loop that swaps in a new optimizer mid-run (a new head, a precision switch) and keeps
+    the monitor attached to the old one: the old one never steps again, and the run went on
+    unwatched without a word (a probe: a NaN batch after the swap made the weights NaN, no
+    event). The forwards the loop's own resets threw away had restarted the count each time. Past
+    ``forensics.MAX_STEP_BATCHES`` training forwards since its last step it says so, once, and how
+    to attach to the new optimizer."""
+    from sfmonitor.forensics import MAX_STEP_BATCHES
+
+    model = Net()
+    first = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = sfmonitor.attach(model, first, run_dir=str(tmp_path), config=quiet())
+    replaced = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(30 + 2 * MAX_STEP_BATCHES):
+            opt = first if i < 30 else replaced
+            mon.combine(model(torch.randn(4, 4)).pow(2).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 30 + MAX_STEP_BATCHES - 2:
+                assert not [w for w in caught if "sfmonitor" in str(w.message)]
+    said = [str(w.message) for w in caught if "last stepped" in str(w.message)]
+    assert len(said) == 1 and "SGD" in said[0] and "monitor step 30" in said[0] and "new_optimizer" in said[0]
+    assert mon.step == 30
+    mon.detach()
+
+
 def test_attach_before_a_lazy_modules_first_forward_is_a_clear_error_and_changes_nothing(tmp_path):
     """nn.LazyLinear before its first forward: attach raised a raw ValueError from its memory
     report. Now a ConfigError that names the parameters and says what to do; nothing is attached,
