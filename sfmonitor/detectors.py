@@ -622,6 +622,20 @@ def _mix_slot(key: str, mix: str, first: str | None) -> str:
     return key if not mix or mix == first else f"{key}|{mix}"
 
 
+def _grad_set(stats: Mapping[str, float], first: str | None) -> tuple[str, str | None]:
+    """The step's groups with a gradient (a norm other than 0: their names joined by "+") and the
+    first such set seen (this one where none was before). The total gradient norm of another set
+    is another quantity: a frozen backbone unfrozen (``requires_grad_(True)``,
+    ``add_param_group``) adds its gradients to the head's."""
+    names = [
+        k[len(GRAD_NORM_PREFIX) :]
+        for k, v in stats.items()
+        if k.startswith(GRAD_NORM_PREFIX) and k != GRAD_NORM_TOTAL and not v == 0.0
+    ]
+    grads = "+".join(sorted(names))
+    return grads, (grads if first is None and grads else first)
+
+
 def _positive_logs(stats: Mapping[str, float], keys: list[str], raw: Collection[str] = ()):
     """(key, value, log value) of the finite, positive values: a NaN, an inf or a value <= 0 never
     enters a window (non-finite losses and gradients are the core's business). A ``raw`` key's
@@ -1390,6 +1404,7 @@ class GradSpike(Detector):
         self.ema: dict[str, list[float]] = {}  # key (or key|components: _mix_slot) -> [mean, var]
         self.warm: dict[str, list[float]] = {}  # key -> values seen during warm-up
         self.mix: str | None = None  # the first set of loss components (a task's steps: _mix_slot)
+        self.grads: str | None = None  # the first set of groups with gradients (_grad_set)
 
     def _keys(self, stats: Mapping[str, float]) -> list[str]:
         return _watched_keys(stats, GRAD_NORM_TOTAL, GRAD_NORM_PREFIX, self.config.groups)
@@ -1402,8 +1417,12 @@ class GradSpike(Detector):
         widen, partial = _batch_widening(stats)
         shift = math.log(widen)
         mix, self.mix = _mix(stats, self.mix)
+        grads, self.grads = _grad_set(stats, self.grads)
+        other_grads = bool(grads) and grads != self.grads
         for key, value, x in _positive_logs(stats, self._keys(stats)):
             slot = _mix_slot(key, mix, self.mix)
+            if key == GRAD_NORM_TOTAL and other_grads:  # (judged among the steps of the same groups)
+                slot += f"|grads:{grads}"
             if slot not in self.ema:
                 warm = self.warm.setdefault(slot, [])
                 if len(warm) >= cfg.prior_after:  # the prior: the mean so far, a wide sigma floor
@@ -1433,6 +1452,11 @@ class GradSpike(Detector):
             mean = cfg.alpha * mean + (1 - cfg.alpha) * x
             var = cfg.alpha * var + (1 - cfg.alpha) * (x - mean) ** 2
             self.ema[slot] = [mean, var]
+        if other_grads:
+            for f in out:
+                if f.data.get("key") == GRAD_NORM_TOTAL:
+                    f.data["grad_groups"] = grads
+                    f.message += f" (judged among the steps whose gradients come from {grads.replace('+', ', ')})"
         return _name_mix(out, mix, self.mix)
 
     def _finding(
@@ -1473,13 +1497,15 @@ class GradSpike(Detector):
             "ema": {k: list(v) for k, v in self.ema.items()},
             "warm": {k: list(v) for k, v in self.warm.items()},
             "mix": self.mix,
+            "grads": self.grads,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.ema = {k: [float(a) for a in v] for k, v in state.get("ema", {}).items()}
         self.warm = {k: [float(a) for a in v] for k, v in state.get("warm", {}).items()}
-        mix = state.get("mix")
+        mix, grads = state.get("mix"), state.get("grads")
         self.mix = None if mix is None else str(mix)
+        self.grads = None if grads is None else str(grads)
 
 
 # A spike seen after the update landed: undo exactly that update (one step lost). A second within

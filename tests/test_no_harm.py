@@ -799,6 +799,53 @@ def _restart_run(tmp_path, monitored, steps=330):
     return model, train(tmp_path, model, opt, monitored, range(steps), loss_of, after_step=sched.step)
 
 
+def test_a_frozen_part_unfrozen_mid_run_is_no_gradient_spike(tmp_path):
+    """Fine-tuning that unfreezes a frozen backbone (``requires_grad_(True)`` and
+    ``add_param_group``): from that step the total gradient norm counts the backbone's gradients
+    too, a new quantity, and read against the head's alone it was a spike (8 sigma): clipped
+    twice under SGD with momentum, the healthy run no longer its bare twin. The total is judged
+    among the steps whose gradients come from the same groups."""
+    g = torch.Generator().manual_seed(123)
+    teacher = torch.randn(16, 4, generator=g)
+    batches = []
+    for _ in range(130):
+        x = torch.randn(32, 16, generator=g)
+        batches.append((x, (x @ teacher + 0.3 * torch.randn(32, 4, generator=g)).argmax(1)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(
+                nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh()
+            )
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.head(self.backbone(x))
+
+    def run(monitored):
+        torch.manual_seed(0)
+        model = Net()
+        model.backbone.requires_grad_(False)
+        opt = torch.optim.SGD(model.head.parameters(), lr=0.05, momentum=0.9)
+        mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=quiet()) if monitored else None
+        for i, (x, y) in enumerate(batches):
+            if i == 100:
+                model.backbone.requires_grad_(True)
+                opt.add_param_group({"params": list(model.backbone.parameters())})
+            loss = nn.functional.cross_entropy(model(x), y)
+            (mon.combine(loss) if mon else loss).backward()
+            opt.step()
+            opt.zero_grad()
+        if mon is not None:
+            mon.detach()
+        return model, mon
+
+    (bare, _), (model, mon) = run(False), run(True)
+    assert [(e.step, e.kind) for e in mon.events if e.kind == "grad_spike"] == []
+    assert same_state(model, bare)
+
+
 def test_a_warm_restart_of_the_lr_schedule_is_no_spike(tmp_path):
     """SGDR: the LR falls to ~0 over 300 steps and jumps back to its peak. The update ratio jumps
     with it (~10^4 x the window's tail); the update per unit of LR does not. No undo, no LR cut."""
