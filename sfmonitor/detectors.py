@@ -311,14 +311,14 @@ class UpdateRatioSpikeConfig(Section):
 
     lr_excursion: float = option(
         2.0,
-        "an update made at an LR at least this many times both the highest LR of the group's last "
-        "`warmup` updates and the user's LR of the step after it (a one-step excursion: an LR set by hand "
-        "for one step, a scheduler bug) is judged against the update the schedule's LR (the higher of "
-        "those two) would have made, and a spike it made is answered by its undo alone, never counting "
-        "towards an LR drop: its cause, that one step's LR, is gone with the step, and a drop lowers the "
-        "schedule, which was not the trouble (two excursions 15 steps apart cut an SGD MLP's LR to 0.2x "
-        "for 300 steps: held-out loss 2.0-2.2x its twin's; undone alone, 1.01x). Its LR is no level of "
-        "the schedule (no warm restart is judged against it). 0: off",
+        "an update made at an LR at least this many times both the highest LR of the group's last `warmup` "
+        "updates and the user's LR of the step after it (a one-step excursion: an LR set by hand for one "
+        "step, a scheduler bug) is judged against the update the schedule's LR (the higher of the LRs of the "
+        "update before it and of the step after it) would have made, and a spike it made is answered by its "
+        "undo alone, never counting towards an LR drop: its cause, that one step's LR, is gone with the step,"
+        " and a drop lowers the schedule, which was not the trouble (two excursions 15 steps apart cut an SGD"
+        " MLP's LR to 0.2x for 300 steps: held-out loss 2.0-2.2x its twin's; undone alone, 1.01x). Its LR is "
+        "no level of the schedule (no warm restart is judged against it). 0: off",
         lo=0,
     )
 
@@ -1762,13 +1762,16 @@ class UpdateRatioSpike(_Windowed):
     def _excursion(self, key: str, lr: float, next_lr: float | None) -> float | None:
         """The schedule's LR when ``lr`` (this update's) is a one-step excursion above it: at least
         ``lr_excursion`` x both the highest LR of the group's last ``warmup`` updates and the user's
-        LR of the step after it (``next_lr``); else None. A first update, or one without the next
-        LR, is none."""
+        LR of the step after it (``next_lr``); else None. The schedule's LR of that step is its
+        neighbours', the higher of the update before it and the next step's (under a decaying
+        schedule the highest of the last updates is the LR of steps ago: a cosine's twice it). A
+        first update, or one without the next LR, is none."""
         factor, recent = self.config.lr_excursion, self.lrs.get(key)
         if not factor or not recent or next_lr is None or not S.finite(next_lr) or next_lr <= 0:
             return None
-        level = max(max(recent), float(next_lr))
-        return level if lr >= factor * level else None
+        if lr < factor * max(max(recent), float(next_lr)):
+            return None
+        return max(recent[-1], float(next_lr))
 
     def _lr_back(self, key: str, lr: float, held_down: bool = False) -> bool:
         """Records the LR of this update of ``key``; True when the user's schedule has just taken it

@@ -748,6 +748,30 @@ def test_an_update_at_a_one_step_lr_excursion_is_judged_at_the_schedules_lr():
     det = warmed()
     det.check(30, {**bad, "loss_after_update": 3.0})
     assert max(det.lrs["update_ratio/a"]) == 1e-3  # not remembered as a level of the schedule
+
+
+def test_an_lr_excursion_under_a_decaying_schedule_is_judged_at_the_schedules_lr_of_its_step():
+    """Under a decaying schedule (cosine), the schedule's LR of the excursion's step is that of
+    its neighbours, the update before it and the next step: the highest of the last 25 updates
+    was the LR of 25 steps before (a probe: "5e+03x the schedule's 0.0015" for a 1e4x excursion
+    over 7.5e-4), and the update was judged against the larger update that LR would have made."""
+    det = D.UpdateRatioSpike()
+    for s in range(30):
+        lr = 2e-3 * 0.977**s  # halves over the window
+        assert det.check(s, {"update_ratio/a": lr, "update_lr/a": lr, "next_lr/a": lr * 0.977, "loss/total": 1.0}) == []
+    schedule = 2e-3 * 0.977**30
+    (f,) = det.check(
+        30,
+        {
+            "update_ratio/a": 1e4 * schedule * 0.02,  # 20x what the schedule's LR would have moved
+            "update_lr/a": 1e4 * schedule,
+            "next_lr/a": schedule * 0.977,
+            "loss/total": 1.0,
+            "loss_after_update": 3.0,
+        },
+    )
+    assert f.data["lr_excursion"]["schedule_lr"] == pytest.approx(2e-3 * 0.977**29)
+    assert f.data["lr_excursion"]["times"] == pytest.approx(1e4 * 0.977)
     with pytest.raises(ConfigError, match="lr_excursion"):
         D.UpdateRatioSpikeConfig.from_dict({"lr_excursion": 1.0})
 
