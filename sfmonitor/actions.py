@@ -424,7 +424,7 @@ class ActionContext:
     undo: UndoState | None = None  # the state before the last update (the monitor keeps it current)
     # the param-group keys the optimizer's step writes (its own counters in its groups:
     # undo.written_entries), learned step by step: an undo and a rollback put them back too
-    group_step_keys: set[str] = field(default_factory=set)
+    group_step_keys: set[tuple[int, str]] = field(default_factory=set)  # (position, key)
     undo_params: list[nn.Parameter] = field(default_factory=list)  # the parameters it holds, in order
     undo_buffers: list[torch.Tensor] = field(default_factory=list)  # the model's buffers it holds
     # Without the undo copy (the lean profile): a copy of the normalisation layers' running

@@ -401,7 +401,7 @@ def restore_state(
     scaler: Any = None,
     rng: bool = True,
     keep_hyperparams: bool = True,
-    step_keys: Collection[str] = (),
+    step_keys: Collection[tuple[int, str]] = (),
 ) -> None:
     """Put ``state`` (from ``capture_state`` or ``load_checkpoint``) back into the live objects.
 
@@ -410,9 +410,10 @@ def restore_state(
     current param-group hyperparameters (lr, weight decay, ...) are kept: the run's step counter and
     the user's LR scheduler do not go back in time, only weights and optimizer state do. A state
     without an ``OPTIMIZER`` entry (ZeroRedundancyOptimizer: ``INNER`` alone) keeps the live
-    param groups whatever ``keep_hyperparams`` says. ``step_keys``: param-group entries the
-    optimizer's step writes (its own state kept in its groups: schedule-free AdamW's step count
-    ``k``, ``weight_sum``, ``lr_max``), which come from ``state`` even with ``keep_hyperparams``.
+    param groups whatever ``keep_hyperparams`` says. ``step_keys``: param-group entries
+    ((position, key)) the optimizer's step writes (its own state kept in its groups: schedule-free
+    AdamW's step count ``k``, ``weight_sum``, ``lr_max``), which come from ``state`` even with
+    ``keep_hyperparams``.
     """
     model.load_state_dict(rebuild(state[MODEL]))  # local shards back into their DTensors
     if optimizer is not None and OPTIMIZER in state:
@@ -422,11 +423,13 @@ def restore_state(
         live = optimizer.param_groups
         sharing = [o for o in inner_optimizers(optimizer) if o.param_groups is live]
         optimizer.load_state_dict(_with_groups_added_since(copy_tree(state[OPTIMIZER]), optimizer))
-        for group, loaded in zip(live, optimizer.param_groups):
+        loaded_groups = optimizer.param_groups
+        for group, loaded in zip(live, loaded_groups):
             if not keep_hyperparams:
                 group.update(loaded)  # the same parameters, the snapshot's hyperparameters
-            else:  # the optimizer's own state in its groups: the snapshot's
-                group.update({k: loaded[k] for k in step_keys if k in loaded and k != "params"})
+        for i, k in step_keys if keep_hyperparams else ():  # the optimizer's own state in its groups
+            if i < min(len(live), len(loaded_groups)) and k in loaded_groups[i] and k != "params":
+                live[i][k] = loaded_groups[i][k]
         optimizer.param_groups = live
         for inner in sharing:
             inner.param_groups = live

@@ -2577,7 +2577,9 @@ class Monitor:
         out[S.INPUT_SIZE] = float(self._recorder.numel)
         out[S.NEW_INPUT_SHAPE] = float(self._input_shapes_new(rec.step))
         if world_size() > 1:  # where a non-finite value started: one-hot per rank, summed at the read
-            out[S.NONFINITE_BY_RANK] = S.Vector(rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum()))
+            out[S.NONFINITE_BY_RANK] = S.Vector(
+                rank_slots(out.get(S.LOSS_TOTAL), bad_grad.sum(), bad_param.sum(), bad_inputs)
+            )
         every = self.config.stats.update_ratio_every
         if every and rec.step % every == 0:
             rec.before_norms = per_group_p

@@ -152,9 +152,10 @@ BATCH_SHARE = "batch_share"
 LOSS_AT_OLD_WEIGHTS = "internal/loss_at_old_weights"
 # The BatchNorm layer (index in BatchVarRatio's list) with the largest bn_var_ratio this step
 BN_VAR_WORST = "internal/bn_var_worst"
-# Under torch.distributed only: a vector of 3 x world slots, one-hot per rank (rank r fills slot r
-# of each third): [its loss is non-finite, its local non-finite gradient count, its local
-# non-finite parameter count]. Summed across ranks, it says where a non-finite value started.
+# Under torch.distributed only: a vector of 4 x world slots, one-hot per rank (rank r fills slot r
+# of each quarter): [its loss is non-finite, its local non-finite gradient count, its local
+# non-finite parameter count, its non-finite input count]. Summed across ranks, it says where a
+# non-finite value started.
 NONFINITE_BY_RANK = "internal/nonfinite_by_rank"
 INTERNAL = frozenset(
     {

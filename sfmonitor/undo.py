@@ -22,7 +22,7 @@ own step writes (state it keeps there: schedule-free AdamW's step count, ``weigh
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -77,34 +77,40 @@ def group_entries(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: _held(v) for k, v in g.items() if k != "params"} for g in _param_groups(optimizer)]
 
 
-def written_entries(before: Sequence[dict[str, Any]], optimizer: torch.optim.Optimizer) -> set[str]:
-    """The param-group keys whose values are not those of ``before`` (``group_entries``), added
-    and removed ones too: taken around ``optimizer.step()``, the state an optimizer keeps in its
-    groups and advances in its step (schedule-free AdamW's ``k``, ``weight_sum`` and ``lr_max``,
-    Prodigy's ``d``), with or without gradients. Nothing where the groups were added or removed."""
+def written_entries(before: Sequence[dict[str, Any]], optimizer: torch.optim.Optimizer) -> set[tuple[int, str]]:
+    """(position, key) of the param-group entries whose values are not those of ``before``
+    (``group_entries``; the position in its list), added and removed ones too: taken around
+    ``optimizer.step()``, the state an optimizer keeps in its groups and advances in its step
+    (schedule-free AdamW's ``k``, ``weight_sum`` and ``lr_max``, Prodigy's ``d``), with or without
+    gradients; and what a wrapper's step copies into the groups of the optimizer it wraps
+    (ZeroRedundancyOptimizer: the user's LR, into its shard's optimizer), which is the wrapper's
+    own and never the user's. Nothing where the groups were added or removed."""
     now = _param_groups(optimizer)
     if len(now) != len(before):
         return set()
     return {
-        k
-        for g, b in zip(now, before)
+        (i, k)
+        for i, (g, b) in enumerate(zip(now, before))
         for k in g.keys() | b.keys()
         if k != "params" and not _same(g.get(k, _ABSENT), b.get(k, _ABSENT))
     }
 
 
-def put_entries(optimizer: torch.optim.Optimizer, before: Sequence[dict[str, Any]], keys: set[str]) -> None:
-    """Put the ``keys`` of each param group back as ``before`` (``group_entries``) holds them (a
-    key it does not hold is removed); the others stay as they are (the user's LR schedule)."""
+def put_entries(
+    optimizer: torch.optim.Optimizer, before: Sequence[dict[str, Any]], keys: Collection[tuple[int, str]]
+) -> None:
+    """Put the param-group entries ``keys`` ((position, key): ``written_entries``) back as
+    ``before`` (``group_entries``) holds them (one it does not hold is removed); the others stay
+    as they are (the user's LR schedule)."""
     now = _param_groups(optimizer)
     if not keys or len(now) != len(before):
         return
-    for g, b in zip(now, before):
-        for k in keys:
-            if k in b:
-                g[k] = _held(b[k])
+    for i, k in keys:
+        if i < len(now):
+            if k in before[i]:
+                now[i][k] = _held(before[i][k])
             else:
-                g.pop(k, None)
+                now[i].pop(k, None)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -451,7 +457,7 @@ class UndoState:
         buffers: Sequence[torch.Tensor] = (),
         before_forward: bool = False,
         tracked: Sequence[torch.Tensor] = (),
-        group_keys: set[str] | frozenset[str] = frozenset(),
+        group_keys: Collection[tuple[int, str]] = (),
     ) -> None:
         """Put the copy back: parameters, optimizer state, buffers and tracked tensors
         bit-identical to the capture, and the param groups' ``group_keys`` (those the optimizer's
@@ -488,7 +494,7 @@ class UndoState:
             dst += [local(t.detach()) for t in tracked]
             src += self.tracked
         torch._foreach_copy_(dst, src)
-        put_entries(optimizer, self.groups, set(group_keys))
+        put_entries(optimizer, self.groups, group_keys)
 
     def clear(self) -> None:
         self.label, self.params, self.buffers, self._state = None, [], [], []

@@ -138,9 +138,9 @@ def test_tell_ranks_names_where_a_nonfinite_value_started():
     from sfmonitor.events import NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM, Finding
     from sfmonitor.integrations.distributed import culprit_ranks, tell_ranks
 
-    # 3 ranks: slots [loss x3, grad x3, param x3], summed across ranks
-    by_rank = [0, 1, 1, 4, 4, 4, 0, 0, 2]
-    assert culprit_ranks(by_rank) == {"loss": [1, 2], "grad": [0, 1, 2], "param": [2]}
+    # 3 ranks: slots [loss x3, grad x3, param x3, inputs x3], summed across ranks
+    by_rank = [0, 1, 1, 4, 4, 4, 0, 0, 2, 0, 0, 0]
+    assert culprit_ranks(by_rank) == {"loss": [1, 2], "grad": [0, 1, 2], "param": [2], "inputs": []}
     found = [Finding(NONFINITE_LOSS, "loss is nan"), Finding(NONFINITE_GRAD, "g"), Finding(NONFINITE_PARAM, "p")]
     tell_ranks(found, by_rank)
     assert [f.data["ranks"] for f in found] == [[1, 2], [1, 2], [2]]
@@ -148,7 +148,7 @@ def test_tell_ranks_names_where_a_nonfinite_value_started():
     assert found[2].message.endswith("(started on rank 2: non-finite parameters)")
     # the loss was fine everywhere: the gradients' ranks are named
     grad_only = [Finding(NONFINITE_GRAD, "g")]
-    tell_ranks(grad_only, [0, 0, 3, 3, 0, 0])
+    tell_ranks(grad_only, [0, 0, 3, 3, 0, 0, 0, 0])
     assert grad_only[0].data["ranks"] == [0, 1]
     tell_ranks(grad_only[:0], None)  # no process group: nothing to say
 
@@ -156,16 +156,22 @@ def test_tell_ranks_names_where_a_nonfinite_value_started():
 def test_tell_ranks_names_the_rank_of_a_bad_batch():
     """A NaN input on rank 1 of 2 is a bad_batch (its loss and gradient findings merged into it):
     its event named no rank (a probe under torchrun), while a NaN loss on that rank was named."""
-    from sfmonitor.events import BAD_BATCH, Finding
+    from sfmonitor.events import BAD_BATCH, NONFINITE_GRAD, Finding
     from sfmonitor.integrations.distributed import tell_ranks
 
     found = [Finding(BAD_BATCH, "the batch holds 1 non-finite input value(s): loss is nan")]
-    tell_ranks(found, [0, 1, 3, 3, 0, 0])  # rank 1's loss; the reduced gradients on both
+    tell_ranks(found, [0, 1, 3, 3, 0, 0, 0, 1])  # rank 1's loss; the reduced gradients on both
     assert found[0].data["ranks"] == [1]
     assert found[0].message.endswith("(started on rank 1: its loss was non-finite)")
     masked = [Finding(BAD_BATCH, "b")]  # the NaN never reached a loss (masked): the gradients' ranks
-    tell_ranks(masked, [0, 0, 0, 3, 0, 0])
+    tell_ranks(masked, [0, 0, 0, 3, 0, 0, 0, 0])
     assert masked[0].data["ranks"] == [1]
+    # Without combine() no rank's loss is known, and the reduction spread the NaN gradient to every
+    # rank: the rank whose inputs held the NaN is where it started (a probe: "ranks 0, 1")
+    unseen = [Finding(BAD_BATCH, "b"), Finding(NONFINITE_GRAD, "g")]
+    tell_ranks(unseen, [0, 0, 3, 3, 0, 0, 0, 1024])
+    assert [f.data["ranks"] for f in unseen] == [[1], [1]]
+    assert unseen[0].message.endswith("(started on rank 1: its inputs held non-finite values)")
 
 
 def test_read_all_reads_vectors_and_norm_ratios_in_one_read():
@@ -388,14 +394,14 @@ def test_a_change_of_data_one_rank_announces_applies_on_every_rank(tmp_path):
 def _causes_worker(rank, world, port, out_dir):
     """Two named losses whose weights rank 0's loop alone changes at step 20 (0 -> 10 on the
     second), every 8th batch a short one (2 of 16 rows) on every rank, and rank 0's loop alone
-    writing a weight in place before step 30 (x1: the ranks' weights stay equal): what the reduced
-    values say."""
+    writing a weight in place before step 30 (x1.5: a change larger than the update; rank 1's
+    weights stay as they were): what the reduced values say."""
     model, opt, mon = _ddp_mlp(rank, world, port)
     g = torch.Generator().manual_seed(rank)
     for step in range(40):
         if step == 30 and rank == 0:
             with torch.no_grad():
-                next(model.parameters()).mul_(1.0)
+                next(model.parameters()).mul_(1.5)
         x = torch.randn(2 if step % 8 == 7 else 16, 4, generator=g)
         out = model(x)
         parts = {"fit": (out - x.sum(1, keepdim=True).tanh()).pow(2).mean(), "aux": out.pow(2).mean() + 1.0}

@@ -160,6 +160,6 @@ def test_a_rollback_puts_back_the_group_entries_the_optimizers_step_writes_and_k
     step()
     opt.param_groups[0]["lr"] = 0.5  # the user's schedule, between the steps
     step()
-    restore_state(state, model, opt, rng=False, step_keys={"k", "weight_sum", "lr_max"})
+    restore_state(state, model, opt, rng=False, step_keys={(0, "k"), (0, "weight_sum"), (0, "lr_max")})
     assert {k: opt.param_groups[0][k] for k in held} == held
     assert opt.param_groups[0]["lr"] == 0.5

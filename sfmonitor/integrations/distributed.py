@@ -169,35 +169,42 @@ def same_path(path: str) -> str:
     return str(box[0])
 
 
+_CULPRITS = ("loss", "grad", "param", "inputs")  # the slots of stats.NONFINITE_BY_RANK, in order
+
+
 def culprit_ranks(by_rank: Sequence[float] | None) -> dict[str, list[int]]:
-    """Read the per-rank one-hot slots of ``stats.NONFINITE_BY_RANK`` (3 x world values, summed
+    """Read the per-rank one-hot slots of ``stats.NONFINITE_BY_RANK`` (4 x world values, summed
     across ranks): the ranks whose own loss, gradients (as they were after the gradient
-    reduction), parameters were non-finite. Empty without a process group."""
+    reduction), parameters, forward inputs were non-finite. Empty without a process group."""
     if not by_rank:
         return {}
-    n = len(by_rank) // 3
-    parts = [by_rank[i * n : (i + 1) * n] for i in range(3)]
-    return {what: [r for r, v in enumerate(part) if v != 0] for what, part in zip(("loss", "grad", "param"), parts)}
+    n = len(by_rank) // len(_CULPRITS)
+    parts = [by_rank[i * n : (i + 1) * n] for i in range(len(_CULPRITS))]
+    return {what: [r for r, v in enumerate(part) if v != 0] for what, part in zip(_CULPRITS, parts)}
 
 
-def rank_slots(loss: Any, grad_count: torch.Tensor, param_count: torch.Tensor) -> torch.Tensor:
+def rank_slots(
+    loss: Any, grad_count: torch.Tensor, param_count: torch.Tensor, input_count: torch.Tensor
+) -> torch.Tensor:
     """The one-hot per-rank vector of ``stats.NONFINITE_BY_RANK``: whether this rank's ``loss``
-    (a 0-d tensor, or None) is non-finite, its local non-finite gradient and parameter counts,
-    each in this rank's slot of its third, zeros elsewhere. No host read."""
-    n, r = world_size(), rank()
+    (a 0-d tensor, or None) is non-finite, its local non-finite gradient, parameter and input
+    counts, each in this rank's slot of its quarter, zeros elsewhere. No host read."""
+    n, r, k = world_size(), rank(), len(_CULPRITS)
     device = grad_count.device
     bad_loss = (~torch.isfinite(loss.detach())).any() if isinstance(loss, torch.Tensor) else torch.zeros(())
     values = torch.stack(
-        [v.to(device=device, dtype=torch.float32).reshape(()) for v in (bad_loss, grad_count, param_count)]
+        [v.to(device=device, dtype=torch.float32).reshape(()) for v in (bad_loss, grad_count, param_count, input_count)]
     )
-    out = torch.zeros(3 * n, dtype=torch.float32, device=device)
-    return out.index_copy_(0, torch.arange(3, device=device) * n + r, values)
+    out = torch.zeros(k * n, dtype=torch.float32, device=device)
+    return out.index_copy_(0, torch.arange(k, device=device) * n + r, values)
 
 
 def tell_ranks(findings: Sequence[Any], by_rank: Sequence[float] | None) -> None:
     """Name the rank(s) where a non-finite value started in the non-finite findings and a bad batch (their
     ``data["ranks"]`` and message): the ranks whose own loss was non-finite, else those whose
-    gradients (after the gradient reduction, which spreads a NaN to every rank) or parameters were.
+    forward inputs held non-finite values (without ``combine()`` no loss is known), else those
+    whose gradients (after the gradient reduction, which spreads a NaN to every rank) or
+    parameters were.
     ``data["ranks_by_kind"]`` keeps all three lists. Nothing without a process group."""
     from ..events import BAD_BATCH, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM
 
@@ -211,6 +218,13 @@ def tell_ranks(findings: Sequence[Any], by_rank: Sequence[float] | None) -> None
             where, why = (
                 seen["loss"],
                 "its loss was non-finite" if len(seen["loss"]) == 1 else "their losses were non-finite",
+            )
+        elif f.kind in (NONFINITE_LOSS, NONFINITE_GRAD, BAD_BATCH) and seen["inputs"]:
+            where, why = (
+                seen["inputs"],
+                "its inputs held non-finite values"
+                if len(seen["inputs"]) == 1
+                else "their inputs held non-finite values",
             )
         elif f.kind in (NONFINITE_GRAD, BAD_BATCH):  # (a NaN input a mask kept from the loss)
             where, why = seen["grad"], "non-finite gradients"
