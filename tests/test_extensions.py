@@ -161,7 +161,7 @@ def test_detector_state_loads_by_name_never_into_another_detector():
         other.load_state_dict(saved)
     got = other.state_dict()["detectors"]
     assert got["update_ratio_spike"]["windows"] == window  # its own state
-    assert got["grad_spike"] == {"ema": {}, "warm": {}, "mix": None}  # nothing saved for it: fresh
+    assert got["grad_spike"] == {"ema": {}, "warm": {}, "mix": None, "grads": None}  # nothing saved for it: fresh
     assert "loss_spike" not in got
 
 
