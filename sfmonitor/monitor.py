@@ -2325,9 +2325,10 @@ class Monitor:
         no version counter shows (``_unseen_change``, which also learns the loop's habits at steps
         without a jump). None otherwise."""
         if jumped and rec.internal.get(S.NEW_INPUT_SHAPE, 0.0) > 0:
+            finding = self._new_shape_finding(step, jumped)  # (names the new shapes: before they are let go)
             for shape in self._recorder.shapes:  # (taken as new data: later jumps are judged as usual)
                 self._shapes_since.pop(shape, None)
-            return self._new_shape_finding(step, jumped)
+            return finding
         return self._unseen_change(step, jumped, rec)
 
     def _unseen_change(self, step: int, jumped: list[Finding], rec: StepRecord) -> Finding | None:
@@ -2469,7 +2470,7 @@ class Monitor:
         bare); a garbage batch of the usual shape is skipped as before."""
         new = self._shapes_new()
         shapes = [" x ".join(map(str, s[0])) if len(s) == 1 else str([list(t) for t in s]) for s in new]
-        where = f" ({'; '.join(shapes)} per example)" if shapes else " (on another rank)"
+        where = f" ({'; '.join(shapes)} per example)" if shapes else " (on another rank)" if world_size() > 1 else ""
         kinds = ", ".join(dict.fromkeys(f.kind for f in jumped))
         return Finding(
             NEW_REGIME,

@@ -743,7 +743,8 @@ def _resize_run(tmp_path, monitored, seed, at=150, steps=260, garbage_at=None, s
         opt.step()
         opt.zero_grad()
     told = [(e.step, e.kind, e.data.get("reason", "")) for e in mon.events if not e.actions] if mon else []
-    return (*_finish(mon, model, opt), told)
+    shapes = [(e.data["shapes"], e.message) for e in mon.events if e.data.get("reason") == "input shape"] if mon else []
+    return (*_finish(mon, model, opt), told, shapes)
 
 
 def test_inputs_of_a_new_shape_that_move_the_loss_are_new_data_not_bad_batches(tmp_path):
@@ -754,16 +755,18 @@ def test_inputs_of_a_new_shape_that_move_the_loss_are_new_data_not_bad_batches(t
     the new data's, and the detectors learn what is usual afresh (told `new_regime`); no action,
     bit-identical. A garbage batch of the usual shape is still skipped."""
     for seed in (0, 1):
-        bare, _, _ = _resize_run(tmp_path / "b", False, seed)
-        state, events, told = _resize_run(tmp_path / "m", True, seed)
+        bare, _, _, _ = _resize_run(tmp_path / "b", False, seed)
+        state, events, told, shapes = _resize_run(tmp_path / "m", True, seed)
         assert events == [], (seed, events)
         assert_identical(bare, state)
         assert [(s, r) for s, k, r in told if k == "new_regime"] == [(150, "input shape")], told
-    _, events, _ = _resize_run(tmp_path / "g", True, 0, garbage_at=220)
+        # the shape is named (it was "on another rank", in one process, the shapes list empty)
+        assert shapes == [([[[3, 32, 32]]], shapes[0][1])] and "(3 x 32 x 32 per example)" in shapes[0][1]
+    _, events, _, _ = _resize_run(tmp_path / "g", True, 0, garbage_at=220)
     assert events == [(220, "loss_spike", ["skip_step"])]
     # the new shape, once its jump was taken as new data, is judged as usual: a garbage batch of
     # it two steps later (judged by the fresh windows' prior: a gross one) is skipped
-    _, events, _ = _resize_run(tmp_path / "g2", True, 0, spike_at=152)
+    _, events, _, _ = _resize_run(tmp_path / "g2", True, 0, spike_at=152)
     assert events == [(152, "loss_spike", ["skip_step"])]
 
 
