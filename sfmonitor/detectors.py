@@ -2401,8 +2401,10 @@ class AdamEps(_ToldShare):
             "gradients, sizes their steps, lr * m / eps, so the optimizer moves them far less than "
             "Adam's ~lr and no longer adapts to each weight's scale (Adam becomes SGD at lr / eps). "
             "Causes: an eps set for another gradient scale (1e-3 to 1e-1), gradients scaled down (a "
-            "loss multiplied by a small factor, fp16 gradients not unscaled). Cures: a smaller eps "
-            "(1e-8 to 1e-6), gradients at their natural scale"
+            "loss multiplied by a small factor, fp16 gradients not unscaled), or gradients that vanish as "
+            "the loss reaches its floor (a run that memorised its data or converged, where smaller steps "
+            "do no harm). Cures for the first two: a smaller eps (1e-8 to 1e-6), gradients at their "
+            "natural scale"
         )
 
 
