@@ -163,7 +163,7 @@ class StepRecord:
     saved_lr: list[Any] = field(default_factory=list)  # the user's LRs during an lr_drop
     # the param groups' entries as the optimizer's step found them (undo.group_entries): what a
     # skip puts back of those its step wrote (schedule-free's step count, with no gradient)
-    groups_before: list[dict[str, Any]] | None = None
+    groups_before: list[tuple[tuple[Any, ...], tuple[Any, ...]]] | None = None
     group_lr: dict[str, float] = field(default_factory=dict)  # the user's LR of each group's update
     lr_scale: float = 1.0  # the monitor's LR drop the update was made under (1: none)
     batch_share: float = 1.0  # the step's batch over the usual one (Monitor._batch_share)

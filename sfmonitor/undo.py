@@ -22,6 +22,7 @@ own step writes (state it keeps there: schedule-free AdamW's step count, ``weigh
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -53,62 +54,56 @@ def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [group for groups in lists for group in groups]
 
 
-def _held(value: Any) -> Any:
-    return copy.copy(value) if isinstance(value, (list, dict, set)) else value
-
-
 _ABSENT = object()
 
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False  # (a tensor put in a new one's place; one written in place is the same object)
-    try:
-        return bool(a == b)
-    except Exception:  # (an __eq__ that gives no truth value)
-        return False
+# Each param group's keys and values (the values themselves, not copies), in its dict's order
+GroupEntries = list[tuple[tuple[Any, ...], tuple[Any, ...]]]
 
 
-def group_entries(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's entries but its parameters, as they are now (containers copied): of
-    ``optimizer`` and of the optimizers it wraps."""
-    return [{k: _held(v) for k, v in g.items() if k != "params"} for g in _param_groups(optimizer)]
+def group_entries(optimizer: torch.optim.Optimizer) -> GroupEntries:
+    """Each param group's keys and values as they are now: of ``optimizer`` and of the optimizers
+    it wraps. The values are held, not copied (a few microseconds a step for an optimizer with
+    two groups, ~75 for fifty)."""
+    return [(tuple(g), tuple(g.values())) for g in _param_groups(optimizer)]
 
 
-def written_entries(before: Sequence[dict[str, Any]], optimizer: torch.optim.Optimizer) -> set[tuple[int, str]]:
-    """(position, key) of the param-group entries whose values are not those of ``before``
+def written_entries(before: GroupEntries, optimizer: torch.optim.Optimizer) -> set[tuple[int, str]]:
+    """(position, key) of the param-group entries that hold another value than in ``before``
     (``group_entries``; the position in its list), added and removed ones too: taken around
     ``optimizer.step()``, the state an optimizer keeps in its groups and advances in its step
     (schedule-free AdamW's ``k``, ``weight_sum`` and ``lr_max``, Prodigy's ``d``), with or without
     gradients; and what a wrapper's step copies into the groups of the optimizer it wraps
     (ZeroRedundancyOptimizer: the user's LR, into its shard's optimizer), which is the wrapper's
-    own and never the user's. Nothing where the groups were added or removed."""
+    own and never the user's. By identity: an entry given a new object counts (an equal value
+    too: putting it back changes nothing), a container changed in place does not. Nothing where
+    groups were added or removed."""
     now = _param_groups(optimizer)
     if len(now) != len(before):
         return set()
-    return {
-        (i, k)
-        for i, (g, b) in enumerate(zip(now, before))
-        for k in g.keys() | b.keys()
-        if k != "params" and not _same(g.get(k, _ABSENT), b.get(k, _ABSENT))
-    }
+    out: set[tuple[int, str]] = set()
+    for i, (g, (keys, values)) in enumerate(zip(now, before)):
+        current = tuple(g.values())
+        if len(current) == len(values) and all(map(operator.is_, current, values)):
+            continue  # (the usual step: nothing written)
+        held = dict(zip(keys, values))
+        out.update(
+            (i, k) for k in g.keys() | held.keys() if k != "params" and g.get(k, _ABSENT) is not held.get(k, _ABSENT)
+        )
+    return out
 
 
-def put_entries(
-    optimizer: torch.optim.Optimizer, before: Sequence[dict[str, Any]], keys: Collection[tuple[int, str]]
-) -> None:
+def put_entries(optimizer: torch.optim.Optimizer, before: GroupEntries, keys: Collection[tuple[int, str]]) -> None:
     """Put the param-group entries ``keys`` ((position, key): ``written_entries``) back as
     ``before`` (``group_entries``) holds them (one it does not hold is removed); the others stay
     as they are (the user's LR schedule)."""
     now = _param_groups(optimizer)
     if not keys or len(now) != len(before):
         return
+    held = [dict(zip(*entries)) for entries in before]
     for i, k in keys:
         if i < len(now):
-            if k in before[i]:
-                now[i][k] = _held(before[i][k])
+            if k in held[i]:
+                now[i][k] = held[i][k]
             else:
                 now[i].pop(k, None)
 
@@ -287,7 +282,7 @@ class UndoState:
         self.owner_ids: list[int] = []
         # The param groups' entries at the capture (group_entries): an undo puts back those the
         # optimizer's step writes (its own counters), never the user's settings.
-        self.groups: list[dict[str, Any]] = []
+        self.groups: GroupEntries = []
 
     @property
     def nbytes(self) -> int:
