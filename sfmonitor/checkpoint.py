@@ -423,13 +423,14 @@ def restore_state(
         live = optimizer.param_groups
         sharing = [o for o in inner_optimizers(optimizer) if o.param_groups is live]
         optimizer.load_state_dict(_with_groups_added_since(copy_tree(state[OPTIMIZER]), optimizer))
-        loaded_groups = optimizer.param_groups
-        for group, loaded in zip(live, loaded_groups):
-            if not keep_hyperparams:
-                group.update(loaded)  # the same parameters, the snapshot's hyperparameters
-        for i, k in step_keys if keep_hyperparams else ():  # the optimizer's own state in its groups
-            if i < min(len(live), len(loaded_groups)) and k in loaded_groups[i] and k != "params":
-                live[i][k] = loaded_groups[i][k]
+        loaded = optimizer.param_groups
+        if not keep_hyperparams:
+            for group, held in zip(live, loaded):
+                group.update(held)  # the same parameters, the snapshot's hyperparameters
+        else:  # the optimizer's own state in its groups: the snapshot's
+            for i, k in step_keys:
+                if i < min(len(live), len(loaded)) and k in loaded[i] and k != "params":
+                    live[i][k] = loaded[i][k]
         optimizer.param_groups = live
         for inner in sharing:
             inner.param_groups = live

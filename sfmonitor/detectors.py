@@ -630,7 +630,7 @@ def _grad_set(stats: Mapping[str, float], first: str | None) -> tuple[str, str |
     names = [
         k[len(GRAD_NORM_PREFIX) :]
         for k, v in stats.items()
-        if k.startswith(GRAD_NORM_PREFIX) and k != GRAD_NORM_TOTAL and not v == 0.0
+        if k.startswith(GRAD_NORM_PREFIX) and k != GRAD_NORM_TOTAL and v != 0.0
     ]
     grads = "+".join(sorted(names))
     return grads, (grads if first is None and grads else first)

@@ -275,6 +275,12 @@ def inside_func_transform() -> bool:
     return _peek_transform() is not None
 
 
+def in_backward() -> bool:
+    """Whether this runs inside a backward: a forward there is a recomputation (activation
+    checkpointing), not one of the loop's."""
+    return torch._C._current_graph_task_id() != -1
+
+
 # Forwards of one optimizer step whose inputs the recorder keeps (and combine() calls a step's
 # record keeps apart): gradient accumulation rarely takes more micro-batches; more without a step
 # says the loop steps another optimizer.
@@ -286,7 +292,7 @@ class BatchRecorder:
 
     ``attach(model)`` registers a forward pre-hook (with kwargs) on the root; every forward run with
     autograd enabled appends ``{"args", "kwargs", "autocast"}`` (tensors detached, not copied), up
-    to ``max_batches`` a step; the first forward past them calls ``on_full()`` (once per recorder).
+    to ``max_batches`` a step (the monitor says so: ``Monitor._warn_not_stepping``).
     ``clear()`` at each step start. The RNG state is captured at the step's first forward
     (``capture_rng``), so a replay draws the same dropout masks.
 
@@ -305,12 +311,10 @@ class BatchRecorder:
         *,
         capture_rng: bool = True,
         max_batches: int = MAX_STEP_BATCHES,
-        on_full: Callable[[], None] | None = None,
         keep: bool = True,
     ) -> None:
         self.capture_rng = capture_rng
         self.max_batches = max_batches
-        self.on_full = on_full
         # Called as a forward that computes gradients begins, before it is recorded: True when the
         # forwards recorded so far were thrown away (the monitor's: the loop reset their gradients
         # and made no optimizer step), and the record starts over with this one
@@ -365,7 +369,7 @@ class BatchRecorder:
         # Nor inside torch.compile, torch.func or a recomputation in the backward (checkpointing).
         if self.forwards or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return
-        if inside_func_transform() or torch._C._current_graph_task_id() != -1:
+        if inside_func_transform() or in_backward():
             return
         if self._entry is None:
             self._entry = module
@@ -396,9 +400,6 @@ class BatchRecorder:
         if self.on_forward is not None and self.on_forward():
             self.clear()
         if self.forwards >= self.max_batches:
-            if self.on_full is not None:
-                on_full, self.on_full = self.on_full, None
-                on_full()
             return None
         self.forwards += 1
         self._tally(args, kwargs)

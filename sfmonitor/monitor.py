@@ -92,7 +92,15 @@ from .events import (
     StopTraining,
     changed_something,
 )
-from .forensics import MAX_STEP_BATCHES, BatchRecorder, BundleTracker, batch_input_stats, load_manifest, write_bundle
+from .forensics import (
+    MAX_STEP_BATCHES,
+    BatchRecorder,
+    BundleTracker,
+    batch_input_stats,
+    in_backward,
+    load_manifest,
+    write_bundle,
+)
 from .gradreset import GradResetProbe
 from .integrations.distributed import (
     agree_metrics,
@@ -1746,7 +1754,6 @@ class Monitor:
         started = time.perf_counter()
         try:
             self._run_pipeline(rec)
-            rec.groups_before = group_entries(ctx.optimizer)  # (as the optimizer's step finds them)
         except BaseException:
             self._close(aborted=True)
             raise
@@ -2105,11 +2112,18 @@ class Monitor:
                 # unit of it, so the user's schedule is no spike and the monitor's own drop a remedy.
                 rec.group_lr, rec.lr_scale = self._group_lrs(ctx.optimizer), ctx.lr_scale
                 rec.saved_lr = A.apply_lr_scale(ctx.optimizer, ctx.lr_scale, self.config.actions.lr_drop.min_lr)
+                rec.groups_before = group_entries(ctx.optimizer)  # (as the optimizer's step finds them)
                 if ctx.undo is not None and not ctx.stopped:
                     # The state this update starts from: an exact undo of it, and the update ratio's
                     # "before" (no other copy of the parameters is held).
                     ctx.undo.capture(
-                        step, self._params, ctx.optimizer, ctx.undo_buffers, ctx.scaler, ctx.tracked_tensors()
+                        step,
+                        self._params,
+                        ctx.optimizer,
+                        ctx.undo_buffers,
+                        ctx.scaler,
+                        ctx.tracked_tensors(),
+                        groups=rec.groups_before,
                     )
                     rec.before_params = ctx.undo.params
                 elif ctx.stats_copy is not None and not ctx.stopped:
@@ -3217,7 +3231,7 @@ class Monitor:
         ``model.zero_grad(); continue``). Their losses and inputs are no part of the step's update:
         a NaN or a spike among them made the next step a bad batch, its healthy update skipped.
         True: the losses recorded are dropped here, the recorder drops the inputs."""
-        if torch._C._current_graph_task_id() == -1:  # (not a recomputation inside a backward)
+        if not in_backward():  # (not a recomputation inside a backward)
             self._forwards_idle += 1
             if self._forwards_idle == MAX_STEP_BATCHES:
                 self._warn_not_stepping()
@@ -3279,7 +3293,7 @@ class Monitor:
         since the copy (by the forwards between the steps) are copied, and only those."""
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or self._record.phase is not Phase.OPEN:
             return
-        if torch._C._current_graph_task_id() != -1:  # a recomputation in the backward (checkpointing)
+        if in_backward():  # a recomputation in the backward (checkpointing)
             return
         mark = self._forward_mark
         if mark is not None and mark[0] == self.step and not self._grad_reset.reset_since(mark[1]):

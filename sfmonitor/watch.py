@@ -83,7 +83,7 @@ from torch.overrides import TorchFunctionMode
 from . import attention as AT
 from .attention import ATTN_LOGIT_MAX_PREFIX, QK_CLIP, AttentionConfig
 from .events import ACTIVATION_OVERFLOW, PRECISION_FALLBACK, ConfigError, Finding
-from .forensics import inside_func_transform
+from .forensics import in_backward, inside_func_transform
 from .integrations.distributed import world_size
 from .registry import register_kind
 from .schema import Section, option
@@ -717,7 +717,7 @@ class ActivationWatch:
             return None
         if self._stack or self._mode is not None or not torch.is_grad_enabled():
             return None  # inside another watched module's forward, or not a training forward
-        if torch._C._current_graph_task_id() != -1 or inside_func_transform():
+        if in_backward() or inside_func_transform():
             return None  # a recomputation inside the backward (activation checkpointing), or torch.func
         self._checked.add(name)  # the step's first forward only (accumulation, re-entrant calls)
         self._check_before_forward(name, module, args, kwargs)
@@ -731,7 +731,7 @@ class ActivationWatch:
         name = self._name_of[module]
         if self._due is not None and name not in self._due and not self._stack:
             return None  # a forecast-only step: nothing asked for runs here
-        if name in self._records and torch._C._current_graph_task_id() != -1:
+        if name in self._records and in_backward():
             # Activation checkpointing recomputing, inside the backward, a forward the watch saw
             # (non-reentrant; a reentrant one's first forward ran without grad: this is its only
             # sight). Torch may stop that recomputation midway, and the autograd engine drops a mode

@@ -163,3 +163,30 @@ def test_a_rollback_puts_back_the_group_entries_the_optimizers_step_writes_and_k
     restore_state(state, model, opt, rng=False, step_keys={(0, "k"), (0, "weight_sum"), (0, "lr_max")})
     assert {k: opt.param_groups[0][k] for k in held} == held
     assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_a_rollback_puts_back_the_optimizers_group_counters_with_the_weights(tmp_path):
+    """A rollback (here the ladder's answer to a NaN batch) puts the snapshot's step count back
+    with its weights: after it, ``k`` counts the updates the weights hold."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = ScheduleFreeAdamW(model.parameters())
+    cfg = quiet(
+        actions={"rollback": {"snapshot_every": 5, "skip_batches": 0}},
+        policy={"ladders": {"bad_batch": {"rungs": [{"after": 1, "actions": ["rollback"]}]}}},
+    )
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=cfg)
+    ks = []
+    for i, (x, y) in enumerate(batches(20)):
+        if i == 17:
+            x = x.clone()
+            x[3, 2] = float("nan")
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        ks.append(opt.param_groups[0]["k"])
+    mon.detach()
+    (rolled,) = [e for e in mon.events if "rollback" in e.actions]
+    back_to = rolled.data["action_results"]["rollback"]["restored_from"]
+    assert rolled.step == 17 and back_to < 17
+    assert ks[17] == back_to  # (was 18: the step count of the state rolled back from)

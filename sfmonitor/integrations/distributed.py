@@ -205,7 +205,7 @@ def tell_ranks(findings: Sequence[Any], by_rank: Sequence[float] | None) -> None
     forward inputs held non-finite values (without ``combine()`` no loss is known), else those
     whose gradients (after the gradient reduction, which spreads a NaN to every rank) or
     parameters were.
-    ``data["ranks_by_kind"]`` keeps all three lists. Nothing without a process group."""
+    ``data["ranks_by_kind"]`` keeps all four lists. Nothing without a process group."""
     from ..events import BAD_BATCH, NONFINITE_GRAD, NONFINITE_LOSS, NONFINITE_PARAM
 
     seen = culprit_ranks(by_rank)
@@ -220,12 +220,8 @@ def tell_ranks(findings: Sequence[Any], by_rank: Sequence[float] | None) -> None
                 "its loss was non-finite" if len(seen["loss"]) == 1 else "their losses were non-finite",
             )
         elif f.kind in (NONFINITE_LOSS, NONFINITE_GRAD, BAD_BATCH) and seen["inputs"]:
-            where, why = (
-                seen["inputs"],
-                "its inputs held non-finite values"
-                if len(seen["inputs"]) == 1
-                else "their inputs held non-finite values",
-            )
+            where = seen["inputs"]
+            why = f"{'its' if len(where) == 1 else 'their'} inputs held non-finite values"
         elif f.kind in (NONFINITE_GRAD, BAD_BATCH):  # (a NaN input a mask kept from the loss)
             where, why = seen["grad"], "non-finite gradients"
         else:
