@@ -29,6 +29,11 @@ practitioner would apply). CPU, one thread, synthetic data from ``torch.Generato
 * ``fp16_unwatched_overflow``: a set classifier under fp16 autocast (GradScaler, Adam 3e-3, 300
   steps of batch 32) whose parameter-free similarity module ``h @ h^T`` overflows fp16 from the
   first step: every loss is NaN. Fixed: that module in fp32 (``precision_fallback``) from the start.
+* ``post_ln_no_warmup`` (Xiong et al. 2020, arXiv 2002.04745; Liu et al. 2020, arXiv 2004.08249): a
+  6-block post-LN char-level transformer (d 128, nanoGPT's layout: one trunk holding embeddings,
+  blocks and head) on six modules of the standard library's own source, Adam 3e-3 from the first
+  step, 300 steps of 8 x 32 characters: its first blocks' gradients fade and the loss stalls near
+  the unigram loss. Fixed: a linear warm-up over 100 steps to the same LR.
 * ``adam_eps_too_large``: a tanh MLP 32-128-128-1 regression under AdamW (LR 1e-3) with eps 1e-2,
   400 steps of batch 64: eps, not the gradients, sizes most steps. Fixed: eps 1e-8. The monitor
   only tells this one (``adam_eps``): it does not change an optimizer's hyperparameters.
@@ -355,6 +360,69 @@ def fp16_unwatched_overflow(seed: int, steps: int = 300) -> Spec:
     )
 
 
+def _stdlib_text() -> tuple[torch.Tensor, int]:
+    """Characters of six modules of the standard library's own source, as indices, and how many."""
+    import os
+
+    folder = os.path.dirname(os.__file__)
+    names = ["argparse.py", "collections/__init__.py", "inspect.py", "typing.py", "dataclasses.py", "functools.py"]
+    text = "".join(open(os.path.join(folder, n), encoding="utf-8").read() for n in sorted(names))
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([index[c] for c in text]), len(chars)
+
+
+class _PostLN(nn.Module):
+    """A post-LN char-level transformer in one trunk (embeddings, blocks, head): the monitor's
+    default groups are one per block."""
+
+    def __init__(self, vocab: int, d: int = 128, layers: int = 6):
+        super().__init__()
+        blocks = [nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True) for _ in range(layers)]
+        self.tr = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, d),
+                "wpe": nn.Embedding(128, d),
+                "h": nn.ModuleList(blocks),
+                "head": nn.Linear(d, vocab),
+            }
+        )
+        nn.init.normal_(self.tr.wpe.weight, std=0.02)
+
+    def forward(self, x):
+        h = self.tr.wte(x) + self.tr.wpe(torch.arange(x.shape[1]))
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        for block in self.tr.h:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.tr.head(h)
+
+
+def post_ln_no_warmup(seed: int, steps: int = 300, lr: float = 3e-3) -> Spec:
+    """A post-LN transformer at Adam 3e-3 from the first step: the loss stalls near the unigram
+    loss, the first blocks' gradients faded. Fixed: a linear warm-up over 100 steps."""
+    data, vocab = _stdlib_text()
+    split = int(len(data) * 0.9)
+    g = _gen(seed, 9)
+
+    def mk(n: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = torch.randint(lo, hi - 33, (n,), generator=g)
+        return torch.stack([data[j : j + 32] for j in i]), torch.stack([data[j + 1 : j + 33] for j in i])
+
+    batches = [mk(8, 0, split) for _ in range(steps)]
+
+    def build(arm):
+        m = _PostLN(vocab)
+        return m, torch.optim.Adam(m.parameters(), lr=lr)
+
+    def lr_at(arm, k):
+        return lr * (min(1.0, (k + 1) / 100) if arm == "fixed" else 1.0)
+
+    def ce(m, b):
+        return nn.functional.cross_entropy(m(b[0]).reshape(-1, vocab), b[1].reshape(-1))
+
+    return Spec(build, lambda arm: batches, ce, mk(256, split, len(data)), lr_at=lr_at, held_out_loss=ce)
+
+
 SCENARIOS: dict[str, Callable[..., Spec]] = {
     "adam_second_moment_lag": adam_second_moment_lag,
     "rnn_exploding_gradients": rnn_exploding_gradients,
@@ -364,6 +432,7 @@ SCENARIOS: dict[str, Callable[..., Spec]] = {
     "dying_relu": dying_relu,
     "fp16_unwatched_overflow": fp16_unwatched_overflow,
     "adam_eps_too_large": adam_eps_too_large,
+    "post_ln_no_warmup": post_ln_no_warmup,
 }
 ARMS = ("bare", "monitored", "fixed")
 

@@ -440,6 +440,9 @@ class ActionContext:
     # before, is still watched by the climb's halt (None: nothing watched)
     lr_proving_until: int | None = None
     restored_at: int | None = None  # step in which an undo or a rollback put the state back
+    # A change of regime an action made (a restart from the run's start, and its put-back): the
+    # monitor announces it for the next step (Monitor.new_regime), so the detectors learn afresh.
+    announce: str | None = None
     lr_drop_kind: str = ""  # the kind that caused it
     lr_permanent: bool = False  # the trouble came back while the LR was still lowered
     # The losses (logs; the values themselves once the loss was seen below zero) and LR scales of
@@ -970,6 +973,9 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     refuted = _refuted(ctx) if trial else None
     if refuted is not None:
         return {"applied": False, "reason": refuted}
+    restart = trial and bool(decision.cause.data.get("restart"))
+    if restart and ctx.restored_at != ctx.step:  # (a warm-up mid-stall does not mend it: only from the start)
+        return {"applied": False, "reason": "no restart from the run's start (see the rollback): no warm-up either"}
     saved = _drop_fields(ctx) if trial else None
     # An update larger than its weights before any of the group's updates landed: the run may
     # start at an LR too high for its initial weights (no warm-up). A hold at a fifth for 100 steps
@@ -1022,16 +1028,23 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
             # began; a TD learner's bimodal loss, 5% under its median before, is no such return.
             began = decision.cause.data.get("began_median")
             low = math.log(began) if isinstance(began, float) and 0 < began < math.exp(before) else before
+            bar = (before + low) / 2
+            after = cfg.halt_window
+            if restart:  # (judged once it has made the run's steps again, before the warm-up's climb ends)
+                bar = math.log(float(decision.cause.data["bar_median"]))
+                after = max(cfg.halt_window, min(int(decision.cause.data["judge_after"]), cfg.warmup_steps - 1))
             ctx.lr_trial = {
                 "at": ctx.step,
                 "before": before,
-                "bar": (before + low) / 2,
+                "bar": bar,
                 "losses": [],
                 "permanent": permanent,
                 "kind": decision.cause.kind,
                 "saved": saved,
+                "judge_after": after,
+                "restart": restart,
             }
-            facts.update(trial=True, judged_at_step=ctx.step + cfg.halt_window, recovers_from_step=None)
+            facts.update(trial=True, judged_at_step=ctx.step + after, recovers_from_step=None)
     if all(why_not):
         facts["applied"] = False
         facts["reason"] = f"no param group has an LR to lower: {why_not[0]}"
@@ -1093,12 +1106,14 @@ def judge_trial(ctx: ActionContext, step: int, loss: float | None) -> Finding | 
     if ctx.lr_dropped_at != trial["at"]:  # (another drop, or a release, took over: no trial to judge)
         ctx.lr_trial = ctx.lr_trial_held = None
         return None
-    if step - trial["at"] < window:
+    if step - trial["at"] < trial.get("judge_after", window):
         return None
     median = statistics.median(trial["losses"]) if trial["losses"] else None
     held = ctx.lr_trial_held
     facts: dict[str, Any] = {
         "trial": True,
+        "restart": bool(trial.get("restart")),
+        "trial_steps": step - trial["at"],
         "trial_from_step": trial["at"],
         "loss_median_before": math.exp(trial["before"]),
         "loss_median_bar": math.exp(trial["bar"]),
@@ -1323,6 +1338,23 @@ def halt_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
 def trial_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
     """The message of a trial's judgement (``judge_trial``)."""
     before, during, bar = facts["loss_median_before"], facts["loss_median_trial"], facts["loss_median_bar"]
+    if facts.get("restart"):
+        seen = (
+            f"its median over the last {cfg.halt_window} of its {facts['trial_steps']} steps, {during:.4g}, "
+            if during is not None
+            else f"no loss was seen in the {facts['trial_steps']} steps of the trial, "
+        )
+        if facts["followed"]:
+            return (
+                f"the restart from the run's start with an LR warm-up bore out: {seen}is under {bar:.4g}, the bar "
+                f"under the stall's median before it at step {facts['trial_from_step']}, {before:.4g}: the warm-up "
+                "stands"
+            )
+        return (
+            f"the restart from the run's start with an LR warm-up did not bear out: {seen}is not under {bar:.4g}, the "
+            f"bar under the stall's median before it at step {facts['trial_from_step']}, {before:.4g}: the stalled "
+            "state and the LR are put back"
+        )
     seen = (
         f"its median over the {cfg.halt_window} steps of the trial, {during:.4g}, "
         if during is not None
@@ -1636,17 +1668,22 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     cause = decision.cause
     if cause.data.get("trial_refuted"):
         held, ctx.lr_trial_held = ctx.lr_trial_held, None
+        if cause.data.get("restart") and held is not None:
+            ctx.announce = "the stalled state put back (the restart from the run's start did not bear out)"
         return _put_back_held(ctx, held, "trial")
     if cause.kind == LOSS_LEVEL_RETURN:
         held, ctx.shift_held = ctx.shift_held, None
         return _put_back_held(ctx, held, "level shift")
-    if cause.before_update:
+    restart = cause.data.get("restart_from")  # (a restart from the run's start: vanishing_gradient's trial)
+    if isinstance(restart, int):
+        target = restart
+    elif cause.before_update:
         target = ctx.step - 1
     else:
         target = cause.step if cause.step is not None else ctx.step
     snap = ctx.snapshots.latest_before(target) if ctx.snapshots is not None else None
     trial = bool(cause.data.get("trial"))
-    why_not = (_refuted(ctx) or _cannot_hold(ctx, snap)) if trial else None
+    why_not = (_refuted(ctx) or _cannot_hold(ctx, snap, restart=isinstance(restart, int))) if trial else None
     if why_not is not None:
         return {"restored": False, "reason": why_not}
     ctx.skip = True
@@ -1670,6 +1707,8 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if live is not None:
         ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": popped, "bytes": tree_nbytes(live)}
     ctx.batches_to_skip += cfg.skip_batches
+    if isinstance(restart, int):  # (from the run's start the loss and the gradients are another regime)
+        ctx.announce = f"a restart from the run's start (step {label}) with an LR warm-up, a trial"
     return {
         "restored": True,
         "restored_from": label,
@@ -1677,25 +1716,28 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "skipped_step": ctx.step,
         "batches_to_skip": ctx.batches_to_skip,
         **({"trial": True, "held_bytes": tree_nbytes(live)} if live is not None else {}),
+        **({"restart": True} if isinstance(restart, int) else {}),
     }
 
 
-def _cannot_hold(ctx: ActionContext, snap: tuple[int, dict[str, Any]] | None) -> str | None:
-    """Why a trial rolls back on no rank (its drop goes on alone), else None: a rank holds no
-    snapshot from before the growth, or has no room beside its snapshots to hold the state it
-    would leave (one as large as the snapshot) within ``actions.rollback.max_host_mb``. Every rank
-    answers the same (one max collective: the ranks' rings may differ, ZeRO's shards in size)."""
+def _cannot_hold(ctx: ActionContext, snap: tuple[int, dict[str, Any]] | None, restart: bool = False) -> str | None:
+    """Why a trial rolls back on no rank (its drop goes on alone; a ``restart``'s does not go on),
+    else None: a rank holds no snapshot from before the growth (of the run's start), or has no room
+    beside its snapshots to hold the state it would leave (one as large as the snapshot) within
+    ``actions.rollback.max_host_mb``. Every rank answers the same (one max collective: the ranks'
+    rings may differ, ZeRO's shards in size)."""
     ring = ctx.snapshots
     full = snap is not None and ctx.no_room_to_hold(tree_nbytes(snap[1]))
     mine = torch.tensor(2.0 if snap is None else 1.0 if full else 0.0, dtype=torch.float64)
     why = float(sharding.max_over_ranks(mine))
+    then = "no restart, the fade is told" if restart else "the trial drops the LR alone"
     if why >= 2.0:
-        return "no snapshot from before the growth (on some rank): the trial drops the LR alone"
+        return f"no snapshot from before the {'run' if restart else 'growth'} (on some rank): {then}"
     if why >= 1.0:
         held = f"{ring.nbytes / 2**20:.1f} MiB here" if ring is not None else "none"
         return (
             f"no room under actions.rollback.max_host_mb (the snapshots hold {held}) to hold the state a trial "
-            "would put back, on some rank: the trial drops the LR alone"
+            f"would put back, on some rank: {then}"
         )
     return None
 

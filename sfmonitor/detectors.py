@@ -479,7 +479,8 @@ class PlateauConfig(Section):
 class VanishingGradientConfig(Section):
     """Gradients that fade through a stack of like layers (Hochreiter 1991; Bengio et al. 1994; a
     post-LN transformer without warm-up, Liu et al. 2020): the first layer's gradient norm a small
-    fraction of the last one's, step after step. Told, no action."""
+    fraction of the last one's, step after step. Told; early in a run at an LR that never rose, once
+    the loss stalls, answered by a restart from the run's start with a warm-up (a trial)."""
 
     enabled: bool = option(True, "watch stacks of like groups (the same parameter shapes, in model order)")
     ratio: float = option(
@@ -494,6 +495,44 @@ class VanishingGradientConfig(Section):
     window: int = option(20, "steps whose median is judged", lo=1)
     start: int = option(20, "optimizer steps before the first judgement (a default init's first steps fade)", lo=0)
     min_layers: int = option(3, "the fewest like groups in a row that make a stack", lo=2)
+    restart_within: int = option(
+        150,
+        "a fade seen within this many optimizer steps of the run's first, at an LR that never rose (neither the "
+        "user's schedule, a warm-up, nor the monitor's scale), once the loss stalls (restart_stall), is answered by a "
+        "trial, once per run: back to the snapshot of the run's start (actions.rollback) and an LR warm-up from there "
+        "(actions.lr_drop.warmup_scale over warmup_steps). A post-LN transformer at an LR too high for its start "
+        "stalls at the unigram loss, its first blocks' gradients faded, and only a warm-up from the start mends it "
+        "(Xiong et al. 2020; Liu et al. 2020); an LR drop later does not. The trial is judged once it has made as many "
+        "steps as the run had (at most warmup_steps - 1, at least halt_window): its median loss of the last "
+        "halt_window steps under the stall's by restart_margin of the progress the run made before it, the restart "
+        "stands; else the stalled state and the LR are put back (the steps of the trial are its cost). Without a "
+        "snapshot of the run's start the fade is told only. 0: told only",
+        lo=0,
+    )
+    restart_stall: float = option(
+        0.02,
+        "the loss has stalled when the median (in logs) of its last `window` values is less than this under the "
+        "median of the `window` before (a post-LN stall: 0.5-1.5% over 20 steps; the run that escapes it "
+        "falls faster)",
+        lo=0,
+        lo_open=True,
+    )
+    restart_update: float = option(
+        0.02,
+        "nor without an update of the run's first `window` to a stack's group at least this share of its weights: a "
+        "warm-up makes the first updates smaller, and where they were small already (SGD on faded gradients: "
+        "1e-4) it is not what the run lacks (post-LN stalls under Adam: their first updates 0.05-0.15 of the "
+        "weights)",
+        lo=0,
+    )
+    restart_margin: float = option(
+        0.1,
+        "the restart's bar, as a share of the progress (in logs) the run made from its first losses to the stall: "
+        "its median must end at least this far under the stall's (and 1% under it at least)",
+        lo=0,
+        lo_open=True,
+        hi=1,
+    )
 
 
 @dataclass
@@ -2192,7 +2231,9 @@ def _maps_onto_itself(shapes: list[tuple[int, ...]]) -> bool:
 UPDATE_RATIO_FADED = 0.2  # measured: stalled or faded runs <= 0.09, healthy >= 0.43 (docs/benchmarks.md)
 
 
-@register_detector("vanishing_gradient", config=VanishingGradientConfig, kinds={VANISHING_GRADIENT: [(1, [])]})
+@register_detector(
+    "vanishing_gradient", config=VanishingGradientConfig, kinds={VANISHING_GRADIENT: [(1, [ROLLBACK, LR_DROP])]}
+)
 class VanishingGradient(_Told):
     """``grad_norm/<first>`` / ``grad_norm/<last>`` over each stack of like groups: runs of at least
     ``min_layers`` consecutive groups (in model order) whose parameters have the same shapes (a
@@ -2201,7 +2242,17 @@ class VanishingGradient(_Told):
     median of ``window`` steps is under ``ratio`` and, where update ratios are measured, the first
     group's update ratio is also under ``UPDATE_RATIO_FADED`` of the last one's (median). Judged one
     step late (``after_update``: the update ratios of a step are read with the next). The monitor
-    gives the groups' shapes through ``layout()``; without it nothing is judged."""
+    gives the groups' shapes through ``layout()``; without it nothing is judged.
+
+    A told finding is no action. One cause it can mend: an LR too high for the run's start (a
+    post-LN transformer without warm-up). Where the fade comes within ``restart_within`` steps of
+    the run's first, its LR never rose (the user's ``update_lr/<group>`` never over 2x its first,
+    the monitor's scale never under 1), a stack's group moved by ``restart_update`` of its weights
+    in one of the first ``window`` updates, and the loss stalled (``restart_stall``), the finding
+    is not told: its data (``trial``, ``restart``, ``restart_from``, ``judge_after``,
+    ``bar_median``, ``first_update``) make its ladder's rollback go to the run's start and its LR
+    drop a warm-up judged as a trial (actions.rollback, actions.lr_drop, actions.judge_trial).
+    Once per run."""
 
     kind = VANISHING_GRADIENT
     after_update = True
@@ -2209,6 +2260,94 @@ class VanishingGradient(_Told):
     def __init__(self, config: VanishingGradientConfig | None = None):
         super().__init__(config or VanishingGradientConfig())  # windows: "<first>..<last>", and ":update"
         self.stacks: list[list[str]] = []
+        # What the restart (restart_within) asks of the run so far: its first judged step, its first
+        # losses (logs), its last 2 x window losses (logs), the user's LR of each group's first update,
+        # whether any LR rose since (or the monitor scaled it), whether a restart was decided.
+        self.first_step: int | None = None
+        self.first_losses: list[float] = []
+        self.losses: collections.deque[float] = collections.deque(maxlen=2 * self.config.window)
+        self.first_lr: dict[str, float] = {}
+        self.lr_rose = False
+        self.first_update = 0.0  # the largest update ratio of a stack's group in the run's first `window` updates
+        self.restarted = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "first_step": self.first_step,
+            "first_losses": list(self.first_losses),
+            "losses": list(self.losses),
+            "first_lr": dict(self.first_lr),
+            "lr_rose": self.lr_rose,
+            "first_update": self.first_update,
+            "restarted": self.restarted,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        first = state.get("first_step")
+        self.first_step = None if first is None else int(first)
+        self.first_losses = [float(v) for v in state.get("first_losses", [])]
+        self.losses = collections.deque((float(v) for v in state.get("losses", [])), maxlen=2 * self.config.window)
+        self.first_lr = {str(k): float(v) for k, v in state.get("first_lr", {}).items()}
+        self.lr_rose = bool(state.get("lr_rose", False))
+        self.first_update = float(state.get("first_update", 0.0))
+        self.restarted = bool(state.get("restarted", False))
+
+    def _follow_run(self, step: int, stats: Mapping[str, float]) -> None:
+        """The run's start, its losses and its LRs, for the restart."""
+        if self.first_step is None:
+            self.first_step = step
+        loss = stats.get(LOSS_TOTAL)
+        if loss is not None and S.finite(loss):
+            if loss <= 0:  # (a signed loss has no logs to compare: no restart)
+                self.lr_rose = True
+            else:
+                self.losses.append(math.log(loss))
+                if len(self.first_losses) < 3:
+                    self.first_losses.append(math.log(loss))
+        if step - self.first_step < self.config.window:  # (the stacks' groups: what faded)
+            for group in itertools.chain.from_iterable(self.stacks):
+                ratio = stats.get(UPDATE_RATIO_PREFIX + group)
+                if ratio is not None and S.finite(ratio):
+                    self.first_update = max(self.first_update, ratio)
+        scale = stats.get(S.UPDATE_LR_SCALE)
+        if scale is not None and scale < 1.0:  # (the monitor lowered the LR: a warm-up of its own)
+            self.lr_rose = True
+        prefix = S.UPDATE_LR.format("")
+        for key, lr in stats.items():
+            if key.startswith(prefix) and S.finite(lr) and lr > 0:
+                if lr > 2.0 * self.first_lr.setdefault(key, lr):  # (a warm-up: the LR rose from its start)
+                    self.lr_rose = True
+
+    def _restart(self, step: int) -> dict[str, Any] | None:
+        """The restart's facts where it is due (a fade early in a run whose LR never rose, its loss
+        stalled), else None."""
+        cfg, w = self.config, self.config.window
+        if self.restarted or not cfg.restart_within or self.lr_rose or self.first_step is None:
+            return None
+        if self.first_update < cfg.restart_update:
+            return None
+        if step - self.first_step > cfg.restart_within or len(self.losses) < 2 * w or not self.first_losses:
+            return None
+        values = list(self.losses)
+        before, now = _median(values[:w]), _median(values[w:])
+        if before - now >= cfg.restart_stall:
+            return None
+        progress = max(self.first_losses) - now
+        bar = now - max(cfg.restart_margin * progress, math.log(1.01))
+        return {
+            "trial": True,
+            "restart": True,
+            "first_update": True,  # (the LR drop is a warm-up: actions.lr_drop)
+            "restart_from": self.first_step,
+            "judge_after": step - self.first_step,
+            "median": math.exp(now),
+            "median_before": math.exp(before),
+            "start_loss": math.exp(max(self.first_losses)),
+            "first_update_ratio": self.first_update,
+            "bar_median": math.exp(bar),
+        }
 
     def layout(self, groups: Mapping[str, list[tuple[int, ...]]]) -> None:
         """The groups in model order, each with its parameters' shapes (plain data)."""
@@ -2230,6 +2369,8 @@ class VanishingGradient(_Told):
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
+        if self.stacks:
+            self._follow_run(step, stats)
         for stack in self.stacks:
             key = f"{stack[0]}..{stack[-1]}"
             norms = [(g, stats.get(GRAD_NORM_PREFIX + g)) for g in stack]
@@ -2246,27 +2387,45 @@ class VanishingGradient(_Told):
             if step < cfg.start or len(window) < cfg.window:
                 continue
             median = _median(list(window))
+            update = _median(list(moved)) if moved else None
             if key in self.told:
                 if median > 10 * cfg.ratio:
                     self.told.discard(key)
+                    continue
+                if median >= cfg.ratio:  # (still told, no longer faded: no restart for it)
+                    continue
+            elif median >= cfg.ratio or (update is not None and update >= UPDATE_RATIO_FADED):
                 continue
-            update = _median(list(moved)) if moved else None
-            if median >= cfg.ratio or (update is not None and update >= UPDATE_RATIO_FADED):
+            restart = self._restart(step)
+            if key in self.told and restart is None:
                 continue
             self.told.add(key)
+            faded = (
+                f"gradients fade through the {len(stack)} like groups {key}: the gradient norm of "
+                f"{first} is {_fmt(median)} of {last}'s (median of {cfg.window} steps, under "
+                f"{_fmt(cfg.ratio)})" + (f" and its updates {_fmt(update)} of {last}'s" if update is not None else "")
+            )
+            if restart is None:
+                message = (
+                    faded + ": the first layers barely train (vanishing gradients; a post-LN "
+                    "transformer without warm-up stalls so). Residual connections, normalisation, another "
+                    "activation or init, or an LR warm-up"
+                )
+            else:
+                self.restarted = True
+                message = (
+                    faded + f", {restart['judge_after']} steps into a run whose LR never rose, and its loss "
+                    f"stalled at {_fmt(restart['median'])} (median of the last {cfg.window} steps; "
+                    f"{_fmt(restart['median_before'])} the {cfg.window} before): an LR too high for the start "
+                    "(a post-LN transformer without warm-up stalls so). A trial: back to the run's start with an "
+                    f"LR warm-up, judged by its loss after {restart['judge_after']} steps against "
+                    f"{_fmt(restart['bar_median'])}"
+                )
             out.append(
                 Finding(
                     kind=self.kind,
                     where=first,
-                    message=(
-                        f"gradients fade through the {len(stack)} like groups {key}: the gradient norm of "
-                        f"{first} is {_fmt(median)} of {last}'s (median of {cfg.window} steps, under "
-                        f"{_fmt(cfg.ratio)})"
-                        + (f" and its updates {_fmt(update)} of {last}'s" if update is not None else "")
-                        + ": the first layers barely train (vanishing gradients; a post-LN "
-                        "transformer without warm-up stalls so). Residual connections, normalisation, another "
-                        "activation or init, or an LR warm-up"
-                    ),
+                    message=message,
                     data={
                         "stack": stack,
                         "first": first,
@@ -2276,7 +2435,9 @@ class VanishingGradient(_Told):
                         "threshold": cfg.ratio,
                         "window": cfg.window,
                         "step": step,
+                        **(restart or {}),
                     },
+                    told=restart is None,
                 )
             )
         return out

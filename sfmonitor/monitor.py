@@ -2054,6 +2054,8 @@ class Monitor:
             budgeted = [o.results[a] for o in outcomes for a in o.actions if a in self.config.policy.budget_actions]
             if budgeted and not any(changed_something(facts) for facts in budgeted):
                 self._policy.refund(step)  # the budget counts only rescues that did something
+            if ctx.announce is not None:  # (a restart from the run's start: the detectors learn afresh)
+                self._regime_next, ctx.announce = ctx.announce, None
             if rec is not None:
                 if ctx.skip:
                     # An optimizer that reads the gradients before calling its closure (SAM's
