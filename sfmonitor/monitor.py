@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_leaves
 from . import actions as A
 from . import sharding
 from . import stats as S
-from .attention import QK_CLIP
+from .attention import ATTENTION_LOGIT_GROWTH, QK_CLIP
 from .checkpoint import SnapshotRing, state_dict_needs_every_rank
 from .config import MonitorConfig
 from .detectors import Detector, build_detectors
@@ -159,6 +159,21 @@ def _drop_moot(decisions: list[Decision], actions: tuple[str, ...], answered_by:
         else:
             kept.append(d)
     return kept
+
+
+def _moot_recheck(event: Event) -> bool:
+    """A held module's check (``attention_logit_growth`` with nothing over tau, the module held
+    after a clip: its logits are checked after every update) whose QK-Clip clipped nothing, before
+    the forward or after the update: a routine check, not an event. (A probe's post-LN runs wrote
+    445-655 such lines each, one per held module and step, for 3 events that clipped.)"""
+    data = event.data or {}
+    return (
+        event.kind == ATTENTION_LOGIT_GROWTH
+        and bool(data.get("held"))
+        and not data.get("heads_over")
+        and not data.get("clipped_before_forward")
+        and not event.changed()
+    )
 
 
 _RUN_COUNTER = itertools.count()
@@ -1269,8 +1284,8 @@ class Monitor:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+        self._write_unwritten()
         if self._router is not None:
-            self._write_unwritten()
             self._router.flush()
             self._router.close()
             self._router = None
@@ -3106,6 +3121,10 @@ class Monitor:
         return self._counted.merged(self.events[self._superseded :])
 
     def _emit(self, event: Event) -> Event:
+        results = (event.data or {}).get("action_results") or {}
+        pending = any(isinstance(f, dict) and f.get("measured") == "pending" for f in results.values())
+        if not pending and _moot_recheck(event):
+            return event  # (a held module's check that found nothing to clip: no event)
         self.events.append(event)
         if len(self.events) > self.config.max_events:  # bounded in memory; the files keep all
             gone = len(self.events) - self.config.max_events
@@ -3113,20 +3132,28 @@ class Monitor:
                 self._counted.add(e)
             self._superseded = max(0, self._superseded - gone)
             del self.events[:gone]
-        if self._router is not None:
-            # An action that finishes after the update (qk_clip sizes its clip from the updated
-            # weights) is written once it has: the files say what was done, not what was planned.
-            # Later events wait behind it, in order, until the next step (or detach) writes them.
-            results = (event.data or {}).get("action_results") or {}
-            if self._unwritten or any(isinstance(f, dict) and f.get("measured") == "pending" for f in results.values()):
-                self._unwritten.append(event)
-            else:
-                self._router.log_event(event)
+        # An action that finishes after the update (qk_clip sizes its clip from the updated
+        # weights) is written once it has: the files say what was done, not what was planned.
+        # Later events wait behind it, in order, until the next step (or detach) writes them.
+        if self._unwritten or pending:
+            self._unwritten.append(event)
+        elif self._router is not None:
+            self._router.log_event(event)
         return event
 
     def _write_unwritten(self) -> None:
-        while self._unwritten and self._router is not None:
-            self._router.log_event(self._unwritten.pop(0))
+        """Write the events whose actions have finished since (``_emit``). A held module's check
+        after the update that clipped nothing is no event: it leaves the list and the files."""
+        while self._unwritten:
+            event = self._unwritten.pop(0)
+            if _moot_recheck(event):
+                for i in range(len(self.events) - 1, self._superseded - 1, -1):
+                    if self.events[i] is event:
+                        del self.events[i]
+                        break
+                continue
+            if self._router is not None:
+                self._router.log_event(event)
 
     # ------------------------------------------------------------------------------------------
     # state

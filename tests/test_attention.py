@@ -1012,3 +1012,30 @@ def test_qk_clip_on_a_transposed_fused_projection_measured_past_a_softmax_child(
     after = _per_head(model.attn.logits(x).detach())
     assert after == pytest.approx([min(b, tau) for b in before], rel=1e-5)
     assert torch.equal(model.attn.c_attn.weight[:, 32:], ref["attn.c_attn.weight"][:, 32:])  # values untouched
+
+
+def test_a_held_modules_checks_that_clip_nothing_are_no_events(tmp_path):
+    """A module held after a clip is checked after every update (and before the next forward);
+    a check that clips nothing is routine, not an event: a probe's post-LN runs had 445-655 such
+    lines each, one per held module and step, for a few clips. The clips that changed W_q/W_k stay
+    events, in the list and in the file alike."""
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    mon = sfmonitor.attach(
+        model, opt, run_dir=tmp_path, config={"console": False, "watch": {"attention": {"tau": 4.0}}}
+    )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        idx = torch.randint(0, 11, (4, 8), generator=g)
+        loss = F.cross_entropy(model(idx)[:, :-1].reshape(-1, 11), idx[:, 1:].reshape(-1))
+        mon.combine({"lm": loss}).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.detach()
+    growth = [e for e in mon.events if e.kind == ATTENTION_LOGIT_GROWTH]
+    assert any(e.data.get("held") and e.changed() for e in growth)  # held modules were clipped again
+    assert all(e.data["heads_over"] or e.changed() or e.data.get("clipped_before_forward") for e in growth)
+    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    written = [e for e in lines if e["kind"] == ATTENTION_LOGIT_GROWTH]
+    assert [(e["step"], e["data"]["module"]) for e in written] == [(e.step, e.data["module"]) for e in growth]
