@@ -96,6 +96,8 @@ __all__ = [
 LOSS_PREFIX = S.LOSS.format("")
 GRAD_NORM_PREFIX = S.GRAD_NORM.format("")
 UPDATE_RATIO_PREFIX = S.UPDATE_RATIO.format("")
+BLOCK_GRAD_NORM_PREFIX = S.BLOCK_GRAD_NORM.format("")
+BLOCK_UPDATE_RATIO_PREFIX = S.BLOCK_UPDATE_RATIO.format("")
 WEIGHT_PREFIX = S.LOSS_WEIGHT.format("")
 UPDATE_STALE_PREFIX = S.UPDATE_STALE.format("")
 DEAD_UNITS_PREFIX = S.DEAD_UNITS.format("")
@@ -772,6 +774,14 @@ class Detector:
         """The model's groups in model order, each with its parameters' shapes (plain data): at
         attach, and again when the optimizer gains parameters. Optional; the monitor calls it on the
         detectors that have it."""
+
+    def blocks(self, blocks: Mapping[str, list[tuple[int, ...]]]) -> bool:
+        """The like blocks of a ``ModuleList``/``Sequential`` inside one group (a BERT's encoder
+        layers beside its embeddings and head), in model order, each with its parameters' shapes,
+        called after ``layout``. Return True to have the monitor measure them for this detector
+        (``block_grad_norm/<block>``, ``block_update_ratio/<block>``: a few more values a step);
+        the base asks for nothing."""
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -2259,7 +2269,8 @@ class VanishingGradient(_Told):
 
     def __init__(self, config: VanishingGradientConfig | None = None):
         super().__init__(config or VanishingGradientConfig())  # windows: "<first>..<last>", and ":update"
-        self.stacks: list[list[str]] = []
+        self.stacks: list[list[str]] = []  # of groups: grad_norm/<g>, update_ratio/<g>
+        self.block_stacks: list[list[str]] = []  # of blocks inside a group: block_grad_norm/<b>, ...
         # What the restart (restart_within) asks of the run so far: its first judged step, its first
         # losses (logs), its last 2 x window losses (logs), the user's LR of each group's first update,
         # whether any LR rose since (or the monitor scaled it), whether a restart was decided.
@@ -2306,11 +2317,12 @@ class VanishingGradient(_Told):
                 self.losses.append(math.log(loss))
                 if len(self.first_losses) < 3:
                     self.first_losses.append(math.log(loss))
-        if step - self.first_step < self.config.window:  # (the stacks' groups: what faded)
-            for group in itertools.chain.from_iterable(self.stacks):
-                ratio = stats.get(UPDATE_RATIO_PREFIX + group)
-                if ratio is not None and S.finite(ratio):
-                    self.first_update = max(self.first_update, ratio)
+        if step - self.first_step < self.config.window:  # (the stacks' groups or blocks: what faded)
+            for stack, _, prefix in self._stacks():
+                for part in stack:
+                    ratio = stats.get(prefix + part)
+                    if ratio is not None and S.finite(ratio):
+                        self.first_update = max(self.first_update, ratio)
         scale = stats.get(S.UPDATE_LR_SCALE)
         if scale is not None and scale < 1.0:  # (the monitor lowered the LR: a warm-up of its own)
             self.lr_rose = True
@@ -2349,12 +2361,13 @@ class VanishingGradient(_Told):
             "bar_median": math.exp(bar),
         }
 
-    def layout(self, groups: Mapping[str, list[tuple[int, ...]]]) -> None:
-        """The groups in model order, each with its parameters' shapes (plain data)."""
+    def _runs(self, parts: Mapping[str, list[tuple[int, ...]]]) -> list[list[str]]:
+        """Runs of at least ``min_layers`` consecutive like parts (the same shapes, a weight that
+        maps a width onto itself), in order."""
         stacks: list[list[str]] = []
         run: list[str] = []
         last: tuple | None = None
-        for name, shapes in groups.items():
+        for name, shapes in parts.items():
             sig = tuple(sorted(shapes)) if _maps_onto_itself(shapes) else None
             if run and sig == last and sig:
                 run.append(name)
@@ -2364,23 +2377,40 @@ class VanishingGradient(_Told):
                 run, last = [name], sig
         if len(run) >= self.config.min_layers:
             stacks.append(run)
-        self.stacks = stacks
+        return stacks
+
+    def layout(self, groups: Mapping[str, list[tuple[int, ...]]]) -> None:
+        """The groups in model order, each with its parameters' shapes (plain data)."""
+        self.stacks = self._runs(groups)
+
+    def blocks(self, blocks: Mapping[str, list[tuple[int, ...]]]) -> bool:
+        """The like blocks inside groups (a BERT's encoder layers in its one ``bert`` group): stacks
+        of their own, judged on ``block_grad_norm/<b>`` and ``block_update_ratio/<b>``."""
+        self.block_stacks = self._runs(blocks)
+        return bool(self.block_stacks)
+
+    def _stacks(self) -> list[tuple[list[str], str, str]]:
+        """Every stack with the prefixes of its gradient norms and update ratios."""
+        return [(s, GRAD_NORM_PREFIX, UPDATE_RATIO_PREFIX) for s in self.stacks] + [
+            (s, BLOCK_GRAD_NORM_PREFIX, BLOCK_UPDATE_RATIO_PREFIX) for s in self.block_stacks
+        ]
 
     def check(self, step: int, stats: Mapping[str, float]) -> list[Finding]:
         cfg = self.config
         out = []
-        if self.stacks:
+        stacks = self._stacks()
+        if stacks:
             self._follow_run(step, stats)
-        for stack in self.stacks:
+        for stack, grad_prefix, update_prefix in stacks:
             key = f"{stack[0]}..{stack[-1]}"
-            norms = [(g, stats.get(GRAD_NORM_PREFIX + g)) for g in stack]
+            norms = [(g, stats.get(grad_prefix + g)) for g in stack]
             live = [(g, v) for g, v in norms if v is not None and S.finite(v) and v > 0]
             if len(live) < cfg.min_layers:
                 continue
             (first, a), (last, b) = live[0], live[-1]
             window = self.windows.setdefault(key, collections.deque(maxlen=cfg.window))
             window.append(a / b)
-            ua, ub = stats.get(UPDATE_RATIO_PREFIX + first), stats.get(UPDATE_RATIO_PREFIX + last)
+            ua, ub = stats.get(update_prefix + first), stats.get(update_prefix + last)
             moved = self.windows.setdefault(key + ":update", collections.deque(maxlen=cfg.window))
             if ua is not None and ub is not None and S.finite(ua) and S.finite(ub) and ub > 0:
                 moved.append(ua / ub)
@@ -2400,8 +2430,9 @@ class VanishingGradient(_Told):
             if key in self.told and restart is None:
                 continue
             self.told.add(key)
+            like = "groups" if grad_prefix == GRAD_NORM_PREFIX else "blocks"
             faded = (
-                f"gradients fade through the {len(stack)} like groups {key}: the gradient norm of "
+                f"gradients fade through the {len(stack)} like {like} {key}: the gradient norm of "
                 f"{first} is {_fmt(median)} of {last}'s (median of {cfg.window} steps, under "
                 f"{_fmt(cfg.ratio)})" + (f" and its updates {_fmt(update)} of {last}'s" if update is not None else "")
             )

@@ -82,6 +82,7 @@ from .events import (
     SKIP_STEP,
     UNDO,
     UPDATE_RATIO_SPIKE,
+    VANISHING_GRADIENT,
     ZERO_GRAD_MISSING,
     ZERO_GRADIENT,
     ConfigError,
@@ -268,6 +269,34 @@ def resolve_groups(
     for name, p in named:
         out.setdefault(owner.get(id(p), OTHER), []).append((name, p))
     return {g: ps for g, ps in out.items() if ps}
+
+
+def like_blocks(model: nn.Module, param_group: Mapping[str, str], least: int = 3) -> dict[str, list[str]]:
+    """The blocks of every ``ModuleList``/``Sequential`` of at least ``least`` children with the
+    same parameter shapes whose parameters all lie in one group (a BERT's ``encoder.layer``: its
+    12 layers sit in the group of ``bert``, beside the embeddings): block name -> the names of its
+    parameters (as ``param_group`` holds them), in model order. A list whose blocks are groups of
+    their own (a single trunk's) is left out, and so is one inside another list found."""
+    model = unwrap(model)
+    out: dict[str, list[str]] = {}
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or any(path.startswith(f"{b}.") for b in out):
+            continue
+        children = list(m.named_children())
+        if len(children) < least:
+            continue
+        prefix = f"{path}." if path else ""
+        members = [[f"{prefix}{c}.{n}" for n, _ in child.named_parameters()] for c, child in children]
+        shapes = [sorted(tuple(p.shape) for p in child.parameters()) for _, child in children]
+        if not members[0] or any(s != shapes[0] for s in shapes):
+            continue
+        held = [[n for n in names if n in param_group] for names in members]  # (tied: named once)
+        if any(len(h) != len(members[0]) for h in held):
+            continue
+        if len({param_group[n] for names in held for n in names}) != 1:
+            continue  # (several groups: the blocks are groups already, or split across them)
+        out.update({f"{prefix}{c}": names for (c, _), names in zip(children, held)})
+    return out
 
 
 def _check_group_member(p: Any, where: str, by_id: Mapping[int, str]) -> None:
@@ -928,12 +957,21 @@ class Monitor:
             layout = getattr(d, "layout", None)
             if layout is not None:
                 layout(shapes)
+        # Like blocks inside a group (a BERT's encoder layers): measured only for a detector that asks
+        blocks = like_blocks(model, self._name_to_group)
+        at = {n: i for i, n in enumerate(self._param_names)}
+        block_shapes = {b: [tuple(self._params[at[n]].shape) for n in names] for b, names in blocks.items()}
+        asked = [bool(d.blocks(block_shapes)) for d in self._detectors if blocks and hasattr(d, "blocks")]
+        self._block_names = list(blocks) if any(asked) else []
+        block_of = {n: bi for bi, b in enumerate(self._block_names) for n in blocks[b]}
+        self._param_block = [block_of.get(n, len(self._block_names)) for n in self._param_names]  # (last: none)
         device = self._params[0].device if self._params else torch.device("cpu")
         # FSDP2: statistics measure each rank's local shards, weighted by their share of the norms.
         self._layout = sharding.Layout(self._params)
         self._param_group_t = self._layout.index(range(len(self._params)), self._param_group, device)
-        # which parameters have gradients -> their group index tensors, and the groups they fall in
-        self._index_cache: dict[tuple[int, ...], tuple[S.TensorIndex, frozenset[int]]] = {}
+        self._param_block_t = self._layout.index(range(len(self._params)), self._param_block, device)
+        # which parameters have gradients -> their group (and block) index tensors, and the groups they fall in
+        self._index_cache: dict[tuple[int, ...], tuple[S.TensorIndex, frozenset[int], S.TensorIndex]] = {}
         self._update_buf, self._slices = None, None
         self._n_opt_params = sum(len(pg["params"]) for pg in optimizer.param_groups)
 
@@ -2112,10 +2150,12 @@ class Monitor:
                         "the LR is the user's schedule again"
                     )
                 elif recovered and ctx.lr_warmup is not None and recovered.get("recovering"):
-                    message = (
-                        "a warm-up after the first updates were larger than the weights: the LR climbs back "
-                        f"to the user's schedule over {recovered['steps']} steps"
+                    why = (
+                        "a warm-up from the run's start (a restart)"
+                        if ctx.lr_drop_kind == VANISHING_GRADIENT
+                        else "a warm-up after the first updates were larger than the weights"
                     )
+                    message = f"{why}: the LR climbs back to the user's schedule over {recovered['steps']} steps"
                 elif recovered:
                     what = "is back to" if recovered.get("recovered") else "climbs back towards"
                     message = f"no trouble since the LR drop: the LR {what} the user's schedule"
@@ -2552,12 +2592,17 @@ class Monitor:
         cached = self._index_cache.get(key)
         if cached is None:  # group index tensors are built once, not copied per step
             index = self._layout.index(key, self._param_group, grad_norms.device)
-            cached = self._index_cache[key] = (index, frozenset(self._param_group[i] for i in key))
-        index, rec.grad_groups = cached
+            by_block = self._layout.index(key, self._param_block, grad_norms.device)
+            cached = self._index_cache[key] = (index, frozenset(self._param_group[i] for i in key), by_block)
+        index, rec.grad_groups, by_block = cached
         per_group = S.group_norms(grad_norms, index, len(self._group_names))
         out[S.GRAD_NORM_TOTAL] = per_group.square().sum().sqrt()
         for gi, g in enumerate(self._group_names):
             out[S.GRAD_NORM.format(g)] = per_group[gi]
+        if self._block_names:
+            per_block = S.group_norms(grad_norms, by_block, len(self._block_names) + 1)
+            for bi, b in enumerate(self._block_names):
+                out[S.BLOCK_GRAD_NORM.format(b)] = per_block[bi]
         if user_clipped:
             after = S.group_norms(measured, index, len(self._group_names))
             out.update(self._user_clip.stats(out[S.GRAD_NORM_TOTAL], after.square().sum().sqrt()))
@@ -2614,7 +2659,7 @@ class Monitor:
             )
         every = self.config.stats.update_ratio_every
         if every and rec.step % every == 0:
-            rec.before_norms = per_group_p
+            rec.before_norms = param_norms
             if self._live().undo is not None:
                 return out, key  # the undo copy, taken after the actions, is the "before"
             # Without it: a copy of what is measured, the whole parameters or a slice of each that
@@ -2632,7 +2677,7 @@ class Monitor:
             torch._foreach_copy_(before, live)
             rec.before_params, rec.ratio_live = before, live
             # the ratio of the slices: ||delta slice|| / ||slice||
-            rec.before_norms = S.group_norms(S.norms(before), self._param_group_t, len(self._group_names))
+            rec.before_norms = S.norms(before)
         return out, key
 
     # A loss spike on a state that a sound step made is the batch's fault: the update that made the
@@ -2962,6 +3007,8 @@ class Monitor:
                 else:
                     for g in self._group_names:
                         rec.after[S.UPDATE_RATIO.format(g)] = torch.zeros(())
+                    for b in self._block_names:
+                        rec.after[S.BLOCK_UPDATE_RATIO.format(b)] = torch.zeros(())
                 rec.before_params, rec.ratio_live = None, None
             if ctx is not None and ctx.zero_grads:  # (zero_grad_missing's fix: the loop never resets)
                 grads = [p.grad for p in self._params if p.grad is not None]
@@ -3072,17 +3119,26 @@ class Monitor:
             return False
         before = undo.params
         upd = update_norms(before, self._layout.detached(self._params), self._scratch)
-        held = S.group_norms(S.norms(before), self._param_group_t, len(self._group_names))
-        rec.stats.update(S.read_all(self._update_ratios(upd, held)))
+        rec.stats.update(S.read_all(self._update_ratios(upd, S.norms(before))))
         return True
 
     def _update_ratios(self, moved_norms: torch.Tensor, before_norms: torch.Tensor) -> dict[str, Any]:
-        """``update_ratio/<group>`` from the per-tensor norms of an update and the per-group norms
-        of the weights before it: ||delta theta|| / ||theta||, both completed across ranks at the read."""
-        moved = S.group_norms(moved_norms, self._param_group_t, len(self._group_names))
-        return {
-            S.UPDATE_RATIO.format(g): S.NormRatio(moved[gi], before_norms[gi]) for gi, g in enumerate(self._group_names)
+        """``update_ratio/<group>`` (and ``block_update_ratio/<block>``) from the per-tensor norms
+        of an update and of the weights before it: ||delta theta|| / ||theta||, both completed
+        across ranks at the read."""
+        n = len(self._group_names)
+        moved = S.group_norms(moved_norms, self._param_group_t, n)
+        held = S.group_norms(before_norms, self._param_group_t, n)
+        out: dict[str, Any] = {
+            S.UPDATE_RATIO.format(g): S.NormRatio(moved[gi], held[gi]) for gi, g in enumerate(self._group_names)
         }
+        if self._block_names:
+            nb = len(self._block_names) + 1
+            moved_b = S.group_norms(moved_norms, self._param_block_t, nb)
+            held_b = S.group_norms(before_norms, self._param_block_t, nb)
+            for bi, b in enumerate(self._block_names):
+                out[S.BLOCK_UPDATE_RATIO.format(b)] = S.NormRatio(moved_b[bi], held_b[bi])
+        return out
 
     def _judge_update(self, rec: StepRecord, extra: dict[str, float]) -> list[Finding]:
         """The after-update detectors' findings on ``rec``'s update: its statistics (update ratios

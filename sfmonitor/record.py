@@ -169,7 +169,7 @@ class StepRecord:
     batch_share: float = 1.0  # the step's batch over the usual one (Monitor._batch_share)
     before_params: list[torch.Tensor] | None = None  # parameters before the update
     ratio_live: list[torch.Tensor] | None = None  # views of the parameters the update ratio measures (slices)
-    before_norms: torch.Tensor | None = None  # their norms per group
+    before_norms: torch.Tensor | None = None  # their norms per tensor
     after: dict[str, torch.Tensor | S.NormRatio] = field(default_factory=dict)  # update ratios, read next step
 
     @property

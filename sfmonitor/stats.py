@@ -16,6 +16,10 @@ key                            meaning
 ``grad_norm/<group>``          L2 norm of the group's gradients
 ``param_norm/<group>``         L2 norm of the group's parameters before the update
 ``update_ratio/<group>``       ``||theta_after - theta_before|| / ||theta_before||`` over the step
+``block_grad_norm/<block>``    L2 norm of the gradients of one block of a stack of like blocks
+                               inside a group (a BERT's ``encoder.layer.<i>``), measured where a
+                               detector asks for them (``vanishing_gradient``)
+``block_update_ratio/<block>`` the update ratio of that block
 ``grad_ratio/<a>/<b>``         ``||dL_a/dtheta|| / ||dL_b/dtheta||`` on parameters shared by a and b
 ``grad_cos/<a>/<b>``           cosine between ``dL_a/dtheta`` and ``dL_b/dtheta`` on those parameters
 ``amp/loss_scale``             the GradScaler's scale when the step was taken
@@ -70,6 +74,8 @@ GRAD_NORM_TOTAL = "grad_norm/total"
 GRAD_NORM = "grad_norm/{}"
 PARAM_NORM = "param_norm/{}"
 UPDATE_RATIO = "update_ratio/{}"
+BLOCK_GRAD_NORM = "block_grad_norm/{}"
+BLOCK_UPDATE_RATIO = "block_update_ratio/{}"
 # Of a group's low-precision (bf16/fp16) parameters: the share of the gradient's mass (sum of |g|)
 # on elements the update left exactly unchanged, rounded away (only groups holding such parameters;
 # update_stale/total: over all of them).
@@ -218,6 +224,7 @@ REDUCTIONS: dict[str, Reduce] = {
     BN_VAR_WORST: Reduce.FIRST,
     ACT_ABSMAX.format(""): Reduce.MAX,
     GRAD_NORM.format(""): Reduce.NORM,
+    BLOCK_GRAD_NORM.format(""): Reduce.NORM,
     PARAM_NORM.format(""): Reduce.NORM,
     DEAD_UNITS.format(""): Reduce.SUM,  # per layer: dead units, units (FSDP2: each rank's rows)
     ADAM_EPS.format(""): Reduce.SUM,  # elements under eps, elements (FSDP2: each rank's shard)

@@ -5,6 +5,7 @@ and healthy nets, say nothing."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -356,3 +357,67 @@ def test_a_restart_that_does_not_bear_out_puts_the_stalled_state_and_the_lr_back
     assert "did not bear out" in verdict.message
     assert any(e.kind == "new_regime" and e.step == verdict.step + 1 for e in ev)
     assert opt.param_groups[0]["lr"] == 0.01
+
+
+# -- stacks of like blocks inside one group ----------------------------------------------------
+
+
+class _Inside(nn.Module):
+    """A deep sigmoid MLP whose hidden layers sit in one ModuleList beside an input and an output
+    layer: three top-level children, three groups; the stack is inside ``body``."""
+
+    def __init__(self, depth: int = 10, width: int = 32):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.body = nn.ModuleList([nn.Sequential(nn.Sigmoid(), nn.Linear(width, width)) for _ in range(depth)])
+        self.out = nn.Sequential(nn.Sigmoid(), nn.Linear(width, 1))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.body:
+            h = block(h)
+        return self.out(h)
+
+
+def test_like_blocks_inside_one_group_are_a_stack_of_their_own(tmp_path):
+    """HF BERT, ViT, minGPT and most hand-written transformers keep their blocks in a ModuleList
+    inside one top-level child, beside the embeddings and the head: one group for the whole
+    stack. Its blocks are measured (block_grad_norm/<b>, block_update_ratio/<b>) and judged."""
+    torch.manual_seed(0)
+    model = _Inside()
+    events, mon = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    assert len(events) == 1 and events[0].actions == []  # told: SGD's first updates are small
+    e = events[0]
+    assert e.data["stack"] == [f"body.{i}" for i in range(10)] and "like blocks body.0..body.9" in e.message
+    assert e.data["ratio"] < 1e-3 and e.data["update_ratio"] < 0.2
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])
+    assert {"grad_norm/inp", "grad_norm/body", "grad_norm/out"} <= set(first)  # three groups
+    assert {"block_grad_norm/body.0", "block_update_ratio/body.9"} <= set(first)
+
+
+def test_blocks_are_found_where_a_list_of_like_children_sits_in_one_group():
+    from sfmonitor.monitor import like_blocks, resolve_groups
+
+    def found(model):
+        groups = resolve_groups(model)
+        return like_blocks(model, {n: g for g, ps in groups.items() for n, _ in ps})
+
+    blocks = found(_Inside())
+    assert list(blocks) == [f"body.{i}" for i in range(10)] and blocks["body.3"] == ["body.3.1.weight", "body.3.1.bias"]
+    # a single trunk's blocks are groups of their own already: no blocks inside them
+    trunk = nn.Sequential()
+    trunk.add_module(
+        "tr", nn.ModuleDict({"h": nn.ModuleList([nn.Linear(4, 4) for _ in range(4)]), "head": nn.Linear(4, 2)})
+    )
+    assert found(trunk) == {}
+    # unlike children (an MLP's Linear, ReLU, Linear, ...), or too few, are no stack
+    assert found(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))) == {}
+    two = nn.Module()
+    two.a, two.body = nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    assert found(two) == {}
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32
+    )
+    bert = transformers.BertForSequenceClassification(cfg)
+    assert list(found(bert)) == [f"bert.encoder.layer.{i}" for i in range(3)]

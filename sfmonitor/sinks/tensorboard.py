@@ -51,6 +51,8 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gradient norm by group", ("grad_norm/",)),
     ("parameter norm by group", ("param_norm/",)),
     ("update ratio by group", ("update_ratio/",)),
+    ("gradient norm by block (like blocks inside a group)", ("block_grad_norm/",)),
+    ("update ratio by block (like blocks inside a group)", ("block_update_ratio/",)),
     ("update share rounded away (bf16/fp16 weights)", ("update_stale/",)),
     ("dead units by group (largest share of a layer)", ("dead_units/",)),
     ("Adam: share of weights whose sqrt(v) is under eps", ("adam_eps/",)),
