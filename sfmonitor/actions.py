@@ -1032,7 +1032,7 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
             after = cfg.halt_window
             if restart:  # (judged once it has made the run's steps again, before the warm-up's climb ends)
                 bar = math.log(float(decision.cause.data["bar_median"]))
-                after = max(cfg.halt_window, min(int(decision.cause.data["judge_after"]), cfg.warmup_steps - 1))
+                after = min(max(int(decision.cause.data["judge_after"]), _restart_judged(cfg)), cfg.warmup_steps - 1)
             ctx.lr_trial = {
                 "at": ctx.step,
                 "before": before,
@@ -1051,6 +1051,19 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     else:
         ctx.lr_ceiling = list(facts["new_lr"])
     return facts
+
+
+# A restart's trial is judged no sooner than this share of the warm-up's steps: its LR has climbed
+# to warmup_scale ** 0.3 of the full (0.41 at the default 0.05). Judged after the run's own 45-50
+# steps, 12-block post-LN stalls were refuted at 0.2x the LR (medians 3.23 and 3.13 against bars 3.02
+# and 2.95) where the same warm-up from the start passes the bar by step ~70 and ends at 2.65 and
+# 2.52 against bare 3.22 and 3.17 (a helper's probe).
+RESTART_JUDGED_SHARE = 0.7
+
+
+def _restart_judged(cfg: LRDropConfig) -> int:
+    """The earliest step after a restart its trial is judged at (``RESTART_JUDGED_SHARE``)."""
+    return max(cfg.halt_window, math.ceil(RESTART_JUDGED_SHARE * cfg.warmup_steps))
 
 
 def _refuted(ctx: ActionContext) -> str | None:

@@ -505,7 +505,8 @@ class VanishingGradientConfig(Section):
         "(actions.lr_drop.warmup_scale over warmup_steps). A post-LN transformer at an LR too high for its start "
         "stalls at the unigram loss, its first blocks' gradients faded, and only a warm-up from the start mends it "
         "(Xiong et al. 2020; Liu et al. 2020); an LR drop later does not. The trial is judged once it has made as many "
-        "steps as the run had (at most warmup_steps - 1, at least halt_window): its median loss of the last "
+        "steps as the run had (at least 0.7 x warmup_steps, when the warm-up's LR is back at 0.4x; at most "
+        "warmup_steps - 1): its median loss of the last "
         "halt_window steps under the stall's by restart_margin of the progress the run made before it, the restart "
         "stands; else the stalled state and the LR are put back (the steps of the trial are its cost). Without a "
         "snapshot of the run's start the fade is told only. 0: told only",

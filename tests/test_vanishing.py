@@ -332,7 +332,7 @@ def test_a_restart_that_does_not_bear_out_puts_the_stalled_state_and_the_lr_back
     w = torch.randn(8, 1, generator=g)
     before: dict[int, list[torch.Tensor]] = {}
     checked = 0
-    for _ in range(100):
+    for _ in range(140):
         x = torch.randn(32, 8, generator=g)
         loss = mon.combine((model(x) - torch.tanh(x @ w)).pow(2).mean())
         loss.backward()
@@ -353,7 +353,7 @@ def test_a_restart_that_does_not_bear_out_puts_the_stalled_state_and_the_lr_back
     assert not verdict.data["followed"] and verdict.actions == ["rollback", "lr_drop"]
     assert verdict.data["action_results"]["rollback"]["restored_from"] == restart.step
     assert verdict.data["action_results"]["lr_drop"]["new_scale"] == 1.0 and verdict.data["budget_returned"] == 1
-    assert verdict.step - restart.step == max(20, restart.data["judge_after"])
+    assert verdict.step - restart.step == min(max(70, restart.data["judge_after"]), 99)  # (the warm-up back at 0.4x)
     assert "did not bear out" in verdict.message
     assert any(e.kind == "new_regime" and e.step == verdict.step + 1 for e in ev)
     assert opt.param_groups[0]["lr"] == 0.01
