@@ -482,7 +482,8 @@ class VanishingGradientConfig(Section):
     """Gradients that fade through a stack of like layers (Hochreiter 1991; Bengio et al. 1994; a
     post-LN transformer without warm-up, Liu et al. 2020): the first layer's gradient norm a small
     fraction of the last one's, step after step. Told; early in a run at an LR that never rose, once
-    the loss stalls, answered by a restart from the run's start with a warm-up (a trial)."""
+    the loss stalls, answered by a restart from the run's start with a warm-up (a trial); with a
+    loss that trained and collapsed, by a rollback to before the rise and an LR drop (a trial)."""
 
     enabled: bool = option(True, "watch stacks of like groups (the same parameter shapes, in model order)")
     ratio: float = option(
@@ -527,6 +528,19 @@ class VanishingGradientConfig(Section):
         "1e-4) it is not what the run lacks (post-LN stalls under Adam: their first updates 0.05-0.15 of the "
         "weights)",
         lo=0,
+    )
+    collapse_rise: float = option(
+        1.1,
+        "a fade that comes with a loss whose median (of `window` steps) rose this many times over its lowest, "
+        "giving back at least collapse_setback of the progress from its first median, is a collapse of a run "
+        "that trained (post-LN transformers at high LRs: 2.6 to 3.1-3.5 with their first blocks' gradients "
+        "faded, 225-360 steps in): answered, once per run, by a trial as loss_divergence's: back to the newest "
+        "snapshot from before the rise and the LR dropped (actions.lr_drop), judged halt_window steps later "
+        "(0: told only)",
+        lo=0,
+    )
+    collapse_setback: float = option(
+        0.25, "the share of the progress a collapse gives back (collapse_rise)", lo=0, hi=1
     )
     restart_margin: float = option(
         0.1,
@@ -2263,7 +2277,9 @@ class VanishingGradient(_Told):
     is not told: its data (``trial``, ``restart``, ``restart_from``, ``judge_after``,
     ``bar_median``, ``first_update``) make its ladder's rollback go to the run's start and its LR
     drop a warm-up judged as a trial (actions.rollback, actions.lr_drop, actions.judge_trial).
-    Once per run."""
+    Once per run. A fade that comes with a collapse of a loss that had trained (``collapse_rise``)
+    is answered once per run as loss_divergence's growth: its ``step`` is before the rise, its
+    data (``trial``, ``median``, ``began_median``) make the rollback and the LR drop a trial."""
 
     kind = VANISHING_GRADIENT
     after_update = True
@@ -2282,6 +2298,13 @@ class VanishingGradient(_Told):
         self.lr_rose = False
         self.first_update = 0.0  # the largest update ratio of a stack's group in the run's first `window` updates
         self.restarted = False
+        # For a collapse (collapse_rise): the first median of `window` losses (log), the lowest one
+        # and its step, the last step whose median was within 5% of the lowest, a collapse answered.
+        self.start_median: float | None = None
+        self.low: tuple[float, int] | None = None
+        self.near_low_at: int | None = None
+        self.collapsed = False
+        self.signed = False  # (a loss seen at or below zero: no logs to compare)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -2293,6 +2316,11 @@ class VanishingGradient(_Told):
             "lr_rose": self.lr_rose,
             "first_update": self.first_update,
             "restarted": self.restarted,
+            "start_median": self.start_median,
+            "low": None if self.low is None else list(self.low),
+            "near_low_at": self.near_low_at,
+            "collapsed": self.collapsed,
+            "signed": self.signed,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -2305,6 +2333,12 @@ class VanishingGradient(_Told):
         self.lr_rose = bool(state.get("lr_rose", False))
         self.first_update = float(state.get("first_update", 0.0))
         self.restarted = bool(state.get("restarted", False))
+        start, low, near = state.get("start_median"), state.get("low"), state.get("near_low_at")
+        self.start_median = None if start is None else float(start)
+        self.low = None if low is None else (float(low[0]), int(low[1]))
+        self.near_low_at = None if near is None else int(near)
+        self.collapsed = bool(state.get("collapsed", False))
+        self.signed = bool(state.get("signed", False))
 
     def _follow_run(self, step: int, stats: Mapping[str, float]) -> None:
         """The run's start, its losses and its LRs, for the restart."""
@@ -2312,12 +2346,20 @@ class VanishingGradient(_Told):
             self.first_step = step
         loss = stats.get(LOSS_TOTAL)
         if loss is not None and S.finite(loss):
-            if loss <= 0:  # (a signed loss has no logs to compare: no restart)
-                self.lr_rose = True
+            if loss <= 0:  # (a signed loss has no logs to compare: no restart, no collapse)
+                self.lr_rose = self.signed = True
             else:
                 self.losses.append(math.log(loss))
                 if len(self.first_losses) < 3:
                     self.first_losses.append(math.log(loss))
+                if len(self.losses) >= self.config.window:
+                    median = _median(list(self.losses)[-self.config.window :])
+                    if self.start_median is None:
+                        self.start_median = median
+                    if self.low is None or median < self.low[0]:
+                        self.low = (median, step)
+                    if median <= self.low[0] + math.log(1.05):
+                        self.near_low_at = step
         if step - self.first_step < self.config.window:  # (the stacks' groups or blocks: what faded)
             for stack, _, prefix in self._stacks():
                 for part in stack:
@@ -2332,6 +2374,28 @@ class VanishingGradient(_Told):
             if key.startswith(prefix) and S.finite(lr) and lr > 0:
                 if lr > 2.0 * self.first_lr.setdefault(key, lr):  # (a warm-up: the LR rose from its start)
                     self.lr_rose = True
+
+    def _collapse(self) -> dict[str, Any] | None:
+        """A collapse's facts where one is due (a fade with a loss risen over its lowest, giving
+        back a share of its progress), else None."""
+        cfg = self.config
+        if self.collapsed or not cfg.collapse_rise or self.low is None or self.near_low_at is None:
+            return None
+        if self.signed or self.start_median is None or len(self.losses) < cfg.window:
+            return None
+        now = _median(list(self.losses)[-cfg.window :])
+        low = self.low[0]
+        if now - low < math.log(cfg.collapse_rise) or now - low < cfg.collapse_setback * (self.start_median - low):
+            return None
+        return {
+            "trial": True,
+            "collapse": True,
+            "median": math.exp(now),
+            "began_median": math.exp(low),
+            "lowest_at": self.low[1],
+            # (the median lags its window: the window's start, the rise began no sooner)
+            "rise_from": max(self.near_low_at - cfg.window, self.first_step or 0),
+        }
 
     def _restart(self, step: int) -> dict[str, Any] | None:
         """The restart's facts where it is due (a fade early in a run whose LR never rose, its loss
@@ -2428,7 +2492,8 @@ class VanishingGradient(_Told):
             elif median >= cfg.ratio or (update is not None and update >= UPDATE_RATIO_FADED):
                 continue
             restart = self._restart(step)
-            if key in self.told and restart is None:
+            collapse = self._collapse() if restart is None else None
+            if key in self.told and restart is None and collapse is None:
                 continue
             self.told.add(key)
             like = "groups" if grad_prefix == GRAD_NORM_PREFIX else "blocks"
@@ -2437,7 +2502,16 @@ class VanishingGradient(_Told):
                 f"{first} is {_fmt(median)} of {last}'s (median of {cfg.window} steps, under "
                 f"{_fmt(cfg.ratio)})" + (f" and its updates {_fmt(update)} of {last}'s" if update is not None else "")
             )
-            if restart is None:
+            if collapse is not None:
+                self.collapsed = True
+                message = (
+                    faded + f", and the loss collapsed: its median of the last {cfg.window} steps, "
+                    f"{_fmt(collapse['median'])}, is {collapse['median'] / collapse['began_median']:.3g}x its lowest, "
+                    f"{_fmt(collapse['began_median'])} at step {collapse['lowest_at']} (an LR past what the faded "
+                    "stack can take). A trial: back to the newest snapshot from before the rise (step "
+                    f"{collapse['rise_from']} or earlier) with the LR dropped"
+                )
+            elif restart is None:
                 message = (
                     faded + ": the first layers barely train (vanishing gradients; a post-LN "
                     "transformer without warm-up stalls so). Residual connections, normalisation, another "
@@ -2467,9 +2541,11 @@ class VanishingGradient(_Told):
                         "threshold": cfg.ratio,
                         "window": cfg.window,
                         "step": step,
-                        **(restart or {}),
+                        **(restart or collapse or {}),
                     },
-                    told=restart is None,
+                    told=restart is None and collapse is None,
+                    before_update=collapse is None,  # (a collapse's rollback goes to before the rise)
+                    step=None if collapse is None else collapse["rise_from"],
                 )
             )
         return out

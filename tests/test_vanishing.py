@@ -421,3 +421,33 @@ def test_blocks_are_found_where_a_list_of_like_children_sits_in_one_group():
     )
     bert = transformers.BertForSequenceClassification(cfg)
     assert list(found(bert)) == [f"bert.encoder.layer.{i}" for i in range(3)]
+
+
+def test_a_fade_that_comes_with_a_collapse_of_a_trained_loss_rolls_back_to_before_the_rise():
+    """A run that trained (4 -> 2.6), then collapsed (2.6 -> 3.2) as its first blocks' gradients
+    faded, too late for a restart from its start: a trial as loss_divergence's, back to the newest
+    snapshot from before the rise with the LR dropped (post-LN at high LRs, 225-360 steps in)."""
+    det = _det()
+    findings = []
+    for s in range(200):
+        loss = 4.0 - 1.4 * min(s, 40) / 40 if s < 170 else 2.6 + 0.6 * min(s - 170, 10) / 10
+        findings += det.check(s, _restart_stats(loss + (0.001 if s % 2 else 0.0), faded=s >= 172))
+    assert [f.told for f in findings] == [True, False]  # the fade at once; the trial once the loss rose
+    f = findings[1]
+    d = f.data
+    assert d["collapse"] and d["trial"] and "restart" not in d
+    assert not f.before_update and f.step == d["rise_from"] and 165 <= f.step <= 170  # before the rise
+    assert d["began_median"] == pytest.approx(2.6, rel=1e-2) and d["median"] / d["began_median"] > 1.1
+    assert "collapsed" in f.message
+    # once per run: a second collapse is told
+    again = [g for s in range(200, 300) for g in det.check(s, _restart_stats(2.5 if s < 260 else 3.5, faded=s >= 262))]
+    assert all(g.told for g in again)
+
+
+def test_a_loss_that_did_not_rise_is_no_collapse():
+    det = _det()
+    findings = []
+    for s in range(200):
+        loss = 4.0 - 1.4 * min(s, 40) / 40
+        findings += det.check(s, _restart_stats(loss + (0.001 if s % 2 else 0.0), faded=s >= 172))
+    assert len(findings) == 1 and findings[0].told
