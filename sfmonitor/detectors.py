@@ -790,13 +790,13 @@ class Detector:
         attach, and again when the optimizer gains parameters. Optional; the monitor calls it on the
         detectors that have it."""
 
-    def blocks(self, blocks: Mapping[str, list[tuple[int, ...]]]) -> bool:
-        """The like blocks of a ``ModuleList``/``Sequential`` inside one group (a BERT's encoder
+    def blocks(self, blocks: Mapping[str, list[tuple[int, ...]]]) -> list[str]:
+        """The blocks of the ``ModuleList``/``Sequential`` lists inside one group (a BERT's encoder
         layers beside its embeddings and head), in model order, each with its parameters' shapes,
-        called after ``layout``. Return True to have the monitor measure them for this detector
-        (``block_grad_norm/<block>``, ``block_update_ratio/<block>``: a few more values a step);
-        the base asks for nothing."""
-        return False
+        called after ``layout``. Return the blocks the monitor is to measure for this detector
+        (``block_grad_norm/<block>``, ``block_update_ratio/<block>``: two values a block and
+        step); the base asks for none."""
+        return []
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -2426,14 +2426,17 @@ class VanishingGradient(_Told):
             "bar_median": math.exp(bar),
         }
 
-    def _runs(self, parts: Mapping[str, list[tuple[int, ...]]]) -> list[list[str]]:
+    def _runs(self, parts: Mapping[str, list[tuple[int, ...]]], lists: bool = False) -> list[list[str]]:
         """Runs of at least ``min_layers`` consecutive like parts (the same shapes, a weight that
-        maps a width onto itself), in order."""
+        maps a width onto itself), in order; with ``lists``, within one list (the parts' names
+        less their last component: two towers of like blocks are two stacks)."""
         stacks: list[list[str]] = []
         run: list[str] = []
         last: tuple | None = None
         for name, shapes in parts.items():
-            sig = tuple(sorted(shapes)) if _maps_onto_itself(shapes) else None
+            sig: tuple | None = tuple(sorted(shapes)) if _maps_onto_itself(shapes) else None
+            if sig is not None and lists:
+                sig = (name.rpartition(".")[0], sig)
             if run and sig == last and sig:
                 run.append(name)
             else:
@@ -2448,11 +2451,11 @@ class VanishingGradient(_Told):
         """The groups in model order, each with its parameters' shapes (plain data)."""
         self.stacks = self._runs(groups)
 
-    def blocks(self, blocks: Mapping[str, list[tuple[int, ...]]]) -> bool:
-        """The like blocks inside groups (a BERT's encoder layers in its one ``bert`` group): stacks
-        of their own, judged on ``block_grad_norm/<b>`` and ``block_update_ratio/<b>``."""
-        self.block_stacks = self._runs(blocks)
-        return bool(self.block_stacks)
+    def blocks(self, blocks: Mapping[str, list[tuple[int, ...]]]) -> list[str]:
+        """The runs of like blocks inside groups (a BERT's encoder layers in its one ``bert``
+        group): stacks of their own, judged on ``block_grad_norm/<b>`` and ``block_update_ratio/<b>``."""
+        self.block_stacks = self._runs(blocks, lists=True)
+        return [b for stack in self.block_stacks for b in stack]
 
     def _stacks(self) -> list[tuple[list[str], str, str]]:
         """Every stack with the prefixes of its gradient norms and update ratios."""

@@ -272,30 +272,29 @@ def resolve_groups(
 
 
 def like_blocks(model: nn.Module, param_group: Mapping[str, str], least: int = 3) -> dict[str, list[str]]:
-    """The blocks of every ``ModuleList``/``Sequential`` of at least ``least`` children with the
-    same parameter shapes whose parameters all lie in one group (a BERT's ``encoder.layer``: its
-    12 layers sit in the group of ``bert``, beside the embeddings): block name -> the names of its
-    parameters (as ``param_group`` holds them), in model order. A list whose blocks are groups of
-    their own (a single trunk's) is left out, and so is one inside another list found."""
+    """The children that hold parameters of every ``ModuleList``/``Sequential`` with at least
+    ``least`` of them, all in one group (a BERT's ``encoder.layer``: its 12 layers sit in the
+    group of ``bert``, beside the embeddings): block name -> the names of its parameters (as
+    ``param_group`` holds them), in model order. Which of them are alike is the detectors' to
+    judge (T5's first block holds the relative position bias, the others do not; a Sequential's
+    activations hold nothing and are left out). A list whose blocks are groups of their own (a
+    single trunk's) is left out, and so is one inside another list found."""
     model = unwrap(model)
     out: dict[str, list[str]] = {}
+    found: list[str] = []
     for path, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or any(path.startswith(f"{b}.") for b in out):
-            continue
-        children = list(m.named_children())
-        if len(children) < least:
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or any(path.startswith(f"{b}.") for b in found):
             continue
         prefix = f"{path}." if path else ""
-        members = [[f"{prefix}{c}.{n}" for n, _ in child.named_parameters()] for c, child in children]
-        shapes = [sorted(tuple(p.shape) for p in child.parameters()) for _, child in children]
-        if not members[0] or any(s != shapes[0] for s in shapes):
-            continue
-        held = [[n for n in names if n in param_group] for names in members]  # (tied: named once)
-        if any(len(h) != len(members[0]) for h in held):
-            continue
-        if len({param_group[n] for names in held for n in names}) != 1:
+        members = {
+            f"{prefix}{c}": [n for n in (f"{prefix}{c}.{p}" for p, _ in child.named_parameters()) if n in param_group]
+            for c, child in m.named_children()
+        }
+        members = {b: names for b, names in members.items() if names}  # (tied weights: named once)
+        if len(members) < least or len({param_group[n] for names in members.values() for n in names}) != 1:
             continue  # (several groups: the blocks are groups already, or split across them)
-        out.update({f"{prefix}{c}": names for (c, _), names in zip(children, held)})
+        found.append(path)
+        out.update(members)
     return out
 
 
@@ -961,8 +960,8 @@ class Monitor:
         blocks = like_blocks(model, self._name_to_group)
         at = {n: i for i, n in enumerate(self._param_names)}
         block_shapes = {b: [tuple(self._params[at[n]].shape) for n in names] for b, names in blocks.items()}
-        asked = [bool(d.blocks(block_shapes)) for d in self._detectors if blocks and hasattr(d, "blocks")]
-        self._block_names = list(blocks) if any(asked) else []
+        asked = {b for d in self._detectors if blocks and hasattr(d, "blocks") for b in d.blocks(block_shapes)}
+        self._block_names = [b for b in blocks if b in asked]
         block_of = {n: bi for bi, b in enumerate(self._block_names) for n in blocks[b]}
         self._param_block = [block_of.get(n, len(self._block_names)) for n in self._param_names]  # (last: none)
         device = self._params[0].device if self._params else torch.device("cpu")

@@ -423,6 +423,19 @@ def test_blocks_are_found_where_a_list_of_like_children_sits_in_one_group():
     assert list(found(bert)) == [f"bert.encoder.layer.{i}" for i in range(3)]
 
 
+def test_the_detector_takes_the_runs_of_like_blocks_within_each_list():
+    """T5's first block holds the relative position bias, the others do not: the stack is the
+    others. Two towers of like blocks are two stacks, not one across them."""
+    det = VanishingGradient(VanishingGradientConfig())
+    det.layout({"enc": [(8, 8)]})
+    like, first = [(8, 8), (8,)], [(8, 8), (8,), (32, 4)]
+    t5 = {"encoder.block.0": first, **{f"encoder.block.{i}": like for i in range(1, 4)}}
+    assert det.blocks(t5) == ["encoder.block.1", "encoder.block.2", "encoder.block.3"]
+    towers = {f"{t}.layers.{i}": like for t in ("a", "b") for i in range(3)}
+    assert det.blocks(towers) == list(towers) and det.block_stacks == [list(towers)[:3], list(towers)[3:]]
+    assert det.blocks({f"body.{i}": [(8, 4)] for i in range(4)}) == []  # no width onto itself: no depth
+
+
 def test_a_fade_that_comes_with_a_collapse_of_a_trained_loss_rolls_back_to_before_the_rise():
     """A run that trained (4 -> 2.6), then collapsed (2.6 -> 3.2) as its first blocks' gradients
     faded, too late for a restart from its start: a trial as loss_divergence's, back to the newest
