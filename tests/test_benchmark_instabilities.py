@@ -1,5 +1,6 @@
 """A small run of benchmarks/instabilities.py in the suite: the RNN, corrupt-batch, Adam-lag,
-deep-residual and dying-ReLU scenarios, one seed, fewer steps, through the benchmark's own functions."""
+deep-residual, dying-ReLU and post-LN scenarios, one seed, fewer steps, through the benchmark's own
+functions."""
 
 from __future__ import annotations
 
@@ -116,3 +117,22 @@ def test_an_fp16_overflow_in_a_parameter_free_module_falls_back_and_trains(ins):
     ], acted
     assert all(math.isfinite(v) for v in mon["losses"][2:]) and all(math.isfinite(v) for v in fixed["losses"])
     assert mon["held_out"] < 0.5 * bare["held_out"] and mon["held_out"] < 1.5 * fixed["held_out"]
+
+
+def test_a_post_ln_stall_is_restarted_from_the_start_with_a_warm_up_that_bears_out(ins):
+    """Post-LN at Adam 3e-3 from the first step: bare, the loss sits near the unigram loss from
+    step ~40 on, its first blocks' gradients faded. The monitor restarts it from its start with a
+    warm-up (vanishing_gradient's trial), the trial bears out, and the run ends far under bare."""
+    spec = ins.post_ln_no_warmup(0, steps=200)
+    bare, mon = ins.run(spec, "bare", 0), ins.run(spec, "monitored", 0, {"watch": {"enabled": False}})
+    ev = [e for e in mon["events"] if e.kind in ("vanishing_gradient", "new_regime")]
+    restart = next(e for e in ev if e.data.get("restart") and "rollback" in e.actions)
+    rb, drop = restart.data["action_results"]["rollback"], restart.data["action_results"]["lr_drop"]
+    assert rb["restored"] and rb["restored_from"] == 0 and rb["restart"] and rb["steps_back"] == restart.step
+    assert drop["new_scale"] == pytest.approx(0.05) and drop["warmup_steps"] == 100 and drop["trial"]
+    assert any(e.kind == "new_regime" and e.step == restart.step + 1 for e in ev)  # the detectors learn afresh
+    verdict = next(e for e in ev if e.data.get("trial_from_step") == restart.step)
+    assert verdict.data["followed"] and not verdict.actions  # borne out: the warm-up stands
+    assert verdict.step - restart.step == max(70, restart.data["judge_after"])
+    assert verdict.data["loss_median_trial"] < verdict.data["loss_median_bar"] < restart.data["median"]
+    assert mon["held_out"] < 0.92 * bare["held_out"]
