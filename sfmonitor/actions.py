@@ -321,7 +321,8 @@ class RollbackConfig(Section):
     skip_batches: int = option(
         4,
         "batches monitor.batches() drops after a rollback (PaLM skipped "
-        "200-500 batches on a 540B run; ours is scaled to short runs)",
+        "200-500 batches on a 540B run; ours is scaled to short runs); none after vanishing_gradient's restart "
+        "from the run's start, whose trouble was the LR, not the data",
         lo=0,
     )
     restore_rng: bool = option(True, "also restore the RNG states of the snapshot")
@@ -1719,7 +1720,8 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     popped = ctx.snapshots.pop_after(label)
     if live is not None:
         ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": popped, "bytes": tree_nbytes(live)}
-    ctx.batches_to_skip += cfg.skip_batches
+    if not isinstance(restart, int):  # (a restart is for the LR, not the data: no batch is left out)
+        ctx.batches_to_skip += cfg.skip_batches
     if isinstance(restart, int):  # (from the run's start the loss and the gradients are another regime)
         ctx.announce = f"a restart from the run's start (step {label}) with an LR warm-up, a trial"
     return {

@@ -129,6 +129,7 @@ def test_a_post_ln_stall_is_restarted_from_the_start_with_a_warm_up_that_bears_o
     restart = next(e for e in ev if e.data.get("restart") and "rollback" in e.actions)
     rb, drop = restart.data["action_results"]["rollback"], restart.data["action_results"]["lr_drop"]
     assert rb["restored"] and rb["restored_from"] == 0 and rb["restart"] and rb["steps_back"] == restart.step
+    assert rb["batches_to_skip"] == 0  # (the LR was the trouble, not the data: no batch left out)
     assert drop["new_scale"] == pytest.approx(0.05) and drop["warmup_steps"] == 100 and drop["trial"]
     assert any(e.kind == "new_regime" and e.step == restart.step + 1 for e in ev)  # the detectors learn afresh
     verdict = next(e for e in ev if e.data.get("trial_from_step") == restart.step)
