@@ -1364,10 +1364,15 @@ def trial_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
                 f"under the stall's median before it at step {facts['trial_from_step']}, {before:.4g}: the warm-up "
                 "stands"
             )
+        back = (
+            "the stalled state and the LR are put back"
+            if facts["state_held"]
+            else "the LR is given back (nothing is held to put back: the run was resumed since the restart, and the "
+            "monitor's state_dict does not carry the state it held)"
+        )
         return (
             f"the restart from the run's start with an LR warm-up did not bear out: {seen}is not under {bar:.4g}, the "
-            f"bar under the stall's median before it at step {facts['trial_from_step']}, {before:.4g}: the stalled "
-            "state and the LR are put back"
+            f"bar under the stall's median before it at step {facts['trial_from_step']}, {before:.4g}: {back}"
         )
     seen = (
         f"its median over the {cfg.halt_window} steps of the trial, {during:.4g}, "

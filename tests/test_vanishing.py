@@ -392,3 +392,42 @@ def test_a_loss_that_did_not_rise_is_no_collapse():
         loss = 4.0 - 1.4 * min(s, 40) / 40
         findings += det.check(s, _restart_stats(loss + (0.001 if s % 2 else 0.0), faded=s >= 172))
     assert len(findings) == 1 and findings[0].told
+
+
+def test_a_restart_refuted_after_a_resume_says_that_only_the_lr_is_given_back(tmp_path):
+    """The stalled state a restart holds is not in the monitor's state_dict (a full copy of the
+    model and optimizer): resumed between the restart and its verdict, a refuted trial gives the
+    LR back alone, and its message must say so (it said the stalled state was put back)."""
+
+    def build():
+        model = _mlp(nn.Sigmoid)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    xs = [torch.randn(32, 8, generator=g) for _ in range(140)]
+    cfg = quiet(detectors={"vanishing_gradient": {"restart_update": 0.0}})
+
+    def train(mon, model, opt, batches):
+        for x in mon.batches(batches):
+            mon.combine((model(x) - torch.tanh(x @ w)).pow(2).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "a"), config=cfg)
+    train(mon, model, opt, xs[:60])
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "mon": mon.state_dict()}
+    mon.detach()
+    assert any(e.data.get("restart") and "rollback" in e.actions for e in mon.events)
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "b"), config=cfg)
+    mon.load_state_dict(saved["mon"])
+    train(mon, model, opt, xs[60:])
+    mon.detach()
+    verdict = next(e for e in mon.events if e.data.get("trial_refuted"))
+    assert verdict.actions == ["lr_drop"] and not verdict.data["state_held"]
+    assert "the LR is given back" in verdict.message and "stalled state" not in verdict.message
+    assert opt.param_groups[0]["lr"] == 0.01
