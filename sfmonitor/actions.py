@@ -1044,6 +1044,7 @@ def lr_drop(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
                 "saved": saved,
                 "judge_after": after,
                 "restart": restart,
+                "collapse": bool(decision.cause.data.get("collapse")),
             }
             facts.update(trial=True, judged_at_step=ctx.step + after, recovers_from_step=None)
     if all(why_not):
@@ -1127,6 +1128,7 @@ def judge_trial(ctx: ActionContext, step: int, loss: float | None) -> Finding | 
     facts: dict[str, Any] = {
         "trial": True,
         "restart": bool(trial.get("restart")),
+        "collapse": bool(trial.get("collapse")),
         "trial_steps": step - trial["at"],
         "trial_from_step": trial["at"],
         "loss_median_before": math.exp(trial["before"]),
@@ -1392,6 +1394,12 @@ def trial_message(facts: Mapping[str, Any], cfg: LRDropConfig) -> str:
             f"LR past its edge): the drop stands, {then}"
         )
     back = "the state the trial left and the LR are put back" if facts["state_held"] else "the LR is given back"
+    if facts.get("collapse"):  # (vanishing_gradient's: a faded stack's loss that rose from its lowest)
+        return (
+            f"the rollback to before the collapse with the LR dropped did not bear out: {start}{seen}is not back "
+            f"under {bar:.4g}, midway from its median before the trial at step {facts['trial_from_step']}, "
+            f"{before:.4g}, to its lowest: {back}"
+        )
     return (
         f"the trial did not bear the growth out as the run's own: {start}{seen}is not back under {bar:.4g}, midway "
         f"from its median before the trial at step {facts['trial_from_step']}, {before:.4g}, to where the growth "

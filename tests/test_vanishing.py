@@ -431,3 +431,25 @@ def test_a_restart_refuted_after_a_resume_says_that_only_the_lr_is_given_back(tm
     assert verdict.actions == ["lr_drop"] and not verdict.data["state_held"]
     assert "the LR is given back" in verdict.message and "stalled state" not in verdict.message
     assert opt.param_groups[0]["lr"] == 0.01
+
+
+def test_a_collapse_trial_that_does_not_bear_out_is_not_blamed_on_the_data():
+    """loss_divergence's refuted trial says that what grows the loss is outside the state and the
+    LR (a loss weight, targets, data); a collapse's trial is vanishing_gradient's, whose loss rose
+    as a stack's gradients faded: its verdict says what was put back, without that claim."""
+    from sfmonitor.actions import LRDropConfig, trial_message
+
+    facts = {
+        "loss_median_before": 3.2,
+        "loss_median_trial": 3.1,
+        "loss_median_bar": 2.9,
+        "trial_from_step": 230,
+        "state_held": True,
+        "followed": False,
+        "collapse": True,
+    }
+    message = trial_message(facts, LRDropConfig())
+    assert "before the collapse" in message and "the state the trial left and the LR are put back" in message
+    assert "outside the state" not in message
+    growth = trial_message({**facts, "collapse": False}, LRDropConfig())
+    assert "outside the state and the LR" in growth
