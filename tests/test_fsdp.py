@@ -164,6 +164,71 @@ def test_sharded_norms_equal_the_unsharded_model_on_the_whole_batch(tmp_path):
         torch.testing.assert_close(r0["params"][n], p.detach(), rtol=1e-5, atol=1e-6)
 
 
+class _Blocks(nn.Module):
+    """Like blocks in a ModuleList beside an input and an output layer: three groups, the blocks
+    inside one (block_grad_norm/blocks.<i>)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.out(h)
+
+
+def _blocks_worker(rank, port, out):
+    from torch.distributed.fsdp import fully_shard
+
+    _join(rank, port)
+    model = _Blocks()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=["jsonl"], config=_quiet())
+    stats = []
+    for batch in _batches(3):
+        x, y = _half(batch, rank)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        stats.append(mon.stats)
+    mon.detach()
+    torch.save({"stats": stats}, os.path.join(out, f"rank{rank}.pt"))
+    _leave()
+
+
+def test_block_norms_and_update_ratios_under_fsdp2_equal_the_unsharded_models(tmp_path):
+    """The like blocks inside one group, each sharded on its own: their gradient norms and update
+    ratios over every rank's shards equal the unsharded model's on the whole batch."""
+    r0, r1 = _run(_blocks_worker, tmp_path)
+    assert r0["stats"] == r1["stats"]
+    model = _Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "ref"), sinks=["jsonl"], config=_quiet())
+    ref = []
+    for x, y in _batches(3):
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(mon.stats)
+    mon.detach()
+    keys = [f"block_grad_norm/blocks.{i}" for i in range(4)]
+    for got, want in zip(r0["stats"], ref):
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-5), k
+    for got, want in zip(_metrics(tmp_path / "run")[:2], _metrics(tmp_path / "ref")[:2]):
+        for i in range(4):
+            k = f"block_update_ratio/blocks.{i}"
+            assert got[k] == pytest.approx(want[k], rel=1e-5), k
+
+
 def _lean_worker(rank, port, out, fraction):
     _join(rank, port)
     model = _sharded()
