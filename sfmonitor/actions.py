@@ -1701,16 +1701,17 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     if cause.kind == LOSS_LEVEL_RETURN:
         held, ctx.shift_held = ctx.shift_held, None
         return _put_back_held(ctx, held, "level shift")
-    restart = cause.data.get("restart_from")  # (a restart from the run's start: vanishing_gradient's trial)
-    if isinstance(restart, int):
-        target = restart
+    start = cause.data.get("restart_from")  # (a restart from the run's start: vanishing_gradient's trial)
+    restart = isinstance(start, int)
+    if isinstance(start, int):
+        target = start
     elif cause.before_update:
         target = ctx.step - 1
     else:
         target = cause.step if cause.step is not None else ctx.step
     snap = ctx.snapshots.latest_before(target) if ctx.snapshots is not None else None
     trial = bool(cause.data.get("trial"))
-    why_not = (_refuted(ctx) or _cannot_hold(ctx, snap, restart=isinstance(restart, int))) if trial else None
+    why_not = (_refuted(ctx) or _cannot_hold(ctx, snap, restart=restart)) if trial else None
     if why_not is not None:
         return {"restored": False, "reason": why_not}
     ctx.skip = True
@@ -1733,10 +1734,11 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
     popped = ctx.snapshots.pop_after(label)
     if live is not None:
         ctx.lr_trial_held = {"at": ctx.step, "state": live, "popped": popped, "bytes": tree_nbytes(live)}
-    if not isinstance(restart, int):  # (a restart is for the LR, not the data: no batch is left out)
-        ctx.batches_to_skip += cfg.skip_batches
-    if isinstance(restart, int):  # (from the run's start the loss and the gradients are another regime)
+    if restart:  # (from the run's start the loss and the gradients are another regime; the LR, not
+        # the data, was the trouble: no batch is left out)
         ctx.announce = f"a restart from the run's start (step {label}) with an LR warm-up, a trial"
+    else:
+        ctx.batches_to_skip += cfg.skip_batches
     return {
         "restored": True,
         "restored_from": label,
@@ -1744,7 +1746,7 @@ def rollback(ctx: ActionContext, decision: Decision) -> dict[str, Any]:
         "skipped_step": ctx.step,
         "batches_to_skip": ctx.batches_to_skip,
         **({"trial": True, "held_bytes": tree_nbytes(live)} if live is not None else {}),
-        **({"restart": True} if isinstance(restart, int) else {}),
+        **({"restart": True} if restart else {}),
     }
 
 

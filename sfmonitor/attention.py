@@ -48,7 +48,7 @@ from torch import nn
 
 from . import stats as S
 from .errors import ConfigError
-from .events import Decision, Finding
+from .events import Decision, Event, Finding
 from .integrations.distributed import world_size
 from .loopwrites import own_write
 from .registry import register_action, register_kind
@@ -796,6 +796,22 @@ register_kind(
     window=0,
     doc="an attention module's mean softmax entropy fell under a small fraction of its start",
 )
+
+
+def routine_check(event: Event) -> bool:
+    """An ``attention_logit_growth`` event of a held module's check (``held``; nothing over tau in
+    ``heads_over``: a module held after a clip is checked after every update) whose QK-Clip
+    clipped nothing, before the forward or after the update: routine, not an event (the monitor
+    leaves it out of its events and its files). A probe's post-LN runs had 445-655 such events
+    each, one per held module and step, beside a few clips."""
+    data = event.data or {}
+    return (
+        event.kind == ATTENTION_LOGIT_GROWTH
+        and bool(data.get("held"))
+        and not data.get("heads_over")
+        and not data.get("clipped_before_forward")
+        and not event.changed()
+    )
 
 
 def finding(

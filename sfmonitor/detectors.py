@@ -2340,14 +2340,21 @@ class VanishingGradient(_Told):
         self.collapsed = bool(state.get("collapsed", False))
         self.signed = bool(state.get("signed", False))
 
+    def _answered(self) -> bool:
+        """Nothing left to follow the run for: the restart and the collapse each taken, or off."""
+        cfg = self.config
+        return (self.restarted or not cfg.restart_within) and (self.collapsed or not cfg.collapse_rise)
+
     def _follow_run(self, step: int, stats: Mapping[str, float]) -> None:
-        """The run's start, its losses and its LRs, for the restart."""
+        """The run's start, its losses and its LRs, for the restart and the collapse."""
+        if self._answered():
+            return
         if self.first_step is None:
             self.first_step = step
         loss = stats.get(LOSS_TOTAL)
         if loss is not None and S.finite(loss):
             if loss <= 0:  # (a signed loss has no logs to compare: no restart, no collapse)
-                self.lr_rose = self.signed = True
+                self.signed = True
             else:
                 self.losses.append(math.log(loss))
                 if len(self.first_losses) < 3:
@@ -2401,7 +2408,7 @@ class VanishingGradient(_Told):
         """The restart's facts where it is due (a fade early in a run whose LR never rose, its loss
         stalled), else None."""
         cfg, w = self.config, self.config.window
-        if self.restarted or not cfg.restart_within or self.lr_rose or self.first_step is None:
+        if self.restarted or not cfg.restart_within or self.lr_rose or self.signed or self.first_step is None:
             return None
         if self.first_update < cfg.restart_update:
             return None

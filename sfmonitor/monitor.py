@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_leaves
 from . import actions as A
 from . import sharding
 from . import stats as S
-from .attention import ATTENTION_LOGIT_GROWTH, QK_CLIP
+from .attention import QK_CLIP, routine_check
 from .checkpoint import SnapshotRing, state_dict_needs_every_rank
 from .config import MonitorConfig
 from .detectors import Detector, build_detectors
@@ -160,21 +160,6 @@ def _drop_moot(decisions: list[Decision], actions: tuple[str, ...], answered_by:
         else:
             kept.append(d)
     return kept
-
-
-def _moot_recheck(event: Event) -> bool:
-    """A held module's check (``attention_logit_growth`` with nothing over tau, the module held
-    after a clip: its logits are checked after every update) whose QK-Clip clipped nothing, before
-    the forward or after the update: a routine check, not an event. (A probe's post-LN runs wrote
-    445-655 such lines each, one per held module and step, for 3 events that clipped.)"""
-    data = event.data or {}
-    return (
-        event.kind == ATTENTION_LOGIT_GROWTH
-        and bool(data.get("held"))
-        and not data.get("heads_over")
-        and not data.get("clipped_before_forward")
-        and not event.changed()
-    )
 
 
 _RUN_COUNTER = itertools.count()
@@ -3178,7 +3163,7 @@ class Monitor:
     def _emit(self, event: Event) -> Event:
         results = (event.data or {}).get("action_results") or {}
         pending = any(isinstance(f, dict) and f.get("measured") == "pending" for f in results.values())
-        if not pending and _moot_recheck(event):
+        if not pending and routine_check(event):
             return event  # (a held module's check that found nothing to clip: no event)
         self.events.append(event)
         if len(self.events) > self.config.max_events:  # bounded in memory; the files keep all
@@ -3201,7 +3186,7 @@ class Monitor:
         after the update that clipped nothing is no event: it leaves the list and the files."""
         while self._unwritten:
             event = self._unwritten.pop(0)
-            if _moot_recheck(event):
+            if routine_check(event):
                 for i in range(len(self.events) - 1, self._superseded - 1, -1):
                     if self.events[i] is event:
                         del self.events[i]

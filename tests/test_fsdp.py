@@ -105,9 +105,9 @@ def _attached(model, opt, out):
 # --------------------------------------------------------------------------------------------
 
 
-def _norms_worker(rank, port, out):
+def _norms_worker(rank, port, out, blocks=False):
     _join(rank, port)
-    model = _sharded()
+    model = _sharded_blocks() if blocks else _sharded()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=["jsonl"], config=_quiet())
     stats = []
@@ -122,9 +122,9 @@ def _norms_worker(rank, port, out):
     _leave()
 
 
-def _reference(run_dir, steps):
-    """The same model, unsharded, in this process, on the concatenated batches."""
-    model = _mlp()
+def _reference(run_dir, steps, model=None):
+    """The same model (the MLP by default), unsharded, in this process, on the concatenated batches."""
+    model = _mlp() if model is None else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mon = sfmonitor.attach(model, opt, run_dir=run_dir, sinks=["jsonl"], config=_quiet())
     stats = []
@@ -182,43 +182,23 @@ class _Blocks(nn.Module):
         return self.out(h)
 
 
-def _blocks_worker(rank, port, out):
+def _sharded_blocks():
+    """``_Blocks`` with each block and the root sharded."""
     from torch.distributed.fsdp import fully_shard
 
-    _join(rank, port)
     model = _Blocks()
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mon = sfmonitor.attach(model, opt, run_dir=os.path.join(out, "run"), sinks=["jsonl"], config=_quiet())
-    stats = []
-    for batch in _batches(3):
-        x, y = _half(batch, rank)
-        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
-        opt.step()
-        opt.zero_grad()
-        stats.append(mon.stats)
-    mon.detach()
-    torch.save({"stats": stats}, os.path.join(out, f"rank{rank}.pt"))
-    _leave()
+    return model
 
 
 def test_block_norms_and_update_ratios_under_fsdp2_equal_the_unsharded_models(tmp_path):
     """The like blocks inside one group, each sharded on its own: their gradient norms and update
     ratios over every rank's shards equal the unsharded model's on the whole batch."""
-    r0, r1 = _run(_blocks_worker, tmp_path)
+    r0, r1 = _run(_norms_worker, tmp_path, True)
     assert r0["stats"] == r1["stats"]
-    model = _Blocks()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path / "ref"), sinks=["jsonl"], config=_quiet())
-    ref = []
-    for x, y in _batches(3):
-        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(mon.stats)
-    mon.detach()
+    ref, _ = _reference(str(tmp_path / "ref"), 3, _Blocks())
     keys = [f"block_grad_norm/blocks.{i}" for i in range(4)]
     for got, want in zip(r0["stats"], ref):
         for k in keys:
