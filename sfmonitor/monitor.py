@@ -133,6 +133,7 @@ from .summary import (
 )
 from .undo import (
     Arena,
+    Scratch,
     UndoState,
     buffer_slots,
     group_entries,
@@ -746,7 +747,7 @@ class Monitor:
         self.memory: dict[str, Any] = {}  # what the monitor holds (memory_plan, at attach; run.json)
         self._update_buf: Arena | None = None  # reused copy of the parameters (no undo copy)
         self._slices: S.RotatingSlices | None = None  # or of a slice of each (update_ratio_fraction)
-        self._scratch: dict[Any, torch.Tensor] = {}  # bounded, reused: the update ratio's differences
+        self._scratch = Scratch()  # bounded, reused: the update ratio's differences
         self._sharded = False  # FSDP2 under a process group: parameters are DTensor shards
         self._grad_ratio_off = False  # its extra backward cannot run unseen (a reentrant checkpoint, a backward hook)
         self._driven_externally = False  # an integration calls before_update()/after_update()

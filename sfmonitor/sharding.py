@@ -146,6 +146,8 @@ class Layout:
 
     def detached(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Each tensor's local part, detached (parameters, for their norms and copies)."""
+        if not self.sharded:  # (twice a step over every parameter: no Python call per tensor)
+            return list(map(torch.Tensor.detach, tensors))
         return [local(t).detach() for t in tensors]
 
     def index(self, positions: Sequence[int], groups: Sequence[int], device: torch.device) -> TensorIndex:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sfmonitor.checkpoint import capture_state, restore_state, save_checkpoint
-from sfmonitor.undo import UndoState, update_norms
+from sfmonitor.undo import Scratch, UndoState, update_norms
 
 
 def _trainer(model, opt, inputs):
@@ -63,12 +63,34 @@ def test_update_norms_in_bounded_chunks_match_the_direct_ones_and_keep_before(li
     before = [torch.randn(4, 3), torch.randn(7), torch.randn(2, 2, 2).half(), torch.randn(1)]
     after = [b + torch.randn_like(b) for b in before]
     kept = [b.clone() for b in before]
-    scratch: dict = {}
+    scratch = Scratch()
     got = update_norms(before, after, scratch, limit=limit, fused=fused)
     want = torch.stack([torch.linalg.vector_norm((a - b).float()) for a, b in zip(after, before)])
     assert torch.allclose(got, want, rtol=1e-3)
     assert all(torch.equal(b, k) for b, k in zip(before, kept)), "the undo copy stays intact"
-    assert all(buf.numel() <= max(limit, 1) for buf in scratch.values())
+    assert all(buf.numel() <= max(limit, 1) for buf in scratch.buffers.values())
+
+
+def test_update_norms_reuse_their_views_only_for_the_same_tensors():
+    """The scratch keeps the views its differences are written into while ``before`` holds the
+    same tensors (the undo copy, step after step); other tensors (a new layout: a parameter
+    resized, a param group added) get views of their own shapes."""
+    torch.manual_seed(0)
+    scratch = Scratch()
+
+    def check(before, after):
+        got = update_norms(before, after, scratch, fused=False)
+        want = update_norms(before, after, Scratch(), fused=False)  # (fresh: views built now)
+        assert torch.equal(got, want)
+        assert torch.allclose(got, torch.stack([(a - b).norm() for a, b in zip(after, before)]))
+
+    before = [torch.randn(4, 3), torch.randn(7)]
+    check(before, [b + torch.randn_like(b) for b in before])
+    check(before, [b + torch.randn_like(b) for b in before])  # the same tensors: kept views
+    other = [torch.randn(3, 4), torch.randn(2, 2)]  # same dtype, other shapes
+    check(other, [b + torch.randn_like(b) for b in other])
+    grown = [torch.randn(20, 3), torch.randn(7)]  # the buffer grows
+    check(grown, [b + torch.randn_like(b) for b in grown])
 
 
 class _Wrapper(torch.optim.Optimizer):
@@ -236,3 +258,53 @@ def test_a_capture_after_the_parameters_changed_holds_the_new_set():
     undo.restore(params, opt)
     assert all(torch.equal(p, w) for p, w in zip(params, weights))
     assert all(torch.equal(opt.state[p]["momentum_buffer"], state[id(p)]) for p in params)
+
+
+class _Replacing(torch.optim.Optimizer):
+    """Momentum SGD that keeps its state the way some hand-written optimizers do: a new tensor in
+    the state dict at every step (not updated in place), a plain int beside it, and a state entry
+    that appears only from the third step on."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st["m"] = 0.9 * st["m"] + p.grad if "m" in st else p.grad.clone()
+                st["n"] = st.get("n", 0) + 1
+                if st["n"] >= 3:
+                    st["late"] = st.get("late", torch.zeros_like(p)) + p.grad.abs()
+                p.sub_(group["lr"] * st["m"])
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "replacing"])
+def test_every_capture_holds_the_state_as_it_is_at_that_capture(opt_name):
+    """A capture reuses its last walk of the optimizer state only while that state holds the same
+    tensors; captured at every step (as the monitor does), each restore puts back exactly the
+    state of its own capture, also where the optimizer replaces its state tensors, keeps plain
+    values, or grows a new entry."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1) if opt_name == "adamw" else _Replacing(model.parameters())
+    params = list(model.parameters())
+    undo = UndoState()
+    train = _trainer(model, opt, 5)
+    for step in range(6):
+        undo.capture(step, params, opt)
+        before_w = copy.deepcopy(model.state_dict())
+        before_s = copy.deepcopy(opt.state_dict())
+        train()
+        if step in (2, 4):  # undo this step, then go on from there
+            undo.restore(params, opt)
+            assert all(torch.equal(before_w[k], v) for k, v in model.state_dict().items())
+            after_s = opt.state_dict()["state"]
+            assert after_s.keys() == before_s["state"].keys()
+            for pid, st in before_s["state"].items():
+                assert st.keys() == after_s[pid].keys(), (step, pid)
+                for k, v in st.items():
+                    got = after_s[pid][k]
+                    assert torch.equal(v, got) if isinstance(v, torch.Tensor) else v == got, (step, pid, k)
+            train()
