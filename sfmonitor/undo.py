@@ -138,9 +138,10 @@ class Arena:
         self._sources: list[list[torch.Tensor]] = []  # per buffer, the flat views it copies
 
     def copy_from(self, live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        key = tuple((t.data_ptr(), t.dtype, t.device, t.shape, t.stride()) for t in live)
+        # (per tensor: where it is, what it is, how it is laid out; through map(): ~0.3 us a tensor)
+        key = (list(map(_DATA_PTR, live)), list(map(_KIND_SHAPE, live)), list(map(_STRIDE, live)))
         if key != self._key:
-            layout = tuple(k[1:] for k in key)
+            layout = key[1:]
             if layout != self.layout:
                 self._allocate(live)
                 self.layout = layout
@@ -173,6 +174,11 @@ class Arena:
                 offset += n
             self._flat.append((flat, idx))
         self.views = views
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+_STRIDE = torch.Tensor.stride
+_KIND_SHAPE = operator.attrgetter("dtype", "device", "shape")
 
 
 def _dense(t: torch.Tensor) -> bool:
