@@ -251,6 +251,11 @@ def _fitted(held: list[torch.Tensor], live: Sequence[torch.Tensor]) -> list[torc
     return [torch.empty_like(t) for t in live]
 
 
+def _sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (``local`` gives its shard)."""
+    return callable(getattr(t, "to_local", None))
+
+
 def _same_objects(a: Sequence[Any], b: Sequence[Any]) -> bool:
     """Whether ``a`` and ``b`` hold the same objects, in the same order (by identity)."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
@@ -259,11 +264,12 @@ def _same_objects(a: Sequence[Any], b: Sequence[Any]) -> bool:
 @dataclass
 class _Walk:
     """What ``UndoState.capture``'s walk of the optimizer state found: each parameter's state dict
-    (None: no state) and their values, as they were; the tensors to copy, where each copy is kept
+    (None: no state), their values and keys, as they were; the tensors to copy, where each copy is kept
     (the dict of ``UndoState._state`` and its key) and the copies last kept there."""
 
     states: list[Any]
     values: list[Any]
+    keys: list[Any]
     live: list[torch.Tensor]
     slots: list[tuple[dict[str, Any], str]]
     copies: list[torch.Tensor] | None
@@ -363,9 +369,16 @@ class UndoState:
         # keep the copies in, so the last one is reused (built again when anything differs: state
         # created or dropped, a tensor replaced, load_state_dict()).
         states = [st for owner in owners for st in map(owner.get, params)]
-        values = list(chain.from_iterable(map(dict.values, filter(None, states))))
+        present = list(filter(None, states))
+        values = list(chain.from_iterable(map(dict.values, present)))
+        keys = list(chain.from_iterable(present))
         walk = self._walk
-        if walk is not None and _same_objects(states, walk.states) and _same_objects(values, walk.values):
+        if (
+            walk is not None
+            and _same_objects(states, walk.states)
+            and _same_objects(values, walk.values)
+            and keys == walk.keys
+        ):
             live_state, slots = walk.live, walk.slots
         else:
             live_state, slots, plain = [], [], False
@@ -389,7 +402,7 @@ class UndoState:
             # (a value that is no tensor is copied at every capture: no walk is kept; nor for
             # DTensors, whose local shard is looked up at every capture)
             sharded = any(v is not t for v, t in zip(values, live_state))
-            self._walk = None if plain or sharded else _Walk(states, values, live_state, slots, None)
+            self._walk = None if plain or sharded else _Walk(states, values, keys, live_state, slots, None)
         copies = self._state_arena.copy_from(live_state)
         if self._walk is None or copies is not self._walk.copies:  # (new copies: kept where they belong)
             for (saved, key), copied in zip(slots, copies):
@@ -512,18 +525,28 @@ class UndoState:
         ``before_forward``: the buffers as they were just before the captured step's first forward
         (when the capture before it is held: with what a forward between the two steps wrote), so
         the undone step's batch is as if never seen."""
+        # Only what this optimizer updates goes back: a parameter another optimizer steps (a
+        # second optimizer over part of the same model, with its own monitor) keeps its value.
+        mine = {id(p) for opt in [optimizer, *inner_optimizers(optimizer)] for p in params_of(opt)}
+        owners = state_owners(optimizer)
+        for owner, kept in zip(owners, self._state):  # (before anything is written: nothing half put back)
+            for p, saved in zip(params, kept):
+                state = owner.get(p) or {} if saved and id(p) in mine else {}
+                gone = [k for k, v in (saved or {}).items() if isinstance(v, torch.Tensor) and k not in state]
+                if gone and _sharded(p):
+                    raise RuntimeError(
+                        f"the optimizer step being undone removed the state entries {gone} of a sharded "
+                        "parameter: their DTensors cannot be made again from this rank's copies"
+                    )
         if before_forward and self.label is not None and self.prev_label == self.label - 1 and buffers:
             src = [self.prev_changed.get(i, b) for i, b in enumerate(self.prev_buffers)]
             torch._foreach_copy_([local(b) for b in buffers], src)
         else:
             self.restore_buffers(buffers)
-        # Only what this optimizer updates goes back: a parameter another optimizer steps (a
-        # second optimizer over part of the same model, with its own monitor) keeps its value.
-        mine = {id(p) for opt in [optimizer, *inner_optimizers(optimizer)] for p in params_of(opt)}
         held = [i for i, p in enumerate(params) if id(p) in mine]
         dst = [local(params[i].detach()) for i in held]
         src = [self.params[i] for i in held]
-        for owner, kept in zip(state_owners(optimizer), self._state):
+        for owner, kept in zip(owners, self._state):
             for p, saved in zip(params, kept):
                 if id(p) not in mine:
                     continue
@@ -534,11 +557,13 @@ class UndoState:
                 for key in [k for k in state if k not in saved]:  # an entry the undone step created
                     del state[key]
                 for key, value in saved.items():
-                    if isinstance(value, torch.Tensor):
+                    if not isinstance(value, torch.Tensor):
+                        state[key] = copy.deepcopy(value)
+                    elif key not in state:  # an entry the undone step removed (or moved to another key)
+                        state[key] = value.clone()
+                    else:
                         dst.append(local(state[key]))
                         src.append(value)
-                    else:
-                        state[key] = copy.deepcopy(value)
         if self.tracked and len(self.tracked) == len(tracked):
             dst += [local(t.detach()) for t in tracked]
             src += self.tracked

@@ -308,3 +308,111 @@ def test_every_capture_holds_the_state_as_it_is_at_that_capture(opt_name):
                     got = after_s[pid][k]
                     assert torch.equal(v, got) if isinstance(v, torch.Tensor) else v == got, (step, pid, k)
             train()
+
+
+class _Reshaping(torch.optim.Optimizer):
+    """Momentum SGD whose state changes its entries at given steps: ``late`` appears at the
+    second, ``m`` moves to ``m2`` (the same tensor) at the third, ``tmp`` goes at the fourth and
+    ``m2`` moves back to ``m`` at the fifth."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+        self.count = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.count += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["m"], st["tmp"] = torch.zeros_like(p), torch.ones_like(p)
+                key = "m2" if "m2" in st else "m"
+                st[key].mul_(0.9).add_(p.grad)
+                if self.count == 2:
+                    st["late"] = p.grad.abs()
+                if self.count == 3:
+                    st["m2"] = st.pop("m")
+                if self.count == 4:
+                    del st["tmp"]
+                if self.count == 5:
+                    st["m"] = st.pop("m2")
+                p.sub_(group["lr"] * st["m2" if "m2" in st else "m"])
+
+    def redo(self):
+        self.count -= 1  # (the undone step is made again: its change of entries with it)
+
+
+def _state_equal(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for pid, st in before.items():
+        assert list(st) == list(after[pid]) or set(st) == set(after[pid]), (pid, list(st), list(after[pid]))
+        for k, v in st.items():
+            got = after[pid][k]
+            assert torch.equal(v, got) if isinstance(v, torch.Tensor) else v == got, (pid, k)
+
+
+def test_an_undo_puts_back_state_entries_the_step_added_removed_or_moved():
+    """The undone step added an entry (it goes), removed one or moved a tensor to another key (it
+    comes back, under its key): the state is as it was, and the optimizer steps on from it. Before,
+    an undo of a step that moved ``m`` to ``m2`` failed with KeyError('m'), and one that removed an
+    entry too; the capture after a move, reusing its last walk, kept the copy under the old key."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    opt = _Reshaping(model.parameters())
+    params = list(model.parameters())
+    undo = UndoState()
+    train = _trainer(model, opt, 5)
+    for step in range(7):
+        undo.capture(step, params, opt)
+        before_w = copy.deepcopy(model.state_dict())
+        before_s = copy.deepcopy(opt.state_dict()["state"])
+        train()
+        undo.restore(params, opt)  # every step undone once, then made again
+        opt.redo()
+        assert all(torch.equal(before_w[k], v) for k, v in model.state_dict().items()), step
+        _state_equal(before_s, opt.state_dict()["state"])
+        train()
+    assert all(set(st) == {"m", "late"} for st in opt.state.values())
+
+
+def test_a_capture_after_an_entry_moved_to_another_key_holds_it_under_the_new_key():
+    """The same state dict, the same tensor, in the same place, under another key: the capture's
+    last walk of the state is not reused (it would keep the copy under the old key, and the undo
+    would put the tensor back under it)."""
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    t = torch.zeros(3)
+    opt.state[p] = {"m": t}
+    undo = UndoState()
+    undo.capture(0, [p], opt)
+    opt.state[p]["m2"] = opt.state[p].pop("m")  # (a step that renames, not undone)
+    t.add_(1)
+    undo.capture(1, [p], opt)
+    t.add_(1)  # the step to undo
+    undo.restore([p], opt)
+    assert list(opt.state[p]) == ["m2"] and torch.equal(opt.state[p]["m2"], torch.ones(3))
+
+
+class _ShardLike(nn.Parameter):
+    """A parameter that answers ``to_local()`` as a DTensor does (its shard: itself here)."""
+
+    def to_local(self):
+        return self
+
+
+def test_an_undo_that_cannot_remake_a_sharded_entry_says_so_before_writing_anything():
+    """A DTensor entry the undone step removed cannot be made again from this rank's copy: the
+    undo raises, naming the entries, before it has put anything back (no half-restored state)."""
+    p = _ShardLike(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.state[p] = {"m": torch.zeros(3), "keep": torch.zeros(3)}
+    undo = UndoState()
+    undo.capture(0, [p], opt)
+    with torch.no_grad():
+        p.add_(1)
+    del opt.state[p]["m"]
+    opt.state[p]["new"] = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"\['m'\]"):
+        undo.restore([p], opt)
+    assert set(opt.state[p]) == {"keep", "new"} and torch.equal(p.detach(), torch.full((3,), 2.0))
