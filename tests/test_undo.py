@@ -280,6 +280,36 @@ class _Replacing(torch.optim.Optimizer):
                 p.sub_(group["lr"] * st["m"])
 
 
+def _state_equal(before: dict, after: dict) -> None:
+    """Two ``optimizer.state_dict()["state"]``: the same entries (in any order), equal values."""
+    assert before.keys() == after.keys()
+    for pid, st in before.items():
+        assert set(st) == set(after[pid]), (pid, list(st), list(after[pid]))
+        for k, v in st.items():
+            got = after[pid][k]
+            assert torch.equal(v, got) if isinstance(v, torch.Tensor) else v == got, (pid, k)
+
+
+def _undo_some_steps(opt, model, steps: int, undone, redo=lambda: None) -> None:
+    """Capture before every step (as the monitor does); after each step in ``undone``, restore
+    and check that weights and optimizer state are exactly as captured, then make the step again
+    (``redo``: what the optimizer must know of it) and go on."""
+    params = list(model.parameters())
+    undo = UndoState()
+    train = _trainer(model, opt, 5)
+    for step in range(steps):
+        undo.capture(step, params, opt)
+        before_w = copy.deepcopy(model.state_dict())
+        before_s = copy.deepcopy(opt.state_dict()["state"])
+        train()
+        if step in undone:
+            undo.restore(params, opt)
+            redo()
+            assert all(torch.equal(before_w[k], v) for k, v in model.state_dict().items()), step
+            _state_equal(before_s, opt.state_dict()["state"])
+            train()
+
+
 @pytest.mark.parametrize("opt_name", ["adamw", "replacing"])
 def test_every_capture_holds_the_state_as_it_is_at_that_capture(opt_name):
     """A capture reuses its last walk of the optimizer state only while that state holds the same
@@ -289,25 +319,7 @@ def test_every_capture_holds_the_state_as_it_is_at_that_capture(opt_name):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1) if opt_name == "adamw" else _Replacing(model.parameters())
-    params = list(model.parameters())
-    undo = UndoState()
-    train = _trainer(model, opt, 5)
-    for step in range(6):
-        undo.capture(step, params, opt)
-        before_w = copy.deepcopy(model.state_dict())
-        before_s = copy.deepcopy(opt.state_dict())
-        train()
-        if step in (2, 4):  # undo this step, then go on from there
-            undo.restore(params, opt)
-            assert all(torch.equal(before_w[k], v) for k, v in model.state_dict().items())
-            after_s = opt.state_dict()["state"]
-            assert after_s.keys() == before_s["state"].keys()
-            for pid, st in before_s["state"].items():
-                assert st.keys() == after_s[pid].keys(), (step, pid)
-                for k, v in st.items():
-                    got = after_s[pid][k]
-                    assert torch.equal(v, got) if isinstance(v, torch.Tensor) else v == got, (step, pid, k)
-            train()
+    _undo_some_steps(opt, model, 6, undone=(2, 4))
 
 
 class _Reshaping(torch.optim.Optimizer):
@@ -343,15 +355,6 @@ class _Reshaping(torch.optim.Optimizer):
         self.count -= 1  # (the undone step is made again: its change of entries with it)
 
 
-def _state_equal(before: dict, after: dict) -> None:
-    assert before.keys() == after.keys()
-    for pid, st in before.items():
-        assert list(st) == list(after[pid]) or set(st) == set(after[pid]), (pid, list(st), list(after[pid]))
-        for k, v in st.items():
-            got = after[pid][k]
-            assert torch.equal(v, got) if isinstance(v, torch.Tensor) else v == got, (pid, k)
-
-
 def test_an_undo_puts_back_state_entries_the_step_added_removed_or_moved():
     """The undone step added an entry (it goes), removed one or moved a tensor to another key (it
     comes back, under its key): the state is as it was, and the optimizer steps on from it. Before,
@@ -360,19 +363,7 @@ def test_an_undo_puts_back_state_entries_the_step_added_removed_or_moved():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
     opt = _Reshaping(model.parameters())
-    params = list(model.parameters())
-    undo = UndoState()
-    train = _trainer(model, opt, 5)
-    for step in range(7):
-        undo.capture(step, params, opt)
-        before_w = copy.deepcopy(model.state_dict())
-        before_s = copy.deepcopy(opt.state_dict()["state"])
-        train()
-        undo.restore(params, opt)  # every step undone once, then made again
-        opt.redo()
-        assert all(torch.equal(before_w[k], v) for k, v in model.state_dict().items()), step
-        _state_equal(before_s, opt.state_dict()["state"])
-        train()
+    _undo_some_steps(opt, model, 7, undone=range(7), redo=opt.redo)  # every step undone once
     assert all(set(st) == {"m", "late"} for st in opt.state.values())
 
 
