@@ -2444,6 +2444,7 @@ class Monitor:
             },
         )
 
+    @torch.no_grad()
     def _values_written(self, step: int) -> torch.Tensor | None:
         """Per parameter (a bool vector, no host read), whether its values changed since the last
         step's update landed with no version counter to show it (a write through ``.data``), by
@@ -2562,6 +2563,7 @@ class Monitor:
             )
         self._bundle_next = True
 
+    @torch.no_grad()
     def _collect_tensors(
         self, rec: StepRecord, grads: list[torch.Tensor | None]
     ) -> tuple[dict[str, Any], tuple[int, ...]]:
@@ -2931,6 +2933,7 @@ class Monitor:
         tell_ranks(findings, i.get(S.NONFINITE_BY_RANK))  # torch.distributed: where it started
         return findings
 
+    @torch.no_grad()
     def _close(self, aborted: bool) -> None:
         """End the step in flight, whatever path got here: put back what it hid or changed,
         measure the update, and open the next step's record."""
@@ -3088,6 +3091,7 @@ class Monitor:
         """Whether ``rec``'s update ratios were measured."""
         return any(k.startswith(S.UPDATE_RATIO.format("")) for k in rec.stats)
 
+    @torch.no_grad()
     def _measure_from_undo(self, rec: StepRecord) -> bool:
         """An update the update ratio did not measure (``stats.update_ratio_every`` > 1), measured
         now from the undo copy, which holds the state from before it until the next capture: its

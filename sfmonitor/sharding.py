@@ -145,9 +145,12 @@ class Layout:
         return [local(t) for t in tensors]
 
     def detached(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor's local part, detached (parameters, for their norms and copies)."""
-        if not self.sharded:  # (twice a step over every parameter: no Python call per tensor)
-            return list(map(torch.Tensor.detach, tensors))
+        """Each tensor's local part, detached (parameters, for their norms and copies). Under
+        ``torch.no_grad()`` plain tensors are given as they are: nothing recorded reads them, and a
+        new tensor object per parameter, several times a step, kept Python's garbage collector busy
+        (a model of 1,160 parameters: 4 ms a call)."""
+        if not self.sharded:
+            return list(tensors) if not torch.is_grad_enabled() else list(map(torch.Tensor.detach, tensors))
         return [local(t).detach() for t in tensors]
 
     def index(self, positions: Sequence[int], groups: Sequence[int], device: torch.device) -> TensorIndex:

@@ -138,9 +138,9 @@ class Arena:
         self._sources: list[list[torch.Tensor]] = []  # per buffer, the flat views it copies
 
     def copy_from(self, live: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        # (per tensor: where it is, what it is, how it is laid out; through map(): ~0.3 us a tensor)
-        key = (list(map(_DATA_PTR, live)), list(map(_KIND_SHAPE, live)), list(map(_STRIDE, live)))
-        if key != self._key:
+        if not self._same_key(live):
+            # per tensor: where it is, what it is, how it is laid out
+            key = (list(map(_DATA_PTR, live)), list(map(_KIND_SHAPE, live)), list(map(_STRIDE, live)))
             layout = key[1:]
             if layout != self.layout:
                 self._allocate(live)
@@ -152,6 +152,20 @@ class Arena:
         for (flat, _), sources in zip(self._flat, self._sources):
             torch.cat(sources, out=flat)
         return self.views
+
+    def _same_key(self, live: Sequence[torch.Tensor]) -> bool:
+        """Whether ``live`` has the key the sources were built for, compared tensor by tensor as it
+        is read: no list of a tuple per tensor is built (thousands of tuples alive at once, every
+        step, made Python's garbage collector run several times a step, and the survivors its
+        full collections: on a model of 1,160 parameters, 19 ms a step)."""
+        key = self._key
+        return (
+            key is not None
+            and len(live) == len(key[0])
+            and all(map(operator.eq, map(_DATA_PTR, live), key[0]))
+            and all(map(operator.eq, map(_KIND_SHAPE, live), key[1]))
+            and all(map(operator.eq, map(_STRIDE, live), key[2]))
+        )
 
     def _allocate(self, live: Sequence[torch.Tensor]) -> None:
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -249,6 +263,14 @@ def _fitted(held: list[torch.Tensor], live: Sequence[torch.Tensor]) -> list[torc
     if len(held) == len(live) and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(held, live)):
         return held
     return [torch.empty_like(t) for t in live]
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def _plain(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is a plain tensor or parameter (no DTensor, no other subclass)."""
+    return all(map(_PLAIN.__contains__, map(type, tensors)))
 
 
 def _sharded(t: torch.Tensor) -> bool:
@@ -355,7 +377,8 @@ class UndoState:
         self.buffers = _fitted(self.buffers, live_buffers)
         if len(self.prev_buffers) != len(self.buffers):
             self.prev_label = None
-        live = [local(p.detach()) for p in params]
+        # (under no_grad: plain parameters as they are, no new tensor object per parameter a step)
+        live = list(params) if _plain(params) else [local(p.detach()) for p in params]
         owners = state_owners(optimizer)
         held = self._param_arena.copy_from(live)
         if held is not self.params:  # new copies: the parameters' layout changed
@@ -581,49 +604,71 @@ class UndoState:
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once
 
 
+@dataclass
+class _Chunk:
+    """Tensors measured together: their positions; on the CPU the views of the scratch buffer
+    their differences are written into (None: fused, from the allocator); ``piece``: one tensor
+    larger than the buffer, measured piece by piece through ``buf``."""
+
+    positions: list[int]
+    views: list[torch.Tensor] | None
+    piece: bool = False
+    buf: torch.Tensor | None = None
+
+
 class Scratch:
-    """What ``update_norms`` reuses from one step to the next on the CPU: a buffer per (dtype,
-    device) for the differences, and the views of it that the differences are written into (one
-    per tensor), kept while the tensors measured are the same (the undo copy's: the same tensors
-    every step while the parameters keep their layout). Building a view of the buffer per tensor
-    every step cost ~7 us each, more than the subtraction of a small tensor (a 12-layer model's
-    147 parameters: ~1 ms a step)."""
+    """What ``update_norms`` reuses from one step to the next: a buffer per (dtype, device) for the
+    differences on the CPU, and the plan of the last call (which tensors go in which chunk, the
+    views of the buffer each difference is written into), kept while the tensors measured are the
+    same objects (the undo copy's: the same tensors every step while the parameters keep their
+    layout). Building the views and the chunks every step cost ~7 us a tensor, more than the
+    subtraction of a small tensor (a 12-layer model's 147 parameters: ~1 ms a step)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        # per kind: (weak references to the tensors of `before`, the buffer, the views, by position)
-        self._views: dict[
-            tuple[torch.dtype, torch.device], tuple[list[Any], torch.Tensor, dict[int, torch.Tensor]]
-        ] = {}
+        self._held: list[weakref.ref[torch.Tensor]] = []  # the tensors the plan is for
+        self._key: tuple[int, bool | None] | None = None  # and its limit and fused
+        self._plan: list[_Chunk] = []
 
-    def buffer(self, kind: tuple[torch.dtype, torch.device], size: int) -> torch.Tensor:
-        """The buffer of ``kind``, of at least ``size`` elements (made again only to grow)."""
-        buf = self.buffers.get(kind)
-        if buf is None or buf.numel() < size:
-            buf = self.buffers[kind] = torch.empty(size, dtype=kind[0], device=kind[1])
-        return buf
-
-    def views(
-        self,
-        kind: tuple[torch.dtype, torch.device],
-        before: Sequence[torch.Tensor],
-        idx: Sequence[int],
-        buf: torch.Tensor,
-    ) -> dict[int, torch.Tensor]:
-        """Position -> the view of ``buf`` that position's difference is written into, kept from the
-        last call where ``before``'s tensors of this kind are the same objects and ``buf`` the same
-        buffer: their shapes are then the same too (a kept view is valid); else empty, to fill."""
-        held = self._views.get(kind)
+    def plan(self, before: Sequence[torch.Tensor], limit: int, fused: bool | None) -> list[_Chunk]:
+        """The chunks ``before`` is measured in: the last plan while ``before`` holds the same
+        tensors (then their shapes and kinds are the same too), else a new one."""
         if (
-            held is not None
-            and held[1] is buf
-            and len(held[0]) == len(idx)
-            and all(r() is before[i] for r, i in zip(held[0], idx))
+            self._key == (limit, fused)
+            and len(self._held) == len(before)
+            and all(map(operator.is_, map(_CALL, self._held), before))
         ):
-            return held[2]
-        views: dict[int, torch.Tensor] = {}
-        self._views[kind] = ([weakref.ref(before[i]) for i in idx], buf, views)
-        return views
+            return self._plan
+        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, t in enumerate(before):
+            by_kind.setdefault((t.dtype, t.device), []).append(i)
+        plan: list[_Chunk] = []
+        for kind, idx in by_kind.items():
+            buf: torch.Tensor | None = None  # the scratch (CPU); None: fused, from the allocator (GPU)
+            if not (fused if fused is not None else kind[1].type != "cpu"):
+                size = max(1, min(limit, sum(before[i].numel() for i in idx)))
+                buf = self.buffers.get(kind)
+                if buf is None or buf.numel() < size:
+                    buf = self.buffers[kind] = torch.empty(size, dtype=kind[0], device=kind[1])
+            room = buf.numel() if buf is not None else limit
+            for chunk in _chunks([before[i].numel() for i in idx], room):
+                js = [idx[c] for c in chunk]
+                if len(js) == 1 and before[js[0]].numel() > room:  # larger than a chunk: piece by piece
+                    plan.append(_Chunk(js, None, piece=True, buf=buf))
+                    continue
+                views: list[torch.Tensor] | None = None
+                if buf is not None:
+                    views, offset = [], 0
+                    for j in js:
+                        n = before[j].numel()
+                        views.append(buf[offset : offset + n].view(before[j].shape))
+                        offset += n
+                plan.append(_Chunk(js, views))
+        self._held, self._key, self._plan = [weakref.ref(t) for t in before], (limit, fused), plan
+        return plan
+
+
+_CALL = operator.methodcaller("__call__")
 
 
 def update_norms(
@@ -644,47 +689,29 @@ def update_norms(
     per chunk one ``torch._foreach_sub`` (its differences come from the caching allocator and go
     back to it, at most ``limit`` elements at a time) and one fused norm, instead of a launch per
     tensor."""
-    scratch = Scratch() if scratch is None else scratch
+    plan = (Scratch() if scratch is None else scratch).plan(before, limit, fused)
     out: list[torch.Tensor | None] = [None] * len(before)
-    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(before):
-        by_kind.setdefault((t.dtype, t.device), []).append(i)
-    for kind, idx in by_kind.items():
-        buf: torch.Tensor | None = None  # the scratch (CPU); None: fused, from the allocator (GPU)
-        views: dict[int, torch.Tensor] = {}
-        if not (fused if fused is not None else kind[1].type != "cpu"):
-            buf = scratch.buffer(kind, max(1, min(limit, sum(before[i].numel() for i in idx))))
-            views = scratch.views(kind, before, idx, buf)
-        room = buf.numel() if buf is not None else limit
-        for chunk in _chunks([before[i].numel() for i in idx], room):
-            if len(chunk) == 1 and before[idx[chunk[0]]].numel() > room:  # larger than a chunk: piece by piece
-                i = idx[chunk[0]]
-                a, b, sq = after[i].reshape(-1), before[i].reshape(-1), None
-                for k in range(0, a.numel(), room):
-                    end = min(a.numel(), k + room)
-                    piece = torch.sub(a[k:end], b[k:end], out=buf[: end - k] if buf is not None else None)
-                    part = norms([piece])[0].square()
-                    sq = part if sq is None else sq + part
-                out[i] = sq.sqrt() if sq is not None else None
-                continue
-            js = [idx[c] for c in chunk]
-            diffs: list[torch.Tensor] = []
-            if buf is None:
-                diffs = list(torch._foreach_sub([after[j] for j in js], [before[j] for j in js]))
-            else:
-                offset = 0
-                for j in js:  # one pass: read both, write the difference
-                    n = before[j].numel()
-                    view = views.get(j)
-                    if view is None:
-                        view = views[j] = buf[offset : offset + n].view(before[j].shape)
-                    diffs.append(torch.sub(after[j], before[j], out=view))
-                    offset += n
-            measured = norms(diffs)  # float32, float64 for float64 (complex too)
-            if len(js) == len(before) and len(by_kind) == 1:  # (the usual case: one chunk of everything, in order)
-                return measured
-            for j, norm in zip(js, measured):
-                out[j] = norm
+    for chunk in plan:
+        js = chunk.positions
+        if chunk.piece:
+            i, room, buf = js[0], chunk.buf.numel() if chunk.buf is not None else limit, chunk.buf
+            a, b, sq = after[i].reshape(-1), before[i].reshape(-1), None
+            for k in range(0, a.numel(), room):
+                end = min(a.numel(), k + room)
+                piece = torch.sub(a[k:end], b[k:end], out=buf[: end - k] if buf is not None else None)
+                part = norms([piece])[0].square()
+                sq = part if sq is None else sq + part
+            out[i] = sq.sqrt() if sq is not None else None
+            continue
+        if chunk.views is None:
+            diffs = list(torch._foreach_sub([after[j] for j in js], [before[j] for j in js]))
+        else:  # one pass: read both, write the difference
+            diffs = [torch.sub(after[j], before[j], out=v) for j, v in zip(js, chunk.views)]
+        measured = norms(diffs)  # float32, float64 for float64 (complex too)
+        if len(plan) == 1 and len(js) == len(before):  # (the usual case: one chunk of everything, in order)
+            return measured
+        for j, norm in zip(js, measured):
+            out[j] = norm
     done = [o for o in out if o is not None]
     return torch.stack(done) if done else torch.zeros(0)  # float64 when any chunk is (stack promotes)
 
