@@ -407,3 +407,38 @@ def test_an_undo_that_cannot_remake_a_sharded_entry_says_so_before_writing_anyth
     with pytest.raises(RuntimeError, match=r"\['m'\]"):
         undo.restore([p], opt)
     assert set(opt.state[p]) == {"keep", "new"} and torch.equal(p.detach(), torch.full((3,), 2.0))
+
+
+def test_a_capture_of_an_unchanged_layout_makes_no_object_per_tensor():
+    """Each step's capture of a model with many tensors makes nothing per tensor that lives
+    through the capture (no list of keys, no detached alias per parameter): thousands of such
+    objects at once, every step, ran Python's garbage collector several times a step, and its full
+    collections grew with the model (96 blocks, 1,160 parameters: 126 ms a step over bare, 56 now).
+    Counted as the collector's own runs during a capture of 4,000 tensors: none (17 before)."""
+    import gc
+
+    params = [nn.Parameter(torch.randn(4)) for _ in range(1000)]
+    opt = torch.optim.Adam(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones(4)
+    opt.step()  # (state: 3 tensors a parameter)
+    undo = UndoState()
+    undo.capture(0, params, opt)  # (the first builds its layout)
+    runs = []
+
+    def count(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    gc.callbacks.append(count)
+    try:
+        gc.collect()
+        runs.clear()
+        undo.capture(1, params, opt)
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+    assert runs == []
+    assert undo.label == 1 and torch.equal(undo.params[0], params[0].detach())
