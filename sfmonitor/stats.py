@@ -243,6 +243,12 @@ def reduction_of(key: str) -> Reduce:
 _NARROW_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
+# Norms taken at once by one fused call: its result is a tensor object per input, all alive until
+# stacked; a few hundred at a time stay under the garbage collector's threshold (700 new objects),
+# where a model's thousand parameters ran it at every call
+_NORMS_AT_ONCE = 256
+
+
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms as one vector (fused; empty input gives an empty vector): float32, or
     float64 when any tensor is float64 or complex128 (its norm can exceed the float32 range).
@@ -255,7 +261,14 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     dense = [t.coalesce().values() if t.is_sparse else t for t in tensors]
     if {t.dtype for t in dense} <= _NARROW_FLOATS:
         # dtype=float32: the norm of finite fp16 values can exceed 65504 and must not read as inf.
-        return torch.stack(torch._foreach_norm(dense, 2, dtype=torch.float32))
+        if len(dense) <= _NORMS_AT_ONCE:
+            return torch.stack(torch._foreach_norm(dense, 2, dtype=torch.float32))
+        return torch.cat(
+            [
+                torch.stack(torch._foreach_norm(dense[i : i + _NORMS_AT_ONCE], 2, dtype=torch.float32))
+                for i in range(0, len(dense), _NORMS_AT_ONCE)
+            ]
+        )
     dense = [_measurable(t) for t in dense]
     # float64 cannot be narrowed to float32 (torch refuses, and its norm may not fit): measured in
     # float64, the others in float32 as above, then all widened to float64 (exact).
