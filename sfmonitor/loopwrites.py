@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .sharding import local
+from .sharding import PLAIN_TYPES, local
 
 __all__ = ["SAMPLE_EVERY", "LoopWrites", "own_write"]
 
@@ -64,13 +64,10 @@ def _mark(p: torch.Tensor) -> tuple[int, int, int]:
     """(storage address, version counters) of a parameter. FSDP2: its local shard's address, and
     both counters: an in-place op on the DTensor moves the DTensor's own (the op runs on the shard
     below autograd, whose counter stays), a write through ``to_local()`` moves the shard's."""
-    if type(p) in _PLAIN:  # (every parameter at every step's end: no DTensor lookup)
+    if type(p) in PLAIN_TYPES:  # (every parameter at every step's end: no DTensor lookup)
         return p.data_ptr(), p._version, 0
     t = local(p)
     return t.data_ptr(), t._version, p._version if t is not p else 0
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def own_write(params: Sequence[torch.Tensor]) -> None:

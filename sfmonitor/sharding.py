@@ -83,6 +83,16 @@ def local(t: Any) -> Any:
     return part if isinstance(part, torch.Tensor) else t.to_local()
 
 
+# Tensors of these exact types are neither DTensors nor other subclasses: what a per-step walk
+# over every parameter can take as it is, without a DTensor lookup per tensor
+PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter})
+
+
+def all_plain(tensors: Iterable[Any]) -> bool:
+    """Whether every tensor is a plain tensor or parameter (``PLAIN_TYPES``)."""
+    return all(map(PLAIN_TYPES.__contains__, map(type, tensors)))
+
+
 def locals_(tensors: Iterable[Any]) -> list[Any]:
     """``local`` of each tensor, as a list."""
     return [local(t) for t in tensors]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .checkpoint import inner_optimizers, params_of
+from .sharding import all_plain
 from .stats import norms
 
 __all__ = ["Arena", "Scratch", "UndoState", "group_entries", "local", "put_entries", "state_owners", "written_entries"]
@@ -265,14 +266,6 @@ def _fitted(held: list[torch.Tensor], live: Sequence[torch.Tensor]) -> list[torc
     return [torch.empty_like(t) for t in live]
 
 
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-
-
-def _plain(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor is a plain tensor or parameter (no DTensor, no other subclass)."""
-    return all(map(_PLAIN.__contains__, map(type, tensors)))
-
-
 def _sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (``local`` gives its shard)."""
     return callable(getattr(t, "to_local", None))
@@ -378,7 +371,7 @@ class UndoState:
         if len(self.prev_buffers) != len(self.buffers):
             self.prev_label = None
         # (under no_grad: plain parameters as they are, no new tensor object per parameter a step)
-        live = list(params) if _plain(params) else [local(p.detach()) for p in params]
+        live = list(params) if all_plain(params) else [local(p.detach()) for p in params]
         owners = state_owners(optimizer)
         held = self._param_arena.copy_from(live)
         if held is not self.params:  # new copies: the parameters' layout changed
