@@ -595,6 +595,9 @@ class UndoState:
 
 
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once
+# On a GPU, the differences of this many tensors at most are made at once (new tensors, all alive
+# until their norms are taken: a few hundred stay under the garbage collector's threshold)
+FUSED_AT_ONCE = 256
 
 
 @dataclass
@@ -649,13 +652,14 @@ class Scratch:
                 if len(js) == 1 and before[js[0]].numel() > room:  # larger than a chunk: piece by piece
                     plan.append(_Chunk(js, None, piece=True, buf=buf))
                     continue
-                views: list[torch.Tensor] | None = None
-                if buf is not None:
-                    views, offset = [], 0
-                    for j in js:
-                        n = before[j].numel()
-                        views.append(buf[offset : offset + n].view(before[j].shape))
-                        offset += n
+                if buf is None:  # (fused: its differences are new tensors, a few hundred at a time)
+                    plan += [_Chunk(js[k : k + FUSED_AT_ONCE], None) for k in range(0, len(js), FUSED_AT_ONCE)]
+                    continue
+                views, offset = [], 0
+                for j in js:
+                    n = before[j].numel()
+                    views.append(buf[offset : offset + n].view(before[j].shape))
+                    offset += n
                 plan.append(_Chunk(js, views))
         self._held, self._key, self._plan = [weakref.ref(t) for t in before], (limit, fused), plan
         return plan
@@ -683,30 +687,31 @@ def update_norms(
     back to it, at most ``limit`` elements at a time) and one fused norm, instead of a launch per
     tensor."""
     plan = (Scratch() if scratch is None else scratch).plan(before, limit, fused)
-    out: list[torch.Tensor | None] = [None] * len(before)
+    if not plan:
+        return torch.zeros(0)
+    parts: list[torch.Tensor] = []  # per chunk, the norms of its tensors
     for chunk in plan:
         js = chunk.positions
         if chunk.piece:
             i, room, buf = js[0], chunk.buf.numel() if chunk.buf is not None else limit, chunk.buf
             a, b, sq = after[i].reshape(-1), before[i].reshape(-1), None
-            for k in range(0, a.numel(), room):
+            for k in range(0, a.numel(), room):  # (at least one piece: the tensor is larger than the room)
                 end = min(a.numel(), k + room)
                 piece = torch.sub(a[k:end], b[k:end], out=buf[: end - k] if buf is not None else None)
                 part = norms([piece])[0].square()
                 sq = part if sq is None else sq + part
-            out[i] = sq.sqrt() if sq is not None else None
-            continue
-        if chunk.views is None:
-            diffs = list(torch._foreach_sub([after[j] for j in js], [before[j] for j in js]))
+            parts.append(sq.sqrt().reshape(1) if sq is not None else torch.zeros(1))
+        elif chunk.views is None:
+            parts.append(norms(torch._foreach_sub([after[j] for j in js], [before[j] for j in js])))
         else:  # one pass: read both, write the difference
-            diffs = [torch.sub(after[j], before[j], out=v) for j, v in zip(js, chunk.views)]
-        measured = norms(diffs)  # float32, float64 for float64 (complex too)
-        if len(plan) == 1 and len(js) == len(before):  # (the usual case: one chunk of everything, in order)
-            return measured
-        for j, norm in zip(js, measured):
-            out[j] = norm
-    done = [o for o in out if o is not None]
-    return torch.stack(done) if done else torch.zeros(0)  # float64 when any chunk is (stack promotes)
+            parts.append(norms([torch.sub(after[j], before[j], out=v) for j, v in zip(js, chunk.views)]))
+    if len(parts) == 1:  # (the usual case: one chunk of every tensor, in order)
+        return parts[0]
+    flat = torch.cat(parts)  # float64 when any chunk is (cat promotes)
+    order = [j for chunk in plan for j in chunk.positions]
+    if order == list(range(len(before))):
+        return flat
+    return torch.empty_like(flat).index_copy_(0, torch.tensor(order, device=flat.device), flat)
 
 
 def _chunks(sizes: Sequence[int], room: int) -> list[list[int]]:

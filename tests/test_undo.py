@@ -93,6 +93,25 @@ def test_update_norms_reuse_their_views_only_for_the_same_tensors():
     check(grown, [b + torch.randn_like(b) for b in grown])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu-scratch", "gpu-foreach"])
+def test_update_norms_of_many_tensors_of_two_kinds_come_in_their_order(fused):
+    """600 tensors, every third in fp16: chunks per dtype (and, fused, of at most 256 tensors)
+    whose norms are put back in the tensors' order, step after step with the kept plan."""
+    torch.manual_seed(0)
+    before = [torch.randn(3).half() if i % 3 == 0 else torch.randn(2, 2) for i in range(600)]
+    scratch = Scratch()
+    for _ in range(2):
+        after = [b + torch.randn_like(b) for b in before]
+        want = torch.stack([torch.linalg.vector_norm((a - b).float()) for a, b in zip(after, before)])
+        got = update_norms(before, after, scratch, fused=fused)
+        assert got.shape == (600,) and torch.allclose(got, want, rtol=1e-3)
+    # and, with its plan kept, a call over 2,000 tensors runs the garbage collector no time
+    many = [torch.randn(2) for _ in range(2000)]
+    moved = [t + 1 for t in many]
+    update_norms(many, moved, scratch, fused=fused)
+    assert _collector_runs(lambda: update_norms(many, moved, scratch, fused=fused)) == []
+
+
 class _Wrapper(torch.optim.Optimizer):
     """A wrapper optimizer in the style of SAM and Lookahead: the param groups are its inner
     optimizer's, whose state (momentum) lives in the inner optimizer's own ``state``; the wrapper's
