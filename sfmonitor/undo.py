@@ -547,7 +547,7 @@ class UndoState:
         owners = state_owners(optimizer)
         for owner, kept in zip(owners, self._state):  # (before anything is written: nothing half put back)
             for p, saved in zip(params, kept):
-                state = owner.get(p) or {} if saved and id(p) in mine else {}
+                state = (owner.get(p) or {}) if saved and id(p) in mine else {}
                 gone = [k for k, v in (saved or {}).items() if isinstance(v, torch.Tensor) and k not in state]
                 if gone and _sharded(p):
                     raise RuntimeError(
