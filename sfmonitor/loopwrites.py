@@ -41,13 +41,15 @@ parameter the loop registers on the model (the optimizer still holds the old one
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
 
-from .sharding import PLAIN_TYPES, local
+from .sharding import PLAIN_TYPES, all_plain, local
 
 __all__ = ["SAMPLE_EVERY", "LoopWrites", "own_write"]
 
@@ -70,6 +72,10 @@ def _mark(p: torch.Tensor) -> tuple[int, int, int]:
     return t.data_ptr(), t._version, p._version if t is not p else 0
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+_VERSION = operator.attrgetter("_version")
+
+
 def own_write(params: Sequence[torch.Tensor]) -> None:
     """The monitor just wrote ``params`` in place (between two steps): not the loop's change."""
     for p in params:
@@ -89,6 +95,10 @@ class LoopWrites:
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[int, int, int]] = {}  # id(parameter) -> its mark as the step left it
+        # Plain parameters (no DTensor): the list as the step left it, with their addresses and
+        # version counters, from which `_seen` is built only where something changed (the usual
+        # step compares two lists of ints: no Python call per parameter)
+        self._plain: tuple[list[torch.Tensor], list[int], list[int]] | None = None
         # per module: its name and its buffers dict (walked at each close), the buffers it held
         # then (names and tensors), and the last step whose close found them changed
         self._modules: list[tuple[str, dict[str, Any]]] = []
@@ -107,7 +117,11 @@ class LoopWrites:
 
     def close(self, params: Sequence[torch.Tensor], step: int = -1) -> None:
         """The step ``step`` ended: remember every parameter, and every buffer slot, as it is now."""
-        self._seen = {id(p): _mark(p) for p in params}
+        if all_plain(params):
+            self._plain = (list(params), list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
+            self._seen = {}
+        else:
+            self._plain, self._seen = None, {id(p): _mark(p) for p in params}
         held, moved_at = self._held, self._moved_at
         for k, (_, d) in enumerate(self._modules):
             if d or held[k]:
@@ -118,6 +132,17 @@ class LoopWrites:
     def changed(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Indices into ``params`` of those written or replaced since ``close`` by anything but the
         monitor (none before the first ``close``; a parameter new since then is not counted)."""
+        if self._plain is not None:
+            held, ptrs, versions = self._plain
+            if (
+                len(params) == len(held)
+                and all(map(operator.is_, params, held))
+                and all(map(operator.eq, map(_VERSION, params), versions))
+                and all(map(operator.eq, map(_DATA_PTR, params), ptrs))
+            ):
+                return []  # (the usual step: nothing written)
+            if not self._seen:  # (the marks of plain parameters, as _mark makes them)
+                self._seen = dict(zip(map(id, held), zip(ptrs, versions, repeat(0))))
         seen, out = self._seen, list[int]()
         if not seen:
             return out

@@ -76,3 +76,27 @@ def train(
     if mon:
         mon.detach()
     return events
+
+
+def collector_runs(fn) -> list[int]:
+    """The generations of the garbage collector's runs while ``fn`` runs, from a fresh count
+    (CPython's default threshold: a run per 700 new objects that are still alive)."""
+    import gc
+
+    runs: list[int] = []
+
+    def count(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    gc.callbacks.append(count)
+    try:
+        gc.collect()
+        runs.clear()
+        fn()
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+    return runs

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 import torch.nn.utils.prune
-from _state import assert_identical, quiet, snapshot, train
+from _state import assert_identical, collector_runs, quiet, snapshot, train
 from torch import nn
 
 import sfmonitor
@@ -704,6 +704,30 @@ def test_buffer_slots_added_replaced_or_removed_are_named_and_a_habit_is_left_ou
     assert lw.values_found(5, 50)  # the first: news
     assert lw.values_due(6)  # the step after: is it the loop's habit?
     assert not lw.values_found(6, 50) and lw.values_found(57, 50)
+
+
+def test_the_parameters_the_loop_wrote_are_named_and_an_untouched_step_costs_no_object_per_parameter():
+    """``LoopWrites.changed`` names the parameters written in place or given new storage since the
+    last ``close`` (not the monitor's own writes); a step where nothing was written is told from
+    the parameters' addresses and version counters with nothing made per parameter (before, every
+    ``close`` kept a tuple per parameter: on 2,000 parameters the garbage collector ran twice)."""
+    from sfmonitor.loopwrites import LoopWrites, own_write
+
+    params = [nn.Parameter(torch.randn(3)) for _ in range(2000)]
+    lw = LoopWrites()
+    lw.watch([])
+    assert lw.changed(params) == []  # (before the first close)
+    assert collector_runs(lambda: (lw.close(params, 0), lw.changed(params))) == []
+    with torch.no_grad():
+        params[3].mul_(2.0)
+    params[7].data = torch.zeros(3)
+    with torch.no_grad():
+        params[9].add_(1.0)
+    own_write([params[9]])  # (the monitor's own write: not the loop's)
+    assert lw.changed(params) == [3, 7]
+    lw.close(params, 1)
+    assert lw.changed(params) == []
+    assert lw.changed([nn.Parameter(torch.zeros(1)), *params[1:]]) == []  # (a new parameter is not counted)
 
 
 def _resize_run(tmp_path, monitored, seed, at=150, steps=260, garbage_at=None, spike_at=None):

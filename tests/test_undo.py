@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from _state import collector_runs
 from torch import nn
 
 from sfmonitor.checkpoint import capture_state, restore_state, save_checkpoint
@@ -109,7 +110,7 @@ def test_update_norms_of_many_tensors_of_two_kinds_come_in_their_order(fused):
     many = [torch.randn(2) for _ in range(2000)]
     moved = [t + 1 for t in many]
     update_norms(many, moved, scratch, fused=fused)
-    assert _collector_runs(lambda: update_norms(many, moved, scratch, fused=fused)) == []
+    assert collector_runs(lambda: update_norms(many, moved, scratch, fused=fused)) == []
 
 
 class _Wrapper(torch.optim.Optimizer):
@@ -428,30 +429,6 @@ def test_an_undo_that_cannot_remake_a_sharded_entry_says_so_before_writing_anyth
     assert set(opt.state[p]) == {"keep", "new"} and torch.equal(p.detach(), torch.full((3,), 2.0))
 
 
-def _collector_runs(fn) -> list[int]:
-    """The generations of the garbage collector's runs while ``fn`` runs, from a fresh count
-    (CPython's default threshold: a run per 700 new objects that are still alive)."""
-    import gc
-
-    runs: list[int] = []
-
-    def count(phase, info):
-        if phase == "start":
-            runs.append(info["generation"])
-
-    threshold = gc.get_threshold()
-    gc.set_threshold(700, 10, 10)
-    gc.callbacks.append(count)
-    try:
-        gc.collect()
-        runs.clear()
-        fn()
-    finally:
-        gc.callbacks.remove(count)
-        gc.set_threshold(*threshold)
-    return runs
-
-
 def test_a_capture_of_an_unchanged_layout_makes_no_object_per_tensor():
     """Each step's capture of a model with many tensors makes nothing per tensor that lives
     through the capture (no list of keys, no detached alias per parameter): thousands of such
@@ -465,7 +442,7 @@ def test_a_capture_of_an_unchanged_layout_makes_no_object_per_tensor():
     opt.step()  # (state: 3 tensors a parameter)
     undo = UndoState()
     undo.capture(0, params, opt)  # (the first builds its layout)
-    runs = _collector_runs(lambda: undo.capture(1, params, opt))
+    runs = collector_runs(lambda: undo.capture(1, params, opt))
     assert runs == []
     assert undo.label == 1 and torch.equal(undo.params[0], params[0].detach())
 
@@ -482,4 +459,4 @@ def test_norms_of_many_tensors_are_those_of_one_fused_call():
     assert torch.equal(norms(tensors), want)
     assert torch.equal(norms(tensors[:7]), want[:7])
     many = [torch.randn(2) for _ in range(2000)]
-    assert _collector_runs(lambda: norms(many)) == []
+    assert collector_runs(lambda: norms(many)) == []
