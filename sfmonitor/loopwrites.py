@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from .sharding import PLAIN_TYPES, all_plain, local
+from .sharding import PLAIN_TYPES, all_plain, local, same_objects
 
 __all__ = ["SAMPLE_EVERY", "LoopWrites", "own_write"]
 
@@ -72,7 +72,6 @@ def _mark(p: torch.Tensor) -> tuple[int, int, int]:
     return t.data_ptr(), t._version, p._version if t is not p else 0
 
 
-_DATA_PTR = torch.Tensor.data_ptr
 _VERSION = operator.attrgetter("_version")
 
 
@@ -118,7 +117,7 @@ class LoopWrites:
     def close(self, params: Sequence[torch.Tensor], step: int = -1) -> None:
         """The step ``step`` ended: remember every parameter, and every buffer slot, as it is now."""
         if all_plain(params):
-            self._plain = (list(params), list(map(_DATA_PTR, params)), list(map(_VERSION, params)))
+            self._plain = (list(params), list(map(torch.Tensor.data_ptr, params)), list(map(_VERSION, params)))
             self._seen = {}
         else:
             self._plain, self._seen = None, {id(p): _mark(p) for p in params}
@@ -135,10 +134,9 @@ class LoopWrites:
         if self._plain is not None:
             held, ptrs, versions = self._plain
             if (
-                len(params) == len(held)
-                and all(map(operator.is_, params, held))
+                same_objects(params, held)
                 and all(map(operator.eq, map(_VERSION, params), versions))
-                and all(map(operator.eq, map(_DATA_PTR, params), ptrs))
+                and all(map(operator.eq, map(torch.Tensor.data_ptr, params), ptrs))
             ):
                 return []  # (the usual step: nothing written)
             if not self._seen:  # (the marks of plain parameters, as _mark makes them)

@@ -23,6 +23,7 @@ close to it. FSDP2's public ``torch.distributed.fsdp.fully_shard`` needs torch >
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,12 @@ PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter})
 def all_plain(tensors: Iterable[Any]) -> bool:
     """Whether every tensor is a plain tensor or parameter (``PLAIN_TYPES``)."""
     return all(map(PLAIN_TYPES.__contains__, map(type, tensors)))
+
+
+def same_objects(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects in the same order (by identity: no ``==`` on
+    tensors, no Python call per item)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def locals_(tensors: Iterable[Any]) -> list[Any]:

@@ -243,10 +243,11 @@ def reduction_of(key: str) -> Reduce:
 _NARROW_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
-# Norms taken at once by one fused call: its result is a tensor object per input, all alive until
-# stacked; a few hundred at a time stay under the garbage collector's threshold (700 new objects),
-# where a model's thousand parameters ran it at every call
-_NORMS_AT_ONCE = 256
+# Tensors measured (or, on a GPU, differenced: undo.update_norms) by one fused call at most: its
+# result is a tensor object per input, all alive until stacked; a few hundred at a time stay under
+# the garbage collector's threshold (700 new objects), where a model's thousand parameters ran it
+# at every call
+NORMS_AT_ONCE = 256
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -261,12 +262,12 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     dense = [t.coalesce().values() if t.is_sparse else t for t in tensors]
     if {t.dtype for t in dense} <= _NARROW_FLOATS:
         # dtype=float32: the norm of finite fp16 values can exceed 65504 and must not read as inf.
-        if len(dense) <= _NORMS_AT_ONCE:
+        if len(dense) <= NORMS_AT_ONCE:
             return torch.stack(torch._foreach_norm(dense, 2, dtype=torch.float32))
         return torch.cat(
             [
-                torch.stack(torch._foreach_norm(dense[i : i + _NORMS_AT_ONCE], 2, dtype=torch.float32))
-                for i in range(0, len(dense), _NORMS_AT_ONCE)
+                torch.stack(torch._foreach_norm(dense[i : i + NORMS_AT_ONCE], 2, dtype=torch.float32))
+                for i in range(0, len(dense), NORMS_AT_ONCE)
             ]
         )
     dense = [_measurable(t) for t in dense]

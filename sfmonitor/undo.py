@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from .checkpoint import inner_optimizers, params_of
-from .sharding import all_plain
-from .stats import norms
+from .sharding import all_plain, same_objects
+from .stats import NORMS_AT_ONCE, norms
 
 __all__ = ["Arena", "Scratch", "UndoState", "group_entries", "local", "put_entries", "state_owners", "written_entries"]
 
@@ -88,7 +88,7 @@ def written_entries(before: GroupEntries, optimizer: torch.optim.Optimizer) -> s
     out: set[tuple[int, str]] = set()
     for i, (g, (keys, values)) in enumerate(zip(now, before)):
         current = tuple(g.values())
-        if len(current) == len(values) and all(map(operator.is_, current, values)):
+        if same_objects(current, values):
             continue  # (the usual step: nothing written)
         held = dict(zip(keys, values))
         out.update(
@@ -271,11 +271,6 @@ def _sharded(t: torch.Tensor) -> bool:
     return callable(getattr(t, "to_local", None))
 
 
-def _same_objects(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    """Whether ``a`` and ``b`` hold the same objects, in the same order (by identity)."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
 @dataclass
 class _Walk:
     """What ``UndoState.capture``'s walk of the optimizer state found: each parameter's state dict
@@ -391,8 +386,8 @@ class UndoState:
         walk = self._walk
         if (
             walk is not None
-            and _same_objects(states, walk.states)
-            and _same_objects(values, walk.values)
+            and same_objects(states, walk.states)
+            and same_objects(values, walk.values)
             and keys == walk.keys
         ):
             live_state, slots = walk.live, walk.slots
@@ -595,9 +590,6 @@ class UndoState:
 
 
 SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once
-# On a GPU, the differences of this many tensors at most are made at once (new tensors, all alive
-# until their norms are taken: a few hundred stay under the garbage collector's threshold)
-FUSED_AT_ONCE = 256
 
 
 @dataclass
@@ -629,11 +621,7 @@ class Scratch:
     def plan(self, before: Sequence[torch.Tensor], limit: int, fused: bool | None) -> list[_Chunk]:
         """The chunks ``before`` is measured in: the last plan while ``before`` holds the same
         tensors (then their shapes and kinds are the same too), else a new one."""
-        if (
-            self._key == (limit, fused)
-            and len(self._held) == len(before)
-            and all(map(operator.is_, map(_CALL, self._held), before))
-        ):
+        if self._key == (limit, fused) and same_objects(list(map(_CALL, self._held)), before):
             return self._plan
         by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, t in enumerate(before):
@@ -653,7 +641,7 @@ class Scratch:
                     plan.append(_Chunk(js, None, piece=True, buf=buf))
                     continue
                 if buf is None:  # (fused: its differences are new tensors, a few hundred at a time)
-                    plan += [_Chunk(js[k : k + FUSED_AT_ONCE], None) for k in range(0, len(js), FUSED_AT_ONCE)]
+                    plan += [_Chunk(js[k : k + NORMS_AT_ONCE], None) for k in range(0, len(js), NORMS_AT_ONCE)]
                     continue
                 views, offset = [], 0
                 for j in js:

@@ -460,3 +460,18 @@ def test_norms_of_many_tensors_are_those_of_one_fused_call():
     assert torch.equal(norms(tensors[:7]), want[:7])
     many = [torch.randn(2) for _ in range(2000)]
     assert collector_runs(lambda: norms(many)) == []
+
+
+def test_the_parameters_are_measured_as_they_are_under_no_grad():
+    """``Layout.detached``, which the monitor's per-step measurements call under ``no_grad``,
+    gives plain parameters as they are there (no new tensor object per parameter a step); where
+    gradients are recorded it still gives detached aliases (nothing recorded reads them)."""
+    from sfmonitor.sharding import Layout, same_objects
+
+    params = [nn.Parameter(torch.randn(3)) for _ in range(5)]
+    layout = Layout(params)
+    with torch.no_grad():
+        assert same_objects(layout.detached(params), params)
+    aliases = layout.detached(params)
+    assert not any(a is p or a.requires_grad for a, p in zip(aliases, params))
+    assert all(a.data_ptr() == p.data_ptr() for a, p in zip(aliases, params))
