@@ -589,7 +589,12 @@ class UndoState:
         self.seen, self.seen_versions, self.changed, self.prev_changed, self._spare = [], [], {}, {}, {}
 
 
-SCRATCH_ELEMENTS = 1 << 22  # 4M elements: the most the update-ratio measurement holds at once
+# The most the update-ratio measurement holds at once on the CPU: 256K elements (1 MiB in float32),
+# about a core's L2 cache, so each chunk's norm reads back the differences just written from the
+# cache rather than from memory. At 4M elements (before the thirtieth session) the scratch held up
+# to one more copy of a small model's parameters, and on the 2.63M-parameter overhead model
+# (docs/benchmarks.md) the measurement took 2.15 ms a step against 1.74 ms now.
+SCRATCH_ELEMENTS = 1 << 18
 
 
 @dataclass

@@ -194,3 +194,34 @@ def test_the_update_ratio_without_undo_measures_non_contiguous_parameters(tmp_pa
         ratios.append(mon.stats.get("update_ratio/0"))
     mon.detach()
     assert all(r is not None and 0 < r < 1 for r in ratios[1:])
+
+
+def test_the_update_ratios_scratch_on_the_cpu_stays_within_a_cache_sized_bound(tmp_path):
+    """At defaults on the CPU the update ratio's differences go through a scratch buffer of at most
+    SCRATCH_ELEMENTS per dtype (1 MiB in float32), whatever the model's size: not one more copy of
+    the parameters beside the undo copy. The ratios read as the whole update's, tensors larger than
+    the buffer measured piece by piece."""
+    from sfmonitor.undo import SCRATCH_ELEMENTS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 300))  # 1.36M params, one > the bound
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = sfmonitor.attach(model, opt, run_dir=str(tmp_path), config=QUIET)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        x, y = torch.randn(4, 1024, generator=g), torch.randn(4, 300, generator=g)
+        mon.combine(nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {}
+    for group in ("0", "2"):
+        names = [n for n in before if n.startswith(group + ".")]
+        moved = torch.stack([(model.get_parameter(n).detach() - before[n]).norm() for n in names]).norm()
+        want[group] = (moved / torch.stack([before[n].norm() for n in names]).norm()).item()
+    got = {group: mon.stats[f"update_ratio/{group}"] for group in want}  # (reads the last step's ratios)
+    held = sum(b.numel() * b.element_size() for b in mon._scratch.buffers.values())
+    mon.detach()
+    assert model[0].weight.numel() > SCRATCH_ELEMENTS and SCRATCH_ELEMENTS * 4 <= 2**20
+    assert 0 < held <= SCRATCH_ELEMENTS * 4
+    assert got == pytest.approx(want, rel=1e-5)
