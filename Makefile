@@ -3,12 +3,13 @@
 #   make lint   install, then ruff check, ruff format --check and mypy (configured in pyproject.toml)
 #   make demo   install, then train the reference trap config without and with the monitor
 #   make docs   install, then build the docs site into site/ (mkdocs build --strict: warnings fail)
+#   make test-floor   the test suite on the declared torch floor (2.6.0), in its own venv; not CI's
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: install lint test demo bench docs clean
+.PHONY: install lint test test-floor demo bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,20 @@ test: install lint
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+# The floor pyproject.toml declares (torch>=2.6), tested as a user of it would install it: PyPI's
+# torch 2.6.0 is a CUDA build (about 2.5 GB with its NVIDIA libraries), which runs on the CPU. Not
+# part of CI (the download); its last result is in docs/benchmarks.md ("The torch floor").
+FLOOR_TORCH ?= 2.6.0
+FLOOR_VENV  ?= .venv-floor
+test-floor:
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/pip install --quiet torch==$(FLOOR_TORCH)
+	$(FLOOR_VENV)/bin/pip install --quiet -e ".[all,dev]"
+	$(FLOOR_VENV)/bin/python -c "import sys, torch; v = torch.__version__; sys.exit(0 if v.startswith('$(FLOOR_TORCH)') else f'make test-floor: torch {v} installed, not $(FLOOR_TORCH)')"
+	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-floor: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
 demo: install
 	$(PY) -m reference_model.demo
 
@@ -44,4 +59,4 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) runs sfmonitor_runs .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) runs sfmonitor_runs .pytest_cache

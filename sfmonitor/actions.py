@@ -680,9 +680,12 @@ def clip_gradients(
             for p in ps:
                 if p.grad is None:
                     continue
-                max_norm = _unitwise_norm(p.detach()).clamp_min(config.agc_eps) * config.agc_lambda
+                # torch.clamp(min=), not clamp_min: FSDP2's DTensors have no clamp_min before torch 2.9
+                max_norm = torch.clamp(_unitwise_norm(p.detach()), min=config.agc_eps) * config.agc_lambda
                 g_norm = _unitwise_norm(p.grad)
-                coef = torch.where(g_norm > max_norm, max_norm / g_norm.clamp_min(CLIP_EPS), torch.ones_like(g_norm))
+                coef = torch.where(
+                    g_norm > max_norm, max_norm / torch.clamp(g_norm, min=CLIP_EPS), torch.ones_like(g_norm)
+                )
                 p.grad.mul_(coef.to(p.grad.dtype))
     else:
         raise ConfigError(f"clip mode {mode!r} is not allowed; choose one of {', '.join(CLIP_MODES)}")

@@ -5,8 +5,19 @@ import os
 import socket
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
+
+# FSDP2 (fully_shard) on the CPU, as these tests run it (gloo), works as on a GPU from torch 2.9 on:
+# 2.6's fully_shard records events on torch.cpu.Stream, which has no record_event there (accelerators
+# only), and 2.7 and 2.8 sum the gradients over gloo where they average them (2x the unsharded
+# model's on two ranks: measured, docs/benchmarks.md, "The torch floor").
+TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+FSDP2_ON_CPU = TORCH_VERSION >= (2, 9)
+needs_fsdp2_on_cpu = pytest.mark.skipif(
+    not FSDP2_ON_CPU, reason=f"FSDP2 on the CPU needs torch >= 2.9; {torch.__version__}"
+)
 
 
 def free_port() -> int:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _integration_helpers import leave_process_group as _leave
+from _integration_helpers import needs_fsdp2_on_cpu
 from torch import nn
 
 import sfmonitor
@@ -25,6 +26,7 @@ from sfmonitor.sharding import optimizer_state_by_index
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("FSDP2's public fully_shard needs torch >= 2.6", allow_module_level=True)
+pytestmark = needs_fsdp2_on_cpu
 
 WORLD = 2
 GROUPS = ["0", "2", "4"]  # the Linear layers of nn.Sequential: one group each

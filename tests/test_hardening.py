@@ -266,3 +266,12 @@ def test_readme_names_the_tested_torch_version():
     makefile = open(os.path.join(REPO, "Makefile"), encoding="utf-8").read()
     tested = makefile.split("torch==")[1].split()[0]
     assert f"tested with torch {tested}" in readme
+
+
+def test_make_test_floor_installs_the_declared_floor():
+    """`make test-floor` runs the suite on the torch release pyproject.toml declares as the floor:
+    raising one without the other would leave the declared floor untested."""
+    makefile = open(os.path.join(REPO, "Makefile"), encoding="utf-8").read()
+    floor_torch = makefile.split("FLOOR_TORCH ?= ")[1].split()[0]
+    assert tuple(int(v) for v in floor_torch.split(".")[:2]) == _torch_floor()
+    assert "pip install --quiet torch==$(FLOOR_TORCH)" in makefile.split("test-floor:")[1]

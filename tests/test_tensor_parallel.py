@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _integration_helpers import free_port, join_gloo
+from _integration_helpers import free_port, join_gloo, needs_fsdp2_on_cpu
 from _integration_helpers import leave_process_group as _leave
 from torch import nn
 from torch.nn import functional as F
@@ -217,6 +217,7 @@ def _two_d_worker(rank, port, out, world):
     _leave()
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp2_over_tensor_parallel_reads_the_whole_models_norms(tmp_path):
     """FSDP2 on top of a Colwise ``Shard(0)`` places ``_StridedShard(0)`` on the data-parallel mesh
     dimension, which is no ``Shard``: its norms read 1/sqrt(2) of the truth (param_norm 2.43 for

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _integration_helpers import needs_fsdp2_on_cpu
 from _state import quiet
 from torch import nn
 
@@ -360,6 +361,7 @@ def _fsdp_worker(rank, port, out):
     _leave()
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp2_statistics_are_of_the_unclipped_gradients_over_every_shard(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     from test_fsdp import _batches, _mlp, _run
