@@ -2,7 +2,6 @@
 and two "nodes" (two torchrun commands, one process each, c10d rendezvous) on localhost train one
 sharded model together."""
 
-import inspect
 import json
 import os
 import socket
@@ -11,14 +10,9 @@ import sys
 
 import pytest
 from _integration_helpers import needs_fsdp2_on_cpu
-from torch.distributed.fsdp import fully_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["-m", "reference_model.train", "--", "--config", "tiny", "--seed", "0", "--no-progress", "--monitor"]
-# fully_shard leaves the model's 0-d temperature out of the sharding only with ignored_params (torch
-# >= 2.7); on the torch floor (2.6) the runs keep it fixed, as the trainer's error tells the user to
-if "ignored_params" not in inspect.signature(fully_shard).parameters:
-    TRAIN += ["--set", "model.learn_temperature=false"]
 
 
 def _env():
