@@ -118,6 +118,7 @@ from .loopwrites import LoopWrites, own_write
 from .policy import Policy
 from .record import Outcome, Phase, StepRecord
 from .registry import KINDS, action_order, register_kind
+from .sharding import local
 from .sinks import SinkRouter, make_sink
 from .sinks.console import ConsoleSink
 from .summary import (
@@ -137,7 +138,6 @@ from .undo import (
     UndoState,
     buffer_slots,
     group_entries,
-    local,
     put_entries,
     running_statistics_by_layer,
     update_norms,

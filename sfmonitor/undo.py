@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from .checkpoint import inner_optimizers, params_of
-from .sharding import all_plain, same_objects
+from .sharding import all_plain, is_sharded, local, same_objects
 from .stats import NORMS_AT_ONCE, norms
 
-__all__ = ["Arena", "Scratch", "UndoState", "group_entries", "local", "put_entries", "state_owners", "written_entries"]
+__all__ = ["Arena", "Scratch", "UndoState", "group_entries", "put_entries", "state_owners", "written_entries"]
 
 
 def state_owners(optimizer: torch.optim.Optimizer) -> list[Any]:
@@ -111,12 +111,6 @@ def put_entries(optimizer: torch.optim.Optimizer, before: GroupEntries, keys: Co
                 now[i][k] = held[i][k]
             else:
                 now[i].pop(k, None)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view of its storage), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 class Arena:
@@ -264,11 +258,6 @@ def _fitted(held: list[torch.Tensor], live: Sequence[torch.Tensor]) -> list[torc
     if len(held) == len(live) and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(held, live)):
         return held
     return [torch.empty_like(t) for t in live]
-
-
-def _sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (``local`` gives its shard)."""
-    return callable(getattr(t, "to_local", None))
 
 
 @dataclass
@@ -544,7 +533,7 @@ class UndoState:
             for p, saved in zip(params, kept):
                 state = (owner.get(p) or {}) if saved and id(p) in mine else {}
                 gone = [k for k, v in (saved or {}).items() if isinstance(v, torch.Tensor) and k not in state]
-                if gone and _sharded(p):
+                if gone and is_sharded(p):
                     raise RuntimeError(
                         f"the optimizer step being undone removed the state entries {gone} of a sharded "
                         "parameter: their DTensors cannot be made again from this rank's copies"

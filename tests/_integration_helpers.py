@@ -14,9 +14,8 @@ import torch.distributed as dist
 # only), and 2.7 and 2.8 sum the gradients over gloo where they average them (2x the unsharded
 # model's on two ranks: measured, docs/benchmarks.md, "The torch floor").
 TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-FSDP2_ON_CPU = TORCH_VERSION >= (2, 9)
 needs_fsdp2_on_cpu = pytest.mark.skipif(
-    not FSDP2_ON_CPU, reason=f"FSDP2 on the CPU needs torch >= 2.9; {torch.__version__}"
+    TORCH_VERSION < (2, 9), reason=f"FSDP2 on the CPU needs torch >= 2.9; {torch.__version__}"
 )
 
 

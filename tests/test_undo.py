@@ -9,6 +9,7 @@ import torch
 from _state import collector_runs
 from torch import nn
 
+from sfmonitor import sharding
 from sfmonitor.checkpoint import capture_state, restore_state, save_checkpoint
 from sfmonitor.undo import Scratch, UndoState, update_norms
 
@@ -406,15 +407,17 @@ def test_a_capture_after_an_entry_moved_to_another_key_holds_it_under_the_new_ke
 
 
 class _ShardLike(nn.Parameter):
-    """A parameter that answers ``to_local()`` as a DTensor does (its shard: itself here)."""
+    """A parameter taken for a DTensor (the test makes ``sharding.is_sharded`` see its class as
+    DTensor's): ``to_local()`` gives its shard, itself here."""
 
     def to_local(self):
         return self
 
 
-def test_an_undo_that_cannot_remake_a_sharded_entry_says_so_before_writing_anything():
+def test_an_undo_that_cannot_remake_a_sharded_entry_says_so_before_writing_anything(monkeypatch):
     """A DTensor entry the undone step removed cannot be made again from this rank's copy: the
     undo raises, naming the entries, before it has put anything back (no half-restored state)."""
+    monkeypatch.setattr(sharding, "_DTENSOR", _ShardLike)
     p = _ShardLike(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)
     opt.state[p] = {"m": torch.zeros(3), "keep": torch.zeros(3)}
